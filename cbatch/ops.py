@@ -1,0 +1,352 @@
+"""cbatch's attention and cache ops, behind one function each with backend selection.
+
+Backends:
+
+- ``"cuda"``   C++/CUDA kernels compiled into ``cbatch._C`` (CUDA tensors)
+- ``"triton"`` Triton kernels in ``cbatch.kernels`` (CUDA tensors; CPU under TRITON_INTERPRET=1)
+- ``"cpu"``    C++ kernels compiled into ``cbatch._C`` (CPU tensors)
+- ``"torch"``  the pure-torch reference in ``cbatch.reference`` (any device; slow)
+
+``backend=None`` picks the fastest one available for the tensors' device; the environment
+variable ``CBATCH_ATTENTION_BACKEND`` overrides that choice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cbatch import _ext, reference
+
+BACKENDS = ("cuda", "triton", "cpu", "torch")
+_PREFERENCE = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend is usable in this install, and why (not)."""
+
+    available: bool
+    detail: str
+
+
+def _triton_status() -> BackendStatus:
+    try:
+        import triton
+    except ImportError as e:
+        return BackendStatus(False, f"triton is not installed ({e})")
+    return BackendStatus(True, f"triton {triton.__version__}")
+
+
+def available_backends() -> dict[str, BackendStatus]:
+    """Which backends this install has, and for each missing one the reason.
+
+    >>> available_backends()["torch"].available
+    True
+    """
+    compiled = _ext.compiled_backends()
+    info = _ext.build_info()
+    status = {}
+    if "cuda" in compiled:
+        status["cuda"] = BackendStatus(True, f"compiled for {info['cuda_archs']}")
+    elif info is None:
+        status["cuda"] = BackendStatus(False, _ext.load_error or "extension not loaded")
+    else:
+        status["cuda"] = BackendStatus(False, "extension built without CUDA (CPU-only torch, "
+                                       "no nvcc, or CBATCH_NO_CUDA=1)")
+    status["triton"] = _triton_status()
+    if "cpu" in compiled:
+        omp = "with OpenMP" if info["openmp"] else "without OpenMP"
+        status["cpu"] = BackendStatus(True, f"compiled C++ {omp} against torch {info['torch_version']}")
+    else:
+        status["cpu"] = BackendStatus(False, _ext.load_error or "extension not loaded")
+    status["torch"] = BackendStatus(True, "pure-torch reference")
+    return status
+
+
+# op name -> backend -> implementation; filled in below and by the kernel modules.
+_IMPLS: dict[str, dict[str, Callable]] = {
+    "write_kv_cache": {"torch": reference.write_kv_cache},
+    "paged_decode_attention": {"torch": reference.paged_decode_attention},
+    "paged_prefill_attention": {"torch": reference.paged_prefill_attention},
+}
+if "cpu" in _ext.compiled_backends() or "cuda" in _ext.compiled_backends():
+    _cpp = torch.ops.cbatch
+    for _backend in _ext.compiled_backends():
+        _IMPLS["write_kv_cache"][_backend] = _cpp.write_kv_cache
+
+    @torch.library.register_fake("cbatch::write_kv_cache")
+    def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+        return None
+
+
+_DEVICE_OF = {"cuda": "cuda", "cpu": "cpu"}  # backends tied to one device type
+
+
+def _backend_ok(op: str, backend: str, device: torch.device) -> bool:
+    if backend not in _IMPLS[op]:
+        return False
+    if backend == "triton":
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return _DEVICE_OF.get(backend, device.type) == device.type
+
+
+def resolve_backend(op: str, device: torch.device, backend: str | None = None) -> str:
+    """The backend that runs ``op`` on tensors on ``device``.
+
+    An explicit ``backend`` wins, then ``$CBATCH_ATTENTION_BACKEND``, then the fastest
+    available one for the device.  Raises ValueError for an unknown name or a backend
+    that cannot run this op on this device.
+    """
+    backend = backend or os.environ.get("CBATCH_ATTENTION_BACKEND") or None
+    if backend is None:
+        for candidate in _PREFERENCE.get(device.type, ("torch",)):
+            if _backend_ok(op, candidate, device):
+                return candidate
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if not _backend_ok(op, backend, device):
+        status = available_backends()[backend]
+        why = status.detail if not status.available else (
+            f"it has no {op} kernel for {device.type} tensors"
+        )
+        raise ValueError(f"backend {backend!r} cannot run {op} on {device}: {why}")
+    return backend
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    _check(key_cache.dim() == 4, f"key_cache must be [num_blocks, block_size, H, D], "
+           f"got shape {tuple(key_cache.shape)}")
+    _check(value_cache.shape == key_cache.shape, f"value_cache shape {tuple(value_cache.shape)} "
+           f"must equal key_cache shape {tuple(key_cache.shape)}")
+    _check(value_cache.dtype == key_cache.dtype, f"value_cache dtype {value_cache.dtype} must "
+           f"equal key_cache dtype {key_cache.dtype}", TypeError)
+    _check(key_cache.is_contiguous() and value_cache.is_contiguous(),
+           "key_cache and value_cache must be contiguous")
+    _check(value_cache.device == key_cache.device, "key_cache and value_cache must be on "
+           "the same device")
+
+
+def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        _check(t.device == device, f"{name} is on {t.device} but the cache is on {device}")
+
+
+def _check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_cache(key_cache, value_cache)
+    H, D = key_cache.shape[2:]
+    _check(key.dim() == 3 and key.shape[1:] == (H, D), f"key must be [T, {H}, {D}] to match "
+           f"the cache, got {tuple(key.shape)}")
+    _check(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape "
+           f"{tuple(key.shape)}")
+    _check(key.dtype == value.dtype == key_cache.dtype, f"key, value and the cache must share "
+           f"a dtype, got {key.dtype}, {value.dtype}, {key_cache.dtype}", TypeError)
+    _check(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got "
+           f"{slot_mapping.dtype}", TypeError)
+    _check(slot_mapping.shape == key.shape[:1], f"slot_mapping must be [T={key.shape[0]}], got "
+           f"{tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        _check(t.stride(2) == 1 and t.stride(1) == D, f"{name} must have dense [H, D] rows per "
+               f"token, got strides {t.stride()}")
+    _check_same_device(key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str | None = None,
+) -> None:
+    """Scatter each new token's key and value into its slot of the paged cache, in place.
+
+    Parameters
+    ----------
+    key, value : Tensor, ``[T, H, D]``, the cache's dtype
+        New keys/values.  Each token's ``[H, D]`` row must be dense; the token stride is
+        free, so views of a fused qkv projection are accepted without a copy.
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, contiguous
+        The layer's paged cache (modified in place).
+    slot_mapping : Tensor, int64 ``[T]``
+        ``block_id * block_size + offset`` for each token; ``-1`` writes nothing
+        (padding slots of a CUDA graph, tokens whose K/V are already cached).
+    backend : {None, "cuda", "triton", "cpu", "torch"}
+        None picks the fastest available one (see :func:`available_backends`).
+    """
+    _check_write_args(key, value, key_cache, value_cache, slot_mapping)
+    impl = _IMPLS["write_kv_cache"][resolve_backend("write_kv_cache", key_cache.device, backend)]
+    impl(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    _check_cache(key_cache, value_cache)
+    H, D = key_cache.shape[2:]
+    _check(query.dim() == 3 and query.shape[1:] == (H, D), f"query must be [*, {H}, {D}] to "
+           f"match the cache's heads and head_dim, got {tuple(query.shape)}")
+    _check(query.dtype == key_cache.dtype, f"query dtype {query.dtype} must equal the cache "
+           f"dtype {key_cache.dtype}", TypeError)
+    _check(query.dtype in (torch.float32, torch.float16, torch.bfloat16),
+           f"query dtype must be float32, float16 or bfloat16, got {query.dtype}", TypeError)
+    _check(block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32,
+           f"block_tables and seq_lens must be int32, got {block_tables.dtype} and "
+           f"{seq_lens.dtype}", TypeError)
+    _check(block_tables.dim() == 2, f"block_tables must be [S, max_blocks], got "
+           f"{tuple(block_tables.shape)}")
+    S = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check(S >= 1, f"seq_lens must be a non-empty [S] tensor, got {tuple(seq_lens.shape)}")
+    _check(block_tables.shape[0] == S, f"block_tables has {block_tables.shape[0]} rows for "
+           f"{S} sequences")
+    _check(block_tables.is_contiguous() and seq_lens.is_contiguous(),
+           "block_tables and seq_lens must be contiguous")
+    _check_same_device(key_cache.device, query=query, block_tables=block_tables,
+                       seq_lens=seq_lens)
+
+
+def check_seq_lens_fit(seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       block_size: int, num_blocks: int | None = None) -> None:
+    """Host-side check that every ``seq_len`` fits its block table (and block ids are in range).
+
+    It reads ``seq_lens`` (and ``block_tables``) on the host, so the ops call it only when
+    asked (``check_bounds=True``); the engine builds its batches to satisfy it.
+    """
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.tolist()
+    for s, n in enumerate(lens):
+        _check(0 < n <= capacity, f"seq_lens[{s}] = {n} is outside [1, {capacity}] "
+               f"(block_tables holds {block_tables.shape[1]} blocks of {block_size})")
+    if num_blocks is not None:
+        for s, n in enumerate(lens):
+            used = block_tables[s, : -(-n // block_size)]
+            bad = (used < 0) | (used >= num_blocks)
+            _check(not bool(bad.any()), f"block_tables[{s}] holds block ids outside "
+                   f"[0, {num_blocks}): {used[bad].tolist()}")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+    check_bounds: bool = False,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    Parameters
+    ----------
+    query : Tensor, ``[S, H, D]``, float32/float16/bfloat16
+        The query of each sequence's newest token (its K/V already written to the cache).
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+    block_tables : Tensor, int32 ``[S, max_blocks]``
+        Physical block ids; only the first ``ceil(seq_lens[s] / block_size)`` are read.
+    seq_lens : Tensor, int32 ``[S]``
+        Context length of each sequence, the new token included: it attends to
+        positions ``[0, seq_lens[s])``.
+    scale : float, optional
+        Softmax scale; default ``1 / sqrt(D)``.
+    out : Tensor, ``[S, H, D]``, optional
+        Written in place and returned when given.
+    backend : {None, "cuda", "triton", "cpu", "torch"}
+    check_bounds : bool
+        Also check on the host that every sequence fits its block table and that block
+        ids are in range (a device sync; off on the hot path).
+
+    Returns
+    -------
+    Tensor, ``[S, H, D]`` in query's dtype (accumulation in float32).
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+    _check(query.shape[0] == seq_lens.shape[0], f"query has {query.shape[0]} tokens for "
+           f"{seq_lens.shape[0]} sequences; decode takes exactly one token per sequence")
+    if check_bounds:
+        check_seq_lens_fit(seq_lens, block_tables, key_cache.shape[1], key_cache.shape[0])
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    impl = _IMPLS["paged_decode_attention"][
+        resolve_backend("paged_decode_attention", query.device, backend)
+    ]
+    result = impl(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+    check_bounds: bool = False,
+) -> torch.Tensor:
+    """Causal attention of each sequence's chunk of new tokens over its paged KV cache.
+
+    Sequence s owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``: its ``n_s`` newest
+    tokens, at positions ``seq_lens[s] - n_s … seq_lens[s] - 1``.  The token at position p
+    attends to positions ``[0, p]`` — the cached context plus the causal part of the chunk
+    (chunked prefill).  A one-token chunk is a decode step, so any mix works.
+
+    Parameters
+    ----------
+    query : Tensor, ``[T, H, D]``, float32/float16/bfloat16
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+        Must already hold the K/V of every new token.
+    block_tables : Tensor, int32 ``[S, max_blocks]``
+    cu_seqlens_q : Tensor, int32 ``[S + 1]``
+        Offsets of each sequence's run of tokens in ``query``; ``cu_seqlens_q[-1] == T``.
+    seq_lens : Tensor, int32 ``[S]``
+        Each sequence's length after this step (cached + new), ``>= n_s``.
+    scale, out, backend, check_bounds :
+        As in :func:`paged_decode_attention`.
+
+    Returns
+    -------
+    Tensor, ``[T, H, D]`` in query's dtype.
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+    _check(cu_seqlens_q.dtype == torch.int32, f"cu_seqlens_q must be int32, got "
+           f"{cu_seqlens_q.dtype}", TypeError)
+    _check(cu_seqlens_q.shape == (seq_lens.shape[0] + 1,), f"cu_seqlens_q must be "
+           f"[S + 1 = {seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
+    _check_same_device(key_cache.device, cu_seqlens_q=cu_seqlens_q)
+    if check_bounds:
+        check_seq_lens_fit(seq_lens, block_tables, key_cache.shape[1], key_cache.shape[0])
+        cu = cu_seqlens_q.tolist()
+        _check(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q must run from 0 to "
+               f"T = {query.shape[0]}, got {cu[0]} … {cu[-1]}")
+        for s, n in enumerate(seq_lens.tolist()):
+            _check(0 <= cu[s + 1] - cu[s] <= n, f"sequence {s} has {cu[s + 1] - cu[s]} new "
+                   f"tokens but seq_lens[{s}] = {n}")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    impl = _IMPLS["paged_prefill_attention"][
+        resolve_backend("paged_prefill_attention", query.device, backend)
+    ]
+    result = impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -1,0 +1,84 @@
+"""Pure-torch definitions of cbatch's ops: slow, obvious, and the ground truth for tests.
+
+Shapes follow DESIGN.md: T new tokens, S sequences, H heads, D head dim; caches are
+``[num_blocks, block_size, H, D]``.  Attention accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key[t]``/``value[t]`` ([T, H, D]) into cache slot ``slot_mapping[t]`` (-1 skips)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached rows, ``[seq_len, H, D]``, in position order."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H, D].
+    n, L = q.shape[0], k.shape[0]
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k.float()) * scale
+    query_pos = torch.arange(L - n, L, device=q.device)[:, None]
+    causal = torch.arange(L, device=q.device)[None, :] <= query_pos  # [n, L]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context; ``[T, H, D]``.
+
+    The new tokens of sequence s are ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at
+    the last positions of its ``seq_lens[s]`` tokens (whose K/V are already in the cache).
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out = torch.empty_like(query)
+    bounds = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = bounds[s], bounds[s + 1]
+        if end == start:
+            continue
+        k = gather_kv(key_cache, block_tables[s], seq_len)
+        v = gather_kv(value_cache, block_tables[s], seq_len)
+        out[start:end] = _attend(query[start:end], k, v, scale)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (``query: [S, H, D]``) over its ``seq_lens[s]`` cached tokens."""
+    cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
+    )

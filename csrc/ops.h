@@ -1,0 +1,23 @@
+// Declarations of every kernel entry point; registered in torch_bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace cbatch {
+
+// key, value: [T, H, D]; key_cache, value_cache: [num_blocks, block_size, H, D];
+// slot_mapping: int64 [T], -1 = skip.
+void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                        at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+#ifdef CBATCH_WITH_CUDA
+void write_kv_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping);
+#endif
+
+// Shared shape checks for write_kv_cache (the CPU and CUDA entry points both call it).
+void check_write_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& slot_mapping);
+
+}  // namespace cbatch

@@ -1,0 +1,31 @@
+import os
+
+# Tests never reach a model hub: every checkpoint is made here with random weights.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+            bos_token_id=511, eos_token_id=511)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny GPT-2 with random weights, saved by transformers as model.safetensors."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**TINY)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_hf_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel.from_pretrained(
+        tiny_hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
