@@ -13,6 +13,7 @@ variable ``CBATCH_ATTENTION_BACKEND`` overrides that choice.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -74,47 +75,90 @@ _IMPLS: dict[str, dict[str, Callable]] = {
     "paged_decode_attention": {"torch": reference.paged_decode_attention},
     "paged_prefill_attention": {"torch": reference.paged_prefill_attention},
 }
-if "cpu" in _ext.compiled_backends() or "cuda" in _ext.compiled_backends():
-    _cpp = torch.ops.cbatch
-    for _backend in _ext.compiled_backends():
-        _IMPLS["write_kv_cache"][_backend] = _cpp.write_kv_cache
+# Compiled kernels: which ops each compiled backend implements.
+_COMPILED_OPS = {
+    "cpu": ("write_kv_cache", "paged_decode_attention", "paged_prefill_attention"),
+    "cuda": ("write_kv_cache", "paged_decode_attention"),
+}
+for _backend in _ext.compiled_backends():
+    for _op in _COMPILED_OPS[_backend]:
+        _IMPLS[_op][_backend] = getattr(torch.ops.cbatch, _op)
+
+if _ext.compiled_backends():
 
     @torch.library.register_fake("cbatch::write_kv_cache")
     def _(key, value, key_cache, value_cache, slot_mapping) -> None:
         return None
 
+    @torch.library.register_fake("cbatch::paged_decode_attention")
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("cbatch::paged_prefill_attention")
+    def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+        return query.new_empty(query.shape)
+
+
+
+
+def _triton(op: str) -> Callable:
+    """The Triton implementation of ``op``, imported on first use (importing triton is slow)."""
+
+    def impl(*args):
+        from cbatch import kernels
+
+        return getattr(kernels, op)(*args)
+
+    impl.__name__ = f"triton_{op}"
+    return impl
+
+
+if importlib.util.find_spec("triton") is not None:
+    for _op in _IMPLS:
+        _IMPLS[_op]["triton"] = _triton(_op)
 
 _DEVICE_OF = {"cuda": "cuda", "cpu": "cpu"}  # backends tied to one device type
 
 
-def _backend_ok(op: str, backend: str, device: torch.device) -> bool:
+# Kernel limits beyond device and op: (op, backend) -> head dims it handles.
+_HEAD_DIMS = {("paged_decode_attention", "cuda"): (64, 128)}
+
+
+def _backend_ok(op: str, backend: str, device: torch.device, head_dim: int | None = None
+                ) -> bool:
     if backend not in _IMPLS[op]:
+        return False
+    if head_dim is not None and head_dim not in _HEAD_DIMS.get((op, backend), (head_dim,)):
         return False
     if backend == "triton":
         return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return _DEVICE_OF.get(backend, device.type) == device.type
 
 
-def resolve_backend(op: str, device: torch.device, backend: str | None = None) -> str:
-    """The backend that runs ``op`` on tensors on ``device``.
+def resolve_backend(op: str, device: torch.device, backend: str | None = None,
+                    head_dim: int | None = None) -> str:
+    """The backend that runs ``op`` on tensors on ``device`` (with this ``head_dim``).
 
     An explicit ``backend`` wins, then ``$CBATCH_ATTENTION_BACKEND``, then the fastest
     available one for the device.  Raises ValueError for an unknown name or a backend
-    that cannot run this op on this device.
+    that cannot run this op on these tensors.
     """
     backend = backend or os.environ.get("CBATCH_ATTENTION_BACKEND") or None
     if backend is None:
         for candidate in _PREFERENCE.get(device.type, ("torch",)):
-            if _backend_ok(op, candidate, device):
+            if _backend_ok(op, candidate, device, head_dim):
                 return candidate
         return "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if not _backend_ok(op, backend, device):
+    if not _backend_ok(op, backend, device, head_dim):
         status = available_backends()[backend]
-        why = status.detail if not status.available else (
-            f"it has no {op} kernel for {device.type} tensors"
-        )
+        if not status.available:
+            why = status.detail
+        elif _backend_ok(op, backend, device):
+            why = f"its kernel supports head_dim {_HEAD_DIMS[(op, backend)]}, got {head_dim}"
+        else:
+            why = f"it has no {op} kernel for {device.type} tensors"
         raise ValueError(f"backend {backend!r} cannot run {op} on {device}: {why}")
     return backend
 
@@ -282,7 +326,7 @@ def paged_decode_attention(
         check_seq_lens_fit(seq_lens, block_tables, key_cache.shape[1], key_cache.shape[0])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     impl = _IMPLS["paged_decode_attention"][
-        resolve_backend("paged_decode_attention", query.device, backend)
+        resolve_backend("paged_decode_attention", query.device, backend, query.shape[-1])
     ]
     result = impl(query, key_cache, value_cache, block_tables, seq_lens, scale)
     if out is None:
@@ -343,7 +387,7 @@ def paged_prefill_attention(
                    f"tokens but seq_lens[{s}] = {n}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     impl = _IMPLS["paged_prefill_attention"][
-        resolve_backend("paged_prefill_attention", query.device, backend)
+        resolve_backend("paged_prefill_attention", query.device, backend, query.shape[-1])
     ]
     result = impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     if out is None:

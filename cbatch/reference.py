@@ -32,14 +32,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            compute_dtype: torch.dtype) -> torch.Tensor:
     # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H, D].
     n, L = q.shape[0], k.shape[0]
-    scores = torch.einsum("nhd,lhd->hnl", q.float(), k.float()) * scale
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
     query_pos = torch.arange(L - n, L, device=q.device)[:, None]
     causal = torch.arange(L, device=q.device)[None, :] <= query_pos  # [n, L]
     scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v.float()).to(q.dtype)
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v)
 
 
 def paged_prefill_attention(
@@ -50,14 +52,17 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context; ``[T, H, D]``.
 
     The new tokens of sequence s are ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at
     the last positions of its ``seq_lens[s]`` tokens (whose K/V are already in the cache).
+    The maths runs in ``compute_dtype`` (tests use float64 for the truth and the input dtype
+    for the error a plain implementation makes); the output is in query's dtype.
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     bounds = cu_seqlens_q.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
         start, end = bounds[s], bounds[s + 1]
@@ -65,7 +70,7 @@ def paged_prefill_attention(
             continue
         k = gather_kv(key_cache, block_tables[s], seq_len)
         v = gather_kv(value_cache, block_tables[s], seq_len)
-        out[start:end] = _attend(query[start:end], k, v, scale)
+        out[start:end] = _attend(query[start:end], k, v, scale, compute_dtype)
     return out
 
 
@@ -76,9 +81,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One query token per sequence (``query: [S, H, D]``) over its ``seq_lens[s]`` cached tokens."""
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+        compute_dtype,
     )

@@ -20,4 +20,28 @@ void check_write_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
                                const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& slot_mapping);
 
+// query: [S or T, H, D] (dense rows, free token stride); caches as above;
+// block_tables: int32 [S, max_blocks]; seq_lens: int32 [S]; cu_seqlens_q: int32 [S + 1].
+// Both return a new [*, H, D] tensor in query's dtype.
+at::Tensor paged_decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache,
+                                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                      double scale);
+at::Tensor paged_prefill_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache,
+                                       const at::Tensor& block_tables,
+                                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                       double scale);
+
+#ifdef CBATCH_WITH_CUDA
+at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache,
+                                       const at::Tensor& block_tables,
+                                       const at::Tensor& seq_lens, double scale);
+#endif
+
+void check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens);
+
 }  // namespace cbatch

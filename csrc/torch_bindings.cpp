@@ -9,14 +9,23 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("write_kv_cache", &cbatch::write_kv_cache_cpu);
+  m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cpu);
+  m.impl("paged_prefill_attention", &cbatch::paged_prefill_attention_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA
 TORCH_LIBRARY_IMPL(cbatch, CUDA, m) {
   m.impl("write_kv_cache", &cbatch::write_kv_cache_cuda);
+  m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cuda);
 }
 #endif

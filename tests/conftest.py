@@ -5,6 +5,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in its CPU interpreter; the variable must be set before
+# triton.jit decorates anything.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -20,3 +20,49 @@ def shuffled_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
         tables[s, :n] = torch.tensor(perm[offset:offset + n], dtype=torch.int32)
         offset += n
     return tables
+
+
+def paged_inputs(seq_lens: list[int], num_new: list[int], H: int, D: int, block_size: int,
+                 dtype: torch.dtype, device: str, seed: int, spare_blocks: int = 3):
+    """Fresh random attention inputs over a shuffled paged cache.
+
+    Blocks no sequence owns hold NaN, so a kernel that reads outside its block table poisons
+    its output.  Returns query ``[sum(num_new), H, D]``, key_cache, value_cache,
+    block_tables, cu_seqlens_q and seq_lens (on ``device``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = sum(-(-n // block_size) for n in seq_lens)
+    num_blocks = needed + spare_blocks
+    tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
+    shape = (num_blocks, block_size, H, D)
+    key_cache = torch.full(shape, float("nan"))
+    value_cache = torch.full(shape, float("nan"))
+    for s, n in enumerate(seq_lens):
+        for b in tables[s, : -(-n // block_size)].tolist():
+            key_cache[b] = torch.randn(block_size, H, D, generator=gen)
+            value_cache[b] = torch.randn(block_size, H, D, generator=gen)
+    query = torch.randn(sum(num_new), H, D, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+                 for t in (query, key_cache, value_cache, tables, cu, lens))
+
+
+# Smallest error allowed, so that a lucky near-exact torch baseline cannot fail a kernel.
+ERROR_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def assert_attention_close(out, query, key_cache, value_cache, block_tables, cu, seq_lens):
+    """The kernel's error against float64 truth is at most ~2x that of the same maths done
+    by torch in the input dtype (flash-attn's rule), plus a small floor."""
+    from cbatch import reference
+
+    args = [t.cpu() for t in (query, key_cache, value_cache, block_tables, cu, seq_lens)]
+    truth = reference.paged_prefill_attention(*args, compute_dtype=torch.float64).double()
+    plain = reference.paged_prefill_attention(*args, compute_dtype=query.dtype).double()
+    out = out.cpu().double()
+    assert not out.isnan().any(), "NaN in the output: a row was not written or garbage was read"
+    err = (out - truth).abs().max().item()
+    base = (plain - truth).abs().max().item()
+    assert err <= 2 * base + ERROR_FLOOR[query.dtype], (
+        f"max error {err:.3g} vs torch-in-{query.dtype} {base:.3g}")

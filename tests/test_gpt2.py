@@ -16,7 +16,7 @@ def _hf_logits(hf_model, tokens):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
 def test_packed_prefill_then_decode_matches_transformers(tiny_hf_dir, tiny_hf_model,
                                                          block_size, backend):
     model = GPT2LMHeadModel.from_pretrained(str(tiny_hf_dir), attention_backend=backend)

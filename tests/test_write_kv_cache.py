@@ -6,7 +6,11 @@ import torch
 from cbatch import ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-CPU_BACKENDS = [b for b in ("cpu", "torch") if ops.available_backends()[b].available]
+HAS_CUDA = torch.cuda.is_available()
+# Triton runs on CPU tensors only in its interpreter (conftest sets it when there is no GPU).
+CPU_BACKENDS = [b for b in ("cpu", "torch") + (() if HAS_CUDA else ("triton",))
+                if ops.available_backends()[b].available]
+CUDA_BACKENDS = [b for b in ("cuda", "triton") if HAS_CUDA and ops.available_backends()[b].available]
 
 
 def _inputs(T, H, D, num_blocks, block_size, dtype, gen, fused=False):
@@ -34,6 +38,18 @@ def test_matches_reference(backend, dtype, T, fused):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # a copy: bit-exact
     written = slots[slots >= 0]
     assert torch.equal(kc.view(-1, 4, 32)[written], k[slots >= 0])
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_matches_reference(backend, dtype, fused):
+    gen = torch.Generator().manual_seed(1)
+    k, v, kc, vc, slots = (t.cuda() for t in _inputs(77, 4, 32, 13, 16, dtype, gen, fused))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, kc_ref, vc_ref, slots)
+    ops.write_kv_cache(k, v, kc, vc, slots, backend=backend)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
 def test_empty_batch_is_a_no_op():

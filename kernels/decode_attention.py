@@ -1,0 +1,170 @@
+"""Paged decode attention in Triton: one query token per sequence, ragged contexts.
+
+One program handles one (sequence, head, KV partition).  With ``partition_size`` set
+(split-KV, for batches whose sequences × heads cannot fill the GPU), each sequence's
+context is cut into partitions of that many tokens, each program writes its partial output
+and log-sum-exp, and ``_merge_kernel`` combines them; programs past a sequence's real
+length exit at once, so short sequences cost nothing extra.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cbatch.kernels._utils import configs, interpreting, num_sms
+
+TILE_N_SPACE = [32, 64, 128]
+
+
+def _decode_configs():
+    return configs([{"TILE_N": n} for n in TILE_N_SPACE], [2, 4, 8], {"TILE_N": 32})
+
+
+@triton.autotune(configs=_decode_configs(), key=["HEAD_DIM", "PAGE_SIZE", "SPLIT"])
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    scale, num_splits, partition,
+    stride_q_t, stride_q_h,
+    stride_c_block, stride_c_tok, stride_c_head,
+    stride_bt, stride_o_t, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + partition, seq_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_t + head * stride_q_h + offs_d, mask=mask_d, other=0.0)
+    q = q.to(tl.float32) * scale  # [BLOCK_D]
+
+    m_i = tl.zeros([], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for tile in range(start, end, TILE_N):
+        offs_n = tile + tl.arange(0, TILE_N)
+        mask_n = offs_n < end
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = block * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + head * stride_c_head
+        mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # [TILE_N]
+        s = tl.where(mask_n, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    if SPLIT:
+        part = (seq * tl.num_programs(1) + head) * num_splits + split
+        tl.store(partial_out_ptr + part * HEAD_DIM + offs_d, acc / l_i, mask=mask_d)
+        tl.store(partial_lse_ptr + part, m_i + tl.log(l_i))
+    else:
+        o = out_ptr + seq * stride_o_t + head * stride_o_h + offs_d
+        tl.store(o, (acc / l_i).to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _merge_kernel(
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
+    num_splits, partition, stride_o_t, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, partition)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    mask_s = offs_s < used
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(partial_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = tl.where(mask_s, w, 0.0)
+    parts = tl.load(partial_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def choose_partition_size(num_seqs: int, num_heads: int, max_context: int,
+                          device: torch.device) -> int | None:
+    """Tokens per KV partition for split-KV, or None when sequences × heads fill the GPU.
+
+    Decided on the host without a device sync: from the batch shape and the block tables'
+    capacity; the real lengths then decide inside the kernel how many partitions each
+    sequence actually uses.
+    """
+    if device.type != "cuda" or interpreting():
+        return None
+    sms = num_sms(device.index or 0)
+    programs = num_seqs * num_heads
+    if programs >= 2 * sms or max_context <= 256:
+        return None
+    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, 256), 64)
+    return max(256, triton.cdiv(triton.cdiv(max_context, splits), 128) * 128)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    partition_size: int | None = -1,
+) -> torch.Tensor:
+    """``query [S, H, D]`` over the paged cache → ``[S, H, D]``; see ``cbatch.ops``.
+
+    ``partition_size``: -1 chooses (:func:`choose_partition_size`), None disables split-KV,
+    an int forces that many tokens per partition (a multiple of 128).
+    """
+    S, H, D = query.shape
+    page = key_cache.shape[1]
+    max_context = block_tables.shape[1] * page
+    if partition_size == -1:
+        partition_size = choose_partition_size(S, H, max_context, query.device)
+    if partition_size is not None and partition_size % 128:
+        raise ValueError(f"partition_size must be a multiple of 128, got {partition_size}")
+    out = torch.empty((S, H, D), dtype=query.dtype, device=query.device)
+    split = partition_size is not None
+    partition = partition_size if split else max_context
+    num_splits = triton.cdiv(max_context, partition)
+    if split:
+        partial_out = torch.empty((S, H, num_splits, D), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((S, H, num_splits), dtype=torch.float32, device=query.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    block_d = triton.next_power_of_2(D)
+    _paged_decode_kernel[(S, H, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens,
+        out, partial_out, partial_lse,
+        scale, num_splits, partition,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_D=block_d, PAGE_SIZE=page, SPLIT=split,
+    )
+    if split:
+        _merge_kernel[(S, H)](
+            partial_out, partial_lse, seq_lens, out,
+            num_splits, partition, out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        )
+    return out
