@@ -86,3 +86,49 @@ MODEL_CONFIGS: dict[str, GPT2Config] = {
     "tiny": GPT2Config(vocab_size=512, n_positions=256, n_layer=2, n_head=4, n_embd=64,
                        bos_token_id=511, eos_token_id=511),
 }
+
+
+@dataclass
+class EngineConfig:
+    """Keywords shared by :class:`cbatch.LLM` and :class:`cbatch.Engine` (DESIGN.md)."""
+
+    model: str = "random:gpt2"
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: int | float | None = None  # bytes, or a fraction of free device memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if not isinstance(self.dtype, str):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        self.device = str(torch.device(self.device))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        mem = self.kv_cache_memory
+        if mem is not None and (mem <= 0 or (isinstance(mem, float) and mem > 1)):
+            raise ValueError("kv_cache_memory must be a byte count or a fraction in (0, 1], "
+                             f"got {mem}")
+        from cbatch.scheduler import POLICIES
+
+        if self.scheduling_policy not in POLICIES + ("static",):
+            raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
+                             f"{self.scheduling_policy!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -195,7 +195,7 @@ def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
             p.copy_(value)
 
 
-def _resolve_checkpoint_dir(name_or_path: str) -> Path:
+def resolve_checkpoint_dir(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -269,7 +269,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         _init_random(model, seed)
         return model.to(device=device, dtype=dtype).eval()
 
-    path = _resolve_checkpoint_dir(name_or_path)
+    path = resolve_checkpoint_dir(name_or_path)
     config = GPT2Config.from_hf(path)
     state = convert_hf_state_dict(load_state_dict(path, device), config)
     with torch.device("meta"):

@@ -1,0 +1,223 @@
+"""The continuous-batching engine: add requests at any time, step, stream outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from cbatch.block_manager import BlockManager
+from cbatch.config import EngineConfig
+from cbatch.kv_cache import KVCache, bytes_per_token
+from cbatch.metrics import EngineStats, RequestMetrics
+from cbatch.model_runner import ModelRunner
+from cbatch.models.gpt2 import GPT2LMHeadModel, load_model, resolve_checkpoint_dir
+from cbatch.outputs import RequestOutput
+from cbatch.sampling_params import SamplingParams
+from cbatch.scheduler import Scheduler
+from cbatch.sequence import Sequence, SequenceStatus
+from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
+    model = load_model(config.model, config.device, config.torch_dtype, config.seed,
+                       config.attention_backend)
+    eos = model.config.eos_token_id
+    if config.model.startswith("random:"):
+        return model, ByteTokenizer(eos)
+    return model, load_tokenizer(resolve_checkpoint_dir(config.model), eos)
+
+
+def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
+    """Blocks for the KV cache: num_blocks, else kv_cache_memory, else a default that holds
+    max_num_seqs full-length sequences (capped at 1 GiB on the CPU, half the free memory on a
+    GPU)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = bytes_per_token(model.config, config.torch_dtype) * config.block_size
+    device = torch.device(config.device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    mem = config.kv_cache_memory
+    if isinstance(mem, float):
+        if free is None:
+            raise ValueError("a fractional kv_cache_memory needs a CUDA device; give bytes")
+        mem = int(mem * free)
+    if mem is None:
+        want = config.max_num_seqs * model.config.n_positions // config.block_size + 1
+        cap = free // 2 if free is not None else _CPU_DEFAULT_KV_BYTES
+        return max(1, min(want, cap // per_block))
+    if mem < per_block:
+        raise ValueError(f"kv_cache_memory={mem} bytes holds no block ({per_block} bytes)")
+    return mem // per_block
+
+
+def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
+    out = seq.output_token_ids
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(out),
+        text=tokenizer.decode(out),
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
+                               seq.first_token_time, seq.finished_time, len(out),
+                               seq.num_preemptions),
+    )
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    >>> engine = Engine("random:tiny", max_num_seqs=4)
+    >>> rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    >>> while engine.has_unfinished_requests():
+    ...     outs = engine.step()
+    >>> outs[-1].finish_reason
+    'length'
+    """
+
+    def __init__(self, model: str = "random:gpt2", **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        if self.config.scheduling_policy == "static":
+            raise ValueError("Engine schedules continuously; for the static-batching baseline "
+                             "use cbatch.LLM(scheduling_policy='static') or StaticBatchEngine")
+        torch.manual_seed(self.config.seed)
+        self.model, self.tokenizer = load_model_and_tokenizer(self.config)
+        num_blocks = kv_cache_blocks(self.config, self.model)
+        self.kv_cache = KVCache(self.model.config, num_blocks, self.config.block_size,
+                                self.config.torch_dtype, self.config.device)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens,
+                                   self.config.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self._requests: dict[str, Sequence] = {}  # unfinished
+        self._aborted: list[Sequence] = []  # reported by the next step()
+        self._order = itertools.count()
+        self._num_steps = self._num_finished = 0
+        self._num_prefill_tokens = self._num_output_tokens = 0
+        self._elapsed = self._occupancy_sum = 0.0
+        self.occupancy_trace: list[int] = []  # scheduled sequences per step
+
+    # -------------------------------------------------------------- requests
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, request_id: str | None = None) -> str:
+        """Queue a request (a string, or token ids); returns its id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._token_ids(prompt)
+        n_pos = self.model.config.n_positions
+        if len(ids) + params.max_tokens > n_pos:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {len(ids) + params.max_tokens} exceeds the model's "
+                             f"n_positions ({n_pos})")
+        need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the pool has only "
+                             f"{self.block_manager.num_blocks}; raise num_blocks or "
+                             "kv_cache_memory, or lower max_tokens")
+        order = next(self._order)
+        request_id = str(order) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
+        seq = Sequence(request_id, ids, params, order, priority, seed)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop an unfinished request; its output (reason "abort") comes from the next step."""
+        seq = self._requests.pop(str(request_id), None)
+        if seq is None:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort")
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    # -------------------------------------------------------------- stepping
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
+        self._num_finished += 1
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (
+                not params.ignore_eos and token == self.model.config.eos_token_id):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the requests that changed."""
+        changed = self._aborted
+        self._aborted = []
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return [request_output(s, self.tokenizer) for s in changed]
+        start = time.perf_counter()
+        for item in schedule.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = start
+        tokens = self.runner.step(schedule.scheduled)
+        now = time.perf_counter()
+        for item, token in zip(schedule.scheduled, tokens):
+            seq = item.seq
+            samples = item.samples
+            if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
+                self._num_prefill_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if not samples:
+                continue
+            seq.token_ids.append(token)
+            self._num_output_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.remove(seq)
+                del self._requests[seq.request_id]
+                self._finish(seq, reason)
+            changed.append(seq)
+        self._num_steps += 1
+        self._elapsed += time.perf_counter() - start
+        self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
+        self.occupancy_trace.append(len(schedule.scheduled))
+        return [request_output(s, self.tokenizer) for s in changed]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_steps=self._num_steps,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_finished=self._num_finished,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_tokens=self._num_prefill_tokens,
+            num_output_tokens=self._num_output_tokens,
+            elapsed=self._elapsed,
+            kv_cache_usage=self.block_manager.usage,
+            mean_batch_occupancy=self._occupancy_sum / max(1, self._num_steps),
+        )

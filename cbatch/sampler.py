@@ -1,0 +1,72 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+All filtering is done on the whole ``[S, vocab]`` logits at once.  Randomness comes from an
+exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` draws the categorical ``p``), and each
+row's noise comes from its own generator seeded by (request seed, output position), so a
+request's tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row settings for one step's ``[S, vocab]`` logits (host lists, built by the runner)."""
+
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    seeds: list[int]
+    positions: list[int]  # how many tokens each request has generated so far
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperatures)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                        ) -> torch.Tensor:
+    # logits: [S, V] fp32; top_k: int64 [S] (0 = off); top_p: fp32 [S] (1 = off)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    drop = rank >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop |= before >= top_p[:, None]  # the top token always survives (before = 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _noise(batch: SamplingBatch, rows: list[int], vocab: int, device: torch.device
+           ) -> torch.Tensor:
+    """Exp(1) noise ``[len(rows), vocab]``, each row from its own (seed, position) stream."""
+    out = torch.empty(len(rows), vocab, device=device)
+    gen = torch.Generator(device=device)
+    for i, r in enumerate(rows):  # one generator call per request, never per token
+        gen.manual_seed((batch.seeds[r] * 1_000_003 + batch.positions[r]) % (2**63))
+        out[i].exponential_(generator=gen)
+    return out
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``logits: [S, V]`` → int64 token ids ``[S]``."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return tokens
+    rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    temps = torch.tensor([batch.temperatures[r] for r in rows], device=dev)
+    top_k = torch.tensor([batch.top_ks[r] for r in rows], device=dev)
+    top_p = torch.tensor([batch.top_ps[r] for r in rows], device=dev)
+    scaled = _filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    tokens[idx] = (probs / _noise(batch, rows, logits.shape[-1], dev)).argmax(dim=-1)
+    return tokens

@@ -1,0 +1,146 @@
+"""Iteration-level scheduling (Orca, vLLM): which sequences run this step, with how many
+tokens.  No torch here.
+
+Every step spends a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``): running decodes first, then running prefills (the next chunk of a long
+prompt), then waiting requests in policy order.  When a running sequence needs a block and
+none is free, the lowest-priority running sequence is preempted (recompute: its blocks are
+freed and it waits again).  A waiting request is admitted only when the blocks for all its
+current tokens are free, so a preempted request does not come straight back and thrash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cbatch.block_manager import BlockManager
+from cbatch.sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority", "sjf")
+
+
+def policy_key(policy: str):
+    """Sort key: lower runs first (and is preempted last)."""
+    if policy == "fcfs":
+        return lambda s: (s.arrival_order,)
+    if policy == "priority":
+        return lambda s: (s.priority, s.arrival_order)
+    if policy == "sjf":
+        return lambda s: (s.params.max_tokens - s.num_output_tokens, s.arrival_order)
+    raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step: the uncomputed ones, or a chunk of them
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (and so samples the next)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, policy: str = "fcfs"):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                             f"{max_num_seqs}, {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self._key = policy_key(policy)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -------------------------------------------------------------- membership
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -------------------------------------------------------------- scheduling
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        # Running sequences: decodes first, then prefill chunks, each group in policy order.
+        order = sorted(self.running, key=lambda s: (not s.is_decoding, self._key(s)))
+        scheduled: dict[int, ScheduledSequence] = {}
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                break
+            target = seq.num_computed_tokens + n
+            while not bm.can_grow(seq.block_table, target):
+                victim = max((s for s in self.running if s is not seq), key=self._key,
+                             default=None)
+                if victim is None or self._key(victim) < self._key(seq):
+                    victim = seq  # nobody of lower priority holds blocks: step aside itself
+                if id(victim) in scheduled:
+                    budget += scheduled.pop(id(victim)).num_new_tokens
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            bm.grow(seq.block_table, target)
+            scheduled[id(seq)] = ScheduledSequence(seq, n)
+            budget -= n
+        out.scheduled = list(scheduled.values())
+
+        # Waiting sequences, unless this step already had to preempt (no thrash).
+        if not out.preempted:
+            for seq in sorted(self.waiting, key=self._key):
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                if bm.blocks_for(seq.num_tokens) > bm.num_free_blocks:
+                    break  # admit in order: a big request is not overtaken forever
+                n = min(seq.num_tokens, budget)
+                bm.grow(seq.block_table, n)
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+        return out

@@ -1,0 +1,57 @@
+"""The standard workloads of DESIGN.md, shared by the demo and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cbatch.sampling_params import SamplingParams
+
+SEED_PROMPT = "The quick brown fox jumped over the"
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list  # strings or token-id lists
+    params: list[SamplingParams]
+    batch_size: int  # the static baseline's batch (and the engine's max_num_seqs)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params)
+
+
+def seed(tokenizer=None, scale: float = 1.0) -> Workload:
+    """32 requests of one prompt; every 8th wants 100 tokens, the rest 10; batch size 8."""
+    n = max(8, int(32 * scale))
+    params = [SamplingParams(max_tokens=100 if i % 8 == 0 else 10, ignore_eos=True)
+              for i in range(n)]
+    prompt = tokenizer.encode(SEED_PROMPT) if tokenizer is not None else SEED_PROMPT
+    return Workload("seed", [prompt] * n, params, batch_size=8)
+
+
+def _random_prompts(rng: np.random.Generator, lens, vocab: int) -> list[list[int]]:
+    return [rng.integers(0, vocab, int(n)).tolist() for n in lens]
+
+
+def longtail(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> Workload:
+    """512 requests, prompts uniform in [16, 512], outputs lognormal (median 64) in [8, 512]."""
+    rng = np.random.default_rng(0)
+    n = max(1, int(512 * scale))
+    prompt_lens = rng.integers(16, max_len + 1, n)
+    out_lens = np.clip(rng.lognormal(np.log(64), 1.0, n), 8, max_len).astype(int)
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in out_lens]
+    return Workload("longtail", _random_prompts(rng, prompt_lens, vocab), params, batch_size=64)
+
+
+def uniform(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> Workload:
+    """256 requests, prompt and output lengths uniform in [100, 512]."""
+    rng = np.random.default_rng(0)
+    n = max(1, int(256 * scale))
+    lo = min(100, max_len)
+    prompt_lens = rng.integers(lo, max_len + 1, n)
+    out_lens = rng.integers(lo, max_len + 1, n)
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in out_lens]
+    return Workload("uniform", _random_prompts(rng, prompt_lens, vocab), params, batch_size=64)
