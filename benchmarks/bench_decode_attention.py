@@ -1,0 +1,232 @@
+"""Paged decode attention: every available implementation over DESIGN.md's kernel shapes.
+
+    python benchmarks/bench_decode_attention.py            # full grid for this device
+    python benchmarks/bench_decode_attention.py --quick    # tiny grid, under two minutes on a CPU
+
+For each shape every implementation is first checked against the pure-torch reference, then
+timed (warm-up, median, cold cache: see benchmarks/common.py).  Bandwidth counts the bytes
+that must move: the real K/V lengths plus Q and O.  Results land in
+benchmarks/results/<device>/decode_attention.{json,csv,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import (  # noqa: E402
+    Timer, Unavailable, copy_bandwidth, environment, paged_inputs, write_results)
+from cbatch import ops, reference  # noqa: E402
+
+COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
+           "max_err", "status"]
+
+
+def seq_lens_for(mix: str, batch: int, context: int, gen: torch.Generator) -> list[int]:
+    """"equal": every sequence `context` long; "longtail": lognormal around context/8, one
+    sequence at the full context (what a padded implementation pads to)."""
+    if mix == "equal":
+        return [context] * batch
+    lens = torch.distributions.LogNormal(math.log(max(1, context / 8)), 1.0).sample(
+        (batch,)).clamp(1, context).long().tolist()
+    lens[0] = context
+    return lens
+
+
+def _cbatch(backend):
+    def build(q, kc, vc, bt, sl):
+        status = ops.available_backends()[backend]
+        if not status.available:
+            raise Unavailable(status.detail)
+        if backend == "triton" and q.device.type != "cuda":
+            raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
+        try:
+            ops.resolve_backend("paged_decode_attention", q.device, backend, q.shape[-1])
+        except ValueError as e:
+            raise Unavailable(str(e)) from e
+        return lambda: ops.paged_decode_attention(q, kc, vc, bt, sl, backend=backend)
+    return build
+
+
+def _sdpa_padded(q, kc, vc, bt, sl):
+    """What a padded implementation does: dense [S, H, max_len, D] K/V and a length mask.
+    Only the attention call is timed; building the dense K/V is not."""
+    S, H, D = q.shape
+    lens = sl.tolist()
+    L = max(lens)
+    k = torch.zeros(S, L, H, D, dtype=q.dtype, device=q.device)
+    v = torch.zeros_like(k)
+    for s, n in enumerate(lens):
+        k[s, :n] = reference.gather_kv(kc, bt[s], n)
+        v[s, :n] = reference.gather_kv(vc, bt[s], n)
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    mask = (torch.arange(L, device=q.device)[None, :] < sl[:, None])[:, None, None, :]
+    q4 = q[:, :, None, :]
+    return lambda: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask)[:, :, 0]
+
+
+def _flashinfer(q, kc, vc, bt, sl):
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise Unavailable(f"flashinfer not importable ({e})") from e
+    if q.device.type != "cuda":
+        raise Unavailable("flashinfer needs CUDA")
+    S, H, D = q.shape
+    block_size = kc.shape[1]
+    blocks = (sl + block_size - 1) // block_size
+    indptr = torch.zeros(S + 1, dtype=torch.int32, device=q.device)
+    indptr[1:] = blocks.cumsum(0)
+    mask = torch.arange(bt.shape[1], device=q.device)[None, :] < blocks[:, None]
+    indices = bt[mask].int()
+    last = (sl - 1) % block_size + 1
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(indptr, indices, last.int(), H, H, D, block_size, q_data_type=q.dtype,
+                 kv_data_type=kc.dtype)
+    return lambda: wrapper.run(q, (kc, vc))
+
+
+def _flex(q, kc, vc, bt, sl):
+    raise Unavailable("FlexAttention over the paged cache is not implemented in this benchmark")
+
+
+IMPLS = {
+    "cbatch-cuda": _cbatch("cuda"),
+    "cbatch-triton": _cbatch("triton"),
+    "cbatch-cpu": _cbatch("cpu"),
+    "torch-reference": _cbatch("torch"),
+    "sdpa-padded": _sdpa_padded,
+    "flex-paged": _flex,
+    "flashinfer": _flashinfer,
+}
+
+
+def grid(device: torch.device, quick: bool):
+    """(heads (H, D), dtype, mix, batch, context) tuples."""
+    mixes = ["equal", "longtail"]
+    if quick:
+        return list(itertools.product([(12, 64)], [torch.float32], mixes, [1, 4], [64, 160]))
+    if device.type == "cuda":
+        dtypes = [torch.float16, torch.bfloat16]
+        batches = [1, 8, 32, 64, 128, 256]
+        g = list(itertools.product([(12, 64)], dtypes, mixes, batches, [128, 512, 1024]))
+        g += list(itertools.product([(32, 128)], dtypes, mixes, batches, [1024, 4096, 8192]))
+        return g
+    g = list(itertools.product([(12, 64)], [torch.float32, torch.float16], mixes, [1, 8, 32],
+                               [128, 512, 1024]))
+    g += list(itertools.product([(32, 128)], [torch.float32], mixes, [1, 8], [1024, 4096]))
+    return g
+
+
+def run(args) -> Path:
+    device = torch.device(args.device)
+    reps = 3 if args.quick else args.reps
+    timer = Timer(device, warmup=1 if args.quick else 3, reps=reps)
+    bw = copy_bandwidth(device, (64 << 20) if args.quick else None)
+    rows = []
+    impls = [n for n in IMPLS if not args.impl or n in args.impl]
+    shapes = grid(device, args.quick)
+    gen = torch.Generator().manual_seed(0)
+    for (H, D), dtype, mix, batch, context in tqdm(shapes, desc="decode shapes",
+                                                   disable=args.no_progress):
+        lens = seq_lens_for(mix, batch, context, gen)
+        q, kc, vc, bt, _, sl = paged_inputs(lens, H, D, dtype, device)
+        inputs = (q, kc, vc, bt, sl)
+        truth = reference.paged_decode_attention(q, kc, vc, bt, sl).float()
+        elem = q.element_size()
+        moved = sum(lens) * H * D * 2 * elem + 2 * q.numel() * elem
+        base = {"heads": f"{H}x{D}", "dtype": str(dtype).removeprefix("torch."), "mix": mix,
+                "batch": batch, "context": context}
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for name in impls:
+            row = {"impl": name, **base}
+            if name == "torch-reference" and batch * context > 64 * 1024 and not args.quick:
+                row["status"] = "skipped: too slow (Python loop over sequences)"
+                rows.append(row)
+                continue
+            try:
+                fn = IMPLS[name](*inputs)
+                err = (fn().float() - truth).abs().max().item()
+                row["max_err"] = err
+                if not err <= tol:
+                    row["status"] = f"WRONG: max error {err:.3g} > {tol}"
+                else:
+                    seconds = timer(fn)
+                    row.update({"us": seconds * 1e6, "GB/s": moved / seconds / 1e9,
+                                "pct_copy_bw": 100 * moved / seconds / bw, "status": "ok"})
+            except Unavailable as e:
+                row["status"] = f"unavailable: {e}"
+            except Exception as e:  # record, keep benchmarking the others
+                row["status"] = f"error: {type(e).__name__}: {e}"[:200]
+            rows.append(row)
+        del inputs, q, kc, vc, truth
+    meta = {**environment(device), "copy_bandwidth_GBps": bw / 1e9, "reps": reps,
+            "timing": "median, cold cache (flush buffer overwritten before every run)",
+            "block_size": 16}
+    out = write_results("decode_attention", device, rows, meta, COLUMNS,
+                        Path(args.out) if args.out else None)
+    plot(rows, bw, out / "decode_attention.png")
+    print(f"results in {out}")
+    return out
+
+
+def plot(rows: list[dict], bw: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return
+    heads, dtype = ok[0]["heads"], ok[0]["dtype"]
+    sel = [r for r in ok if r["heads"] == heads and r["dtype"] == dtype]
+    contexts = sorted({r["context"] for r in sel})
+    mixes = sorted({r["mix"] for r in sel})
+    fig, axes = plt.subplots(len(mixes), len(contexts), figsize=(4 * len(contexts),
+                                                                 3.2 * len(mixes)),
+                             squeeze=False, sharey=True)
+    for i, mix in enumerate(mixes):
+        for j, ctx in enumerate(contexts):
+            ax = axes[i][j]
+            for impl in sorted({r["impl"] for r in sel}):
+                pts = sorted((r["batch"], r["GB/s"]) for r in sel
+                             if r["impl"] == impl and r["mix"] == mix and r["context"] == ctx)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.axhline(bw / 1e9, color="gray", ls="--", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mix}, context {ctx}", fontsize=9)
+            ax.set_xlabel("batch")
+            if j == 0:
+                ax.set_ylabel("GB/s (dashed: copy bandwidth)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"paged decode attention, heads {heads}, {dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny grid (harness check)")
+    parser.add_argument("--impl", action="append", help="only these implementations")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", help="output folder (default results/<device>)")
+    parser.add_argument("--no-progress", action="store_true")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

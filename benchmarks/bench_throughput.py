@@ -1,0 +1,285 @@
+"""End-to-end throughput on the standard workloads, cbatch beside transformers, one run.
+
+    python benchmarks/bench_throughput.py                       # seed, longtail, uniform
+    python benchmarks/bench_throughput.py --workload seed --scale 0.5 --max-len 256
+    python benchmarks/bench_throughput.py --quick               # tiny model and workloads
+
+Engines, all on the same weights with greedy decoding:
+  cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache)
+  cbatch-static       cbatch.LLM(scheduling_policy="static") (fixed left-padded batches)
+  hf-generate         transformers generate() on fixed left-padded batches
+  hf-continuous       transformers continuous batching (init_continuous_batching), when the
+                      installed version has it
+Each reports wall time, output tokens/s, TTFT and TPOT p50/p99 (every request arrives at the
+start), its wall-time ratio to cbatch-continuous, and the share of requests whose tokens equal
+cbatch-continuous's.  Results in benchmarks/results/<device>/throughput.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Unavailable, environment, write_results  # noqa: E402
+from cbatch import LLM, workloads  # noqa: E402
+from cbatch.models.gpt2 import _CONV1D  # noqa: E402
+
+COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
+           "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
+           "same_tokens_as_continuous", "status"]
+
+
+def _pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def _summary(per_request: list[dict], wall: float) -> dict:
+    """per_request: token_ids, ttft (s), finish (s since start)."""
+    tokens = sum(len(r["token_ids"]) for r in per_request)
+    ttft = [r["ttft"] for r in per_request]
+    tpot = [(r["finish"] - r["ttft"]) / (len(r["token_ids"]) - 1) for r in per_request
+            if len(r["token_ids"]) > 1]
+    return {"requests": len(per_request), "output_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else None,
+            "tpot_p99_ms": 1e3 * _pct(tpot, 0.99) if tpot else None}
+
+
+def run_cbatch(args, wl, policy) -> tuple[dict, list]:
+    kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
+              wl.batch_size)
+    llm = LLM(args.model, scheduling_policy=policy, **kw)
+    llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(wl.prompts, wl.params, use_tqdm=not args.no_progress)
+    wall = time.perf_counter() - start
+    per = [{"token_ids": o.token_ids, "ttft": o.metrics.first_token_time - start,
+            "finish": o.metrics.finished_time - start} for o in outs]
+    return _summary(per, wall), [o.token_ids for o in outs]
+
+
+def hf_model(args, model_like):
+    """transformers' GPT2LMHeadModel with the same weights as cbatch's model."""
+    import transformers
+
+    if not args.model.startswith("random:"):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    c = model_like.config
+    config = transformers.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
+        n_head=c.n_head, n_inner=c.n_inner, layer_norm_epsilon=c.layer_norm_epsilon,
+        activation_function=c.activation_function, bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id)
+    hf = transformers.GPT2LMHeadModel(config)
+    state = {k: (v.t() if k.endswith(_CONV1D) else v) for k, v in model_like.state_dict().items()}
+    hf.load_state_dict(state, strict=False)
+    return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+
+
+class _StepClock:
+    """A generate() streamer that only notes when each step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_hf_generate(args, wl, hf) -> tuple[dict, list]:
+    pad = hf.config.eos_token_id
+    ids_all = [p if isinstance(p, list) else None for p in wl.prompts]
+    per, tokens = [], []
+    start = time.perf_counter()
+    size = args.max_num_seqs or wl.batch_size
+    batches = range(0, len(ids_all), size)
+    for i in tqdm(batches, desc="hf-generate", disable=args.no_progress):
+        prompts, params = ids_all[i:i + size], wl.params[i:i + size]
+        L = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts], device=args.device)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts],
+                            device=args.device)
+        clock = _StepClock()
+        m = max(p.max_tokens for p in params)
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m,
+                              min_new_tokens=m, do_sample=False, pad_token_id=pad,
+                              eos_token_id=None, streamer=clock)
+        times = clock.times  # [prompt, token 1, token 2, ...]
+        for row, p in zip(out[:, L:].tolist(), params):
+            tokens.append(row[:p.max_tokens])
+            per.append({"token_ids": row[:p.max_tokens], "ttft": times[1] - start,
+                        "finish": times[p.max_tokens] - start})
+    return _summary(per, time.perf_counter() - start), tokens
+
+
+def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
+    import transformers
+
+    if not hasattr(hf, "init_continuous_batching"):
+        raise Unavailable(f"transformers {transformers.__version__} has no continuous batching")
+    gen_cfg = transformers.GenerationConfig(
+        max_new_tokens=max(p.max_tokens for p in wl.params), do_sample=False,
+        eos_token_id=None, pad_token_id=hf.config.eos_token_id)
+    manager = hf.init_continuous_batching(generation_config=gen_cfg)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        ids = [manager.add_request(p, request_id=str(i), max_new_tokens=sp.max_tokens,
+                                   record_timestamps=True)
+               for i, (p, sp) in enumerate(zip(wl.prompts, wl.params))]
+        results = {}
+        bar = tqdm(total=len(ids), desc="hf-continuous", disable=args.no_progress)
+        deadline = time.perf_counter() + args.hf_timeout
+        while len(results) < len(ids) and time.perf_counter() < deadline:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                if r.error:
+                    raise RuntimeError(r.error)
+                results[r.request_id] = r
+                bar.update(1)
+        bar.close()
+        wall = time.perf_counter() - start
+        if len(results) < len(ids):
+            raise RuntimeError(f"only {len(results)} of {len(ids)} requests finished")
+    finally:
+        manager.stop(block=True)
+    per, tokens = [], []
+    for rid in ids:
+        r = results[rid]
+        ts = r.timestamps or []
+        per.append({"token_ids": r.generated_tokens,
+                    "ttft": (ts[0] if ts else r.lifespan[1]) - start,
+                    "finish": (ts[-1] if ts else r.lifespan[1]) - start})
+        tokens.append(r.generated_tokens)
+    return _summary(per, wall), tokens
+
+
+def make_workload(name, tokenizer, vocab, args):
+    if name == "seed":
+        return workloads.seed(tokenizer, args.scale)
+    fn = workloads.longtail if name == "longtail" else workloads.uniform
+    return fn(vocab=vocab, scale=args.scale, max_len=args.max_len)
+
+
+def run(args) -> Path:
+    device = torch.device(args.device)
+    probe = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=1)
+    hf = None
+    rows = []
+    for name in args.workload:
+        wl = make_workload(name, probe.tokenizer, probe.engine.model.config.vocab_size, args)
+        wl.prompts = [probe.tokenizer.encode(p) if isinstance(p, str) else p for p in wl.prompts]
+        print(f"\n== {name}: {len(wl.prompts)} requests, {wl.num_output_tokens} output tokens, "
+              f"batch {args.max_num_seqs or wl.batch_size}", flush=True)
+        results, reference_tokens = {}, None
+        for engine in args.engines:
+            row = {"workload": name, "engine": engine}
+            try:
+                if engine == "cbatch-continuous":
+                    summary, tokens = run_cbatch(args, wl, "fcfs")
+                    reference_tokens = tokens
+                elif engine == "cbatch-static":
+                    summary, tokens = run_cbatch(args, wl, "static")
+                else:
+                    hf = hf or hf_model(args, probe.engine.model)
+                    runner = run_hf_generate if engine == "hf-generate" else run_hf_continuous
+                    summary, tokens = runner(args, wl, hf)
+                row.update(summary, status="ok")
+                if reference_tokens is not None:
+                    same = sum(a == b for a, b in zip(tokens, reference_tokens))
+                    row["same_tokens_as_continuous"] = f"{same}/{len(tokens)}"
+                results[engine] = row
+            except Unavailable as e:
+                row["status"] = f"unavailable: {e}"
+            except Exception as e:
+                row["status"] = f"error: {type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(f"  {engine:18s} {row.get('wall_s', float('nan')):8.2f} s  "
+                  f"{row.get('tokens_per_s', float('nan')):8.1f} tok/s  {row['status']}",
+                  flush=True)
+        base = results.get("cbatch-continuous")
+        for row in rows:
+            if row["workload"] == name and base and row.get("wall_s"):
+                row["wall_vs_continuous"] = row["wall_s"] / base["wall_s"]
+    meta = {**environment(device), "model": args.model, "dtype": args.dtype,
+            "scale": args.scale, "max_len": args.max_len,
+            "max_num_seqs": args.max_num_seqs or "the workload's batch size",
+            "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching"}
+    out = write_results("throughput", device, rows, meta, COLUMNS,
+                        Path(args.out) if args.out else None)
+    plot(rows, out / "throughput.png", meta)
+    print(f"results in {out}")
+    return out
+
+
+def plot(rows, path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return
+    names = list(dict.fromkeys(r["workload"] for r in ok))
+    engines = list(dict.fromkeys(r["engine"] for r in ok))
+    fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(names), 3.6))
+    width = 0.8 / len(engines)
+    for j, engine in enumerate(engines):
+        vals = [next((r["tokens_per_s"] for r in ok if r["workload"] == n
+                      and r["engine"] == engine), 0) for n in names]
+        ax.bar([i + j * width for i in range(len(names))], vals, width, label=engine)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{meta['model']} {meta['dtype']} on {meta['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+ENGINES = ["cbatch-continuous", "cbatch-static", "hf-generate", "hf-continuous"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--model", default="random:gpt2")
+    parser.add_argument("--dtype", default="float16" if cuda else "float32")
+    parser.add_argument("--workload", nargs="+", default=["seed", "longtail", "uniform"],
+                        choices=["seed", "longtail", "uniform"])
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the requests")
+    parser.add_argument("--max-len", type=int, default=512,
+                        help="cap on prompt and output lengths of longtail/uniform")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--hf-timeout", type=float, default=3600)
+    parser.add_argument("--quick", action="store_true", help="tiny model, tiny workloads")
+    parser.add_argument("--out")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model = "random:tiny" if args.model == "random:gpt2" else args.model
+        args.scale, args.max_len = min(args.scale, 0.05), min(args.max_len, 48)
+        args.hf_timeout = min(args.hf_timeout, 60)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
