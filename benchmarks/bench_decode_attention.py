@@ -11,7 +11,6 @@ benchmarks/results/<device>/decode_attention.{json,csv,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -23,8 +22,9 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Timer, Unavailable, copy_bandwidth, environment, paged_inputs, write_results)
-from cbatch import ops, reference  # noqa: E402
+    Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
+    paged_inputs, pyplot, write_results)
+from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
            "max_err", "status"]
@@ -39,21 +39,6 @@ def seq_lens_for(mix: str, batch: int, context: int, gen: torch.Generator) -> li
         (batch,)).clamp(1, context).long().tolist()
     lens[0] = context
     return lens
-
-
-def _cbatch(backend):
-    def build(q, kc, vc, bt, sl):
-        status = ops.available_backends()[backend]
-        if not status.available:
-            raise Unavailable(status.detail)
-        if backend == "triton" and q.device.type != "cuda":
-            raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
-        try:
-            ops.resolve_backend("paged_decode_attention", q.device, backend, q.shape[-1])
-        except ValueError as e:
-            raise Unavailable(str(e)) from e
-        return lambda: ops.paged_decode_attention(q, kc, vc, bt, sl, backend=backend)
-    return build
 
 
 def _sdpa_padded(q, kc, vc, bt, sl):
@@ -99,11 +84,12 @@ def _flex(q, kc, vc, bt, sl):
     raise Unavailable("FlexAttention over the paged cache is not implemented in this benchmark")
 
 
+OP = "paged_decode_attention"
 IMPLS = {
-    "cbatch-cuda": _cbatch("cuda"),
-    "cbatch-triton": _cbatch("triton"),
-    "cbatch-cpu": _cbatch("cpu"),
-    "torch-reference": _cbatch("torch"),
+    "cbatch-cuda": cbatch_impl(OP, "cuda"),
+    "cbatch-triton": cbatch_impl(OP, "triton"),
+    "cbatch-cpu": cbatch_impl(OP, "cpu"),
+    "torch-reference": cbatch_impl(OP, "torch"),
     "sdpa-padded": _sdpa_padded,
     "flex-paged": _flex,
     "flashinfer": _flashinfer,
@@ -153,21 +139,8 @@ def run(args) -> Path:
                 row["status"] = "skipped: too slow (Python loop over sequences)"
                 rows.append(row)
                 continue
-            try:
-                fn = IMPLS[name](*inputs)
-                err = (fn().float() - truth).abs().max().item()
-                row["max_err"] = err
-                if not err <= tol:
-                    row["status"] = f"WRONG: max error {err:.3g} > {tol}"
-                else:
-                    seconds = timer(fn)
-                    row.update({"us": seconds * 1e6, "GB/s": moved / seconds / 1e9,
-                                "pct_copy_bw": 100 * moved / seconds / bw, "status": "ok"})
-            except Unavailable as e:
-                row["status"] = f"unavailable: {e}"
-            except Exception as e:  # record, keep benchmarking the others
-                row["status"] = f"error: {type(e).__name__}: {e}"[:200]
-            rows.append(row)
+            rows.append(check_and_time(row, IMPLS[name], inputs, truth, tol, timer, lambda t: {
+                "GB/s": moved / t / 1e9, "pct_copy_bw": 100 * moved / t / bw}))
         del inputs, q, kc, vc, truth
     meta = {**environment(device), "copy_bandwidth_GBps": bw / 1e9, "reps": reps,
             "timing": "median, cold cache (flush buffer overwritten before every run)",
@@ -180,11 +153,7 @@ def run(args) -> Path:
 
 
 def plot(rows: list[dict], bw: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return
@@ -217,14 +186,8 @@ def plot(rows: list[dict], bw: float, path: Path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny grid (harness check)")
+    parser = base_parser(__doc__)
     parser.add_argument("--impl", action="append", help="only these implementations")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", help="output folder (default results/<device>)")
-    parser.add_argument("--no-progress", action="store_true")
     return run(parser.parse_args(argv))
 
 

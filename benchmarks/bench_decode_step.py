@@ -10,7 +10,6 @@ measured copy bandwidth.  Results in benchmarks/results/<device>/decode_step.*.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import Timer, copy_bandwidth, environment, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Timer, base_parser, copy_bandwidth, environment, pyplot, write_results)
 from cbatch import GPT2LMHeadModel, KVCache, bytes_per_token  # noqa: E402
 from cbatch.batch import make_step_batch  # noqa: E402
 
@@ -71,11 +71,7 @@ def run(args) -> Path:
 
 
 def plot(rows, path, meta):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     b = [r["batch"] for r in rows]
     ax.plot(b, [r["step_ms"] for r in rows], marker="o", label="cbatch decode step")
@@ -91,20 +87,14 @@ def plot(rows, path, meta):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = base_parser(__doc__)
     cuda = torch.cuda.is_available()
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--backend", default=None, help="attention backend (default: auto)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16, 64])
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.quick and args.model == "random:gpt2":
         args.model = "random:tiny"

@@ -11,7 +11,6 @@ benchmarks/results/<device>/prefill_attention.{json,csv,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -22,26 +21,12 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Timer, Unavailable, copy_bandwidth, environment, paged_inputs, write_results)
-from cbatch import ops, reference  # noqa: E402
+    Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
+    paged_inputs, pyplot, write_results)
+from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "batch", "chunk", "cached", "us", "TFLOP/s", "max_err",
            "status"]
-
-
-def _cbatch(backend):
-    def build(q, kc, vc, bt, cu, sl):
-        status = ops.available_backends()[backend]
-        if not status.available:
-            raise Unavailable(status.detail)
-        if backend == "triton" and q.device.type != "cuda":
-            raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
-        try:
-            ops.resolve_backend("paged_prefill_attention", q.device, backend, q.shape[-1])
-        except ValueError as e:
-            raise Unavailable(str(e)) from e
-        return lambda: ops.paged_prefill_attention(q, kc, vc, bt, cu, sl, backend=backend)
-    return build
 
 
 def _sdpa_padded(q, kc, vc, bt, cu, sl):
@@ -82,10 +67,11 @@ def _flashinfer(q, kc, vc, bt, cu, sl):
     return lambda: wrapper.run(q, (kc, vc))
 
 
+OP = "paged_prefill_attention"
 IMPLS = {
-    "cbatch-triton": _cbatch("triton"),
-    "cbatch-cpu": _cbatch("cpu"),
-    "torch-reference": _cbatch("torch"),
+    "cbatch-triton": cbatch_impl(OP, "triton"),
+    "cbatch-cpu": cbatch_impl(OP, "cpu"),
+    "torch-reference": cbatch_impl(OP, "torch"),
     "sdpa-padded": _sdpa_padded,
     "flashinfer": _flashinfer,
 }
@@ -118,22 +104,8 @@ def run(args) -> Path:
                 "batch": batch, "chunk": chunk, "cached": cached}
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for name, build in IMPLS.items():
-            row = {"impl": name, **base}
-            try:
-                fn = build(*inputs)
-                err = (fn().float() - truth).abs().max().item()
-                row["max_err"] = err
-                if not err <= tol:
-                    row["status"] = f"WRONG: max error {err:.3g} > {tol}"
-                else:
-                    seconds = timer(fn)
-                    row.update({"us": seconds * 1e6, "TFLOP/s": flops / seconds / 1e12,
-                                "status": "ok"})
-            except Unavailable as e:
-                row["status"] = f"unavailable: {e}"
-            except Exception as e:
-                row["status"] = f"error: {type(e).__name__}: {e}"[:200]
-            rows.append(row)
+            rows.append(check_and_time({"impl": name, **base}, build, inputs, truth, tol, timer,
+                                       lambda t: {"TFLOP/s": flops / t / 1e12}))
     meta = {**environment(device), "reps": reps, "block_size": 16,
             "copy_bandwidth_GBps": copy_bandwidth(device, (64 << 20) if args.quick else None) / 1e9,
             "timing": "median, cold cache (flush buffer overwritten before every run)"}
@@ -145,11 +117,7 @@ def run(args) -> Path:
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return
@@ -177,14 +145,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out")
-    parser.add_argument("--no-progress", action="store_true")
-    return run(parser.parse_args(argv))
+    return run(base_parser(__doc__).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ cbatch-continuous's.  Results in benchmarks/results/<device>/throughput.*.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import Unavailable, environment, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Unavailable, base_parser, environment, pyplot, write_results)
 from cbatch import LLM, workloads  # noqa: E402
 from cbatch.models.gpt2 import _CONV1D  # noqa: E402
 
@@ -227,11 +227,7 @@ def run(args) -> Path:
 
 
 def plot(rows, path, meta):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return
@@ -256,10 +252,8 @@ ENGINES = ["cbatch-continuous", "cbatch-static", "hf-generate", "hf-continuous"]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = base_parser(__doc__)
     cuda = torch.cuda.is_available()
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--workload", nargs="+", default=["seed", "longtail", "uniform"],
@@ -270,9 +264,6 @@ def main(argv=None):
                         help="cap on prompt and output lengths of longtail/uniform")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--hf-timeout", type=float, default=3600)
-    parser.add_argument("--quick", action="store_true", help="tiny model, tiny workloads")
-    parser.add_argument("--out")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.model = "random:tiny" if args.model == "random:gpt2" else args.model

@@ -3,6 +3,7 @@ writing JSON + CSV + markdown + PNG under benchmarks/results/<device>/."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import platform
@@ -124,6 +125,69 @@ def write_results(name: str, device: torch.device, rows: list[dict], meta: dict,
 
 class Unavailable(Exception):
     """An implementation that cannot run here, with the reason."""
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark has: --device, --quick, --reps, --out, --no-progress."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes: checks the harness in seconds, not a measurement")
+    parser.add_argument("--reps", type=int, default=20, help="timed runs per point (median)")
+    parser.add_argument("--out", help="output folder (default: results/<device>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def cbatch_impl(op: str, backend: str):
+    """A builder for an implementation row: cbatch's ``op`` on ``backend``, or Unavailable."""
+    from cbatch import ops
+
+    def build(query, *args):
+        status = ops.available_backends()[backend]
+        if not status.available:
+            raise Unavailable(status.detail)
+        if backend == "triton" and query.device.type != "cuda":
+            raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
+        try:
+            ops.resolve_backend(op, query.device, backend, query.shape[-1])
+        except ValueError as e:
+            raise Unavailable(str(e)) from e
+        fn = getattr(ops, op)
+        return lambda: fn(query, *args, backend=backend)
+
+    return build
+
+
+def check_and_time(row: dict, build: Callable, inputs: tuple, truth: torch.Tensor, tol: float,
+                   timer: Timer, metrics: Callable[[float], dict]) -> dict:
+    """Fill ``row``: build the implementation, compare it with ``truth`` (max abs error), and
+    time it only if it is right; ``metrics(seconds)`` adds the derived columns."""
+    try:
+        fn = build(*inputs)
+        err = (fn().float() - truth).abs().max().item()
+        row["max_err"] = err
+        if not err <= tol:
+            row["status"] = f"WRONG: max error {err:.3g} > {tol}"
+        else:
+            seconds = timer(fn)
+            row.update({"us": seconds * 1e6, **metrics(seconds), "status": "ok"})
+    except Unavailable as e:
+        row["status"] = f"unavailable: {e}"
+    except Exception as e:  # record it and go on with the other implementations
+        row["status"] = f"error: {type(e).__name__}: {e}"[:200]
+    return row
 
 
 def paged_inputs(lens: list[int], H: int, D: int, dtype: torch.dtype, device: torch.device,
