@@ -80,8 +80,42 @@ def _flashinfer(q, kc, vc, bt, sl):
     return lambda: wrapper.run(q, (kc, vc))
 
 
+_compiled_flex = None
+
+
 def _flex(q, kc, vc, bt, sl):
-    raise Unavailable("FlexAttention over the paged cache is not implemented in this benchmark")
+    """torch FlexAttention over the paged cache: the whole pool is one long key sequence and
+    a mask keeps, for query s, the slots of s's blocks below its length.  Building the slot
+    maps and the block mask (planning, like FlashInfer's plan) is not timed."""
+    global _compiled_flex
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        raise Unavailable(f"this torch has no FlexAttention ({e})") from e
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    N, B, H, D = kc.shape
+    S, dev = q.shape[0], q.device
+    blocks = (sl + B - 1) // B
+    used = torch.arange(bt.shape[1], device=dev)[None, :] < blocks[:, None]
+    physical = bt[used].long()
+    block_seq = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    block_seq[physical] = torch.arange(S, device=dev, dtype=torch.int32)[:, None].expand_as(
+        used)[used]
+    block_pos = torch.zeros(N, dtype=torch.int32, device=dev)
+    block_pos[physical] = torch.arange(bt.shape[1], device=dev, dtype=torch.int32)[
+        None, :].expand_as(used)[used]
+    slot_seq = block_seq.repeat_interleave(B)
+    slot_pos = block_pos.repeat_interleave(B) * B + torch.arange(B, device=dev).repeat(N)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (slot_seq[kv_idx] == q_idx) & (slot_pos[kv_idx] < sl[q_idx])
+
+    mask = create_block_mask(mask_mod, 1, None, S, N * B, device=dev)
+    k = kc.view(1, N * B, H, D).transpose(1, 2)
+    v = vc.view(1, N * B, H, D).transpose(1, 2)
+    q4 = q.transpose(0, 1)[None]  # [1, H, S, D]
+    return lambda: _compiled_flex(q4, k, v, block_mask=mask)[0].transpose(0, 1)
 
 
 OP = "paged_decode_attention"

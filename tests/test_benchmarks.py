@@ -27,6 +27,8 @@ def test_attention_benchmarks(tmp_path, module, name):
     rows = _rows(module.main(["--quick", "--out", str(tmp_path), "--no-progress"]), name)
     ok = [r for r in rows if r["status"] == "ok"]
     assert {"cbatch-cpu", "sdpa-padded", "torch-reference"} <= {r["impl"] for r in ok}
+    if name == "decode_attention":  # FlexAttention over the paged cache (torch >= 2.5)
+        assert "flex-paged" in {r["impl"] for r in ok}
     assert not [r for r in rows if r["status"].startswith(("WRONG", "error"))]
     assert all(r["us"] > 0 for r in ok)
 
