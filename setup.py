@@ -48,9 +48,8 @@ def _extensions():
             extra_link_args=["-fopenmp"],
         )
     else:
-        ext = CppExtension(
-            "cbatch._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
-        )
+        ext = CppExtension("cbatch._C", sources, extra_compile_args={"cxx": cxx_flags},
+                           extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension}
 
 

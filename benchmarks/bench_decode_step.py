@@ -58,7 +58,6 @@ def run(args) -> Path:
                      "tokens_per_s": batch / seconds})
         print(f"batch {batch:4d}: {seconds * 1e3:8.2f} ms/step, floor {floor * 1e3:7.2f} ms "
               f"({seconds / floor:.1f}x)", flush=True)
-        del cache
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "copy_bandwidth_GBps": bw / 1e9,
             "attention_backend": args.backend or "auto",

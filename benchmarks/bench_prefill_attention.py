@@ -40,10 +40,14 @@ def _sdpa_padded(q, kc, vc, bt, cu, sl):
     v = torch.stack([reference.gather_kv(vc, bt[s], L) for s in range(S)]).transpose(1, 2)
     k, v = k.contiguous(), v.contiguous()
     q4 = q.view(S, n, H, D).transpose(1, 2)
-    mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L,
-                                                                      device=q.device)[:, None]
-    return lambda: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask).transpose(1, 2
-                                                                                      ).reshape(-1, H, D)
+    query_pos = torch.arange(L - n, L, device=q.device)[:, None]
+    mask = torch.arange(L, device=q.device)[None, :] <= query_pos  # [n, L], causal over cache
+
+    def attend():
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask)  # [S, H, n, D]
+        return o.transpose(1, 2).reshape(-1, H, D)
+
+    return attend
 
 
 def _flashinfer(q, kc, vc, bt, cu, sl):

@@ -62,7 +62,8 @@ def available_backends() -> dict[str, BackendStatus]:
     status["triton"] = _triton_status()
     if "cpu" in compiled:
         omp = "with OpenMP" if info["openmp"] else "without OpenMP"
-        status["cpu"] = BackendStatus(True, f"compiled C++ {omp} against torch {info['torch_version']}")
+        status["cpu"] = BackendStatus(
+            True, f"compiled C++ {omp} against torch {info['torch_version']}")
     else:
         status["cpu"] = BackendStatus(False, _ext.load_error or "extension not loaded")
     status["torch"] = BackendStatus(True, "pure-torch reference")

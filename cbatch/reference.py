@@ -18,7 +18,7 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key[t]``/``value[t]`` ([T, H, D]) into cache slot ``slot_mapping[t]`` (-1 skips)."""
+    """Scatter ``key[t]``/``value[t]`` (``[T, H, D]``) into slot ``slot_mapping[t]``; -1 skips."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
@@ -83,7 +83,7 @@ def paged_decode_attention(
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """One query token per sequence (``query: [S, H, D]``) over its ``seq_lens[s]`` cached tokens."""
+    """One query per sequence (``query: [S, H, D]``) over its ``seq_lens[s]`` cached tokens."""
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_prefill_attention(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,

@@ -10,7 +10,8 @@ HAS_CUDA = torch.cuda.is_available()
 # Triton runs on CPU tensors only in its interpreter (conftest sets it when there is no GPU).
 CPU_BACKENDS = [b for b in ("cpu", "torch") + (() if HAS_CUDA else ("triton",))
                 if ops.available_backends()[b].available]
-CUDA_BACKENDS = [b for b in ("cuda", "triton") if HAS_CUDA and ops.available_backends()[b].available]
+CUDA_BACKENDS = [b for b in ("cuda", "triton")
+                 if HAS_CUDA and ops.available_backends()[b].available]
 
 
 def _inputs(T, H, D, num_blocks, block_size, dtype, gen, fused=False):
