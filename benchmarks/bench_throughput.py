@@ -33,7 +33,7 @@ from cbatch.models.gpt2 import _CONV1D  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
-           "same_tokens_as_continuous", "status"]
+           "same_tokens_as_continuous", "host_overhead", "status"]
 
 
 def _pct(values, q):
@@ -64,7 +64,10 @@ def run_cbatch(args, wl, policy) -> tuple[dict, list]:
     wall = time.perf_counter() - start
     per = [{"token_ids": o.token_ids, "ttft": o.metrics.first_token_time - start,
             "finish": o.metrics.finished_time - start} for o in outs]
-    return _summary(per, wall), [o.token_ids for o in outs]
+    summary = _summary(per, wall)
+    if policy != "static":
+        summary["host_overhead"] = llm.engine.stats().host_overhead
+    return summary, [o.token_ids for o in outs]
 
 
 def hf_model(args, model_like):

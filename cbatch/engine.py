@@ -101,6 +101,7 @@ class Engine:
         self._num_steps = self._num_finished = 0
         self._num_prefill_tokens = self._num_output_tokens = 0
         self._elapsed = self._occupancy_sum = 0.0
+        self._phase_s = dict.fromkeys(("schedule", "prepare", "execute", "postprocess"), 0.0)
         self.occupancy_trace: list[int] = []  # scheduled sequences per step
 
     # -------------------------------------------------------------- requests
@@ -175,14 +176,17 @@ class Engine:
         """Run one iteration; returns the outputs of the requests that changed."""
         changed = self._aborted
         self._aborted = []
+        start = time.perf_counter()
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return [request_output(s, self.tokenizer) for s in changed]
-        start = time.perf_counter()
+        scheduled_at = time.perf_counter()
         for item in schedule.scheduled:
             if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = start
-        tokens = self.runner.step(schedule.scheduled)
+                item.seq.first_scheduled_time = scheduled_at
+        batch = self.runner.build_batch(schedule.scheduled)
+        prepared_at = time.perf_counter()
+        tokens = self.runner.execute(batch, schedule.scheduled)
         now = time.perf_counter()
         for item, token in zip(schedule.scheduled, tokens):
             seq = item.seq
@@ -203,7 +207,12 @@ class Engine:
                 self._finish(seq, reason)
             changed.append(seq)
         self._num_steps += 1
-        self._elapsed += time.perf_counter() - start
+        done = time.perf_counter()
+        self._elapsed += done - start
+        self._phase_s["schedule"] += scheduled_at - start
+        self._phase_s["prepare"] += prepared_at - scheduled_at
+        self._phase_s["execute"] += now - prepared_at
+        self._phase_s["postprocess"] += done - now
         self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         self.occupancy_trace.append(len(schedule.scheduled))
         return [request_output(s, self.tokenizer) for s in changed]
@@ -218,6 +227,7 @@ class Engine:
             num_prefill_tokens=self._num_prefill_tokens,
             num_output_tokens=self._num_output_tokens,
             elapsed=self._elapsed,
+            phase_s=dict(self._phase_s),
             kv_cache_usage=self.block_manager.usage,
             mean_batch_occupancy=self._occupancy_sum / max(1, self._num_steps),
         )

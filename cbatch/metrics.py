@@ -55,8 +55,17 @@ class EngineStats:
     num_prefill_tokens: int  # tokens computed in prefill chunks (recomputation included)
     num_output_tokens: int
     elapsed: float  # seconds spent in step()
+    phase_s: dict[str, float]  # of which: schedule, prepare (step tensors), execute (model +
+    # sampling, device included), postprocess (token bookkeeping, outputs)
     kv_cache_usage: float  # fraction of blocks in use now
     mean_batch_occupancy: float  # mean scheduled sequences / max_num_seqs over steps
+
+    @property
+    def host_overhead(self) -> float:
+        """Fraction of step time spent outside the model: the Python work per step."""
+        if self.elapsed <= 0:
+            return 0.0
+        return 1.0 - self.phase_s["execute"] / self.elapsed
 
     @property
     def output_tokens_per_s(self) -> float:

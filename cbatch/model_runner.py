@@ -57,11 +57,15 @@ class ModelRunner:
             is_decode=T == S,
         )
 
-    @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSequence]) -> list[int]:
         """Run one step; returns the sampled token of every scheduled sequence (entries for
         sequences still mid-prefill are meaningless and ignored by the engine)."""
-        batch = self.build_batch(scheduled)
+        return self.execute(self.build_batch(scheduled), scheduled)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> list[int]:
+        """Forward pass and sampling for a batch from :meth:`build_batch` (waits for the
+        device: the sampled tokens come back to the host)."""
         hidden = self.model(batch, self.kv_cache)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         params = [item.seq.params for item in scheduled]

@@ -86,6 +86,10 @@ def test_streaming_outputs_and_metrics():
     assert stats.num_finished == 2 and stats.num_output_tokens == 6
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert stats.output_tokens_per_s > 0
+    assert set(stats.phase_s) == {"schedule", "prepare", "execute", "postprocess"}
+    assert all(t >= 0 for t in stats.phase_s.values())
+    assert sum(stats.phase_s.values()) == pytest.approx(stats.elapsed, rel=1e-6)
+    assert 0 <= stats.host_overhead < 1
 
 
 def test_abort_mid_run_keeps_serving_others():
