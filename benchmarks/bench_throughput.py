@@ -12,7 +12,9 @@ Engines, all on the same weights with greedy decoding:
                       installed version has it
 Each reports wall time, output tokens/s, TTFT and TPOT p50/p99 (every request arrives at the
 start), its wall-time ratio to cbatch-continuous, and the share of requests whose tokens equal
-cbatch-continuous's.  Results in benchmarks/results/<device>/throughput.*.
+cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
+outside the model (scheduling, building the step tensors, bookkeeping).  Results in
+benchmarks/results/<device>/throughput.*.
 """
 
 from __future__ import annotations
