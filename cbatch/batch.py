@@ -20,6 +20,7 @@ class StepBatch:
     slot_mapping  int64 [T]   cache slot of each new token; -1 writes nothing
     logits_indices int64 [S]  the row of each sequence's last new token (the one to sample from)
     is_decode     every sequence has exactly one new token (host-side flag: picks the kernel)
+    max_query_len the longest run of new tokens (host int: sizes the prefill kernel's grid)
     """
 
     input_ids: torch.Tensor
@@ -30,6 +31,7 @@ class StepBatch:
     slot_mapping: torch.Tensor
     logits_indices: torch.Tensor
     is_decode: bool
+    max_query_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -91,4 +93,5 @@ def make_step_batch(
         slot_mapping=tensor(slots, torch.int64),
         logits_indices=tensor([c - 1 for c in cu[1:]], torch.int64),
         is_decode=all(len(t) == 1 for t in new_tokens),
+        max_query_len=max(len(t) for t in new_tokens),
     )

@@ -143,7 +143,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     else:
         o = ops.paged_prefill_attention(q_packed, key_cache, value_cache, lay.block_tables,
                                         lay.cu_seqlens_q, lay.seq_lens, scale,
-                                        backend=_backend)
+                                        backend=_backend, max_query_len=L)
     if lay.query_valid is None:
         return o.view(B, L, H, D), None
     out = query.new_zeros(B, L, H, D)

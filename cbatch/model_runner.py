@@ -55,6 +55,7 @@ class ModelRunner:
             cu_seqlens_q=i32[: S + 1], seq_lens=i32[S + 1: 2 * S + 1],
             block_tables=i32[2 * S + 1:].view(S, max_blocks),
             is_decode=T == S,
+            max_query_len=max(item.num_new_tokens for item in scheduled),
         )
 
     def step(self, scheduled: list[ScheduledSequence]) -> list[int]:

@@ -347,6 +347,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     backend: str | None = None,
     check_bounds: bool = False,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's chunk of new tokens over its paged KV cache.
 
@@ -367,6 +368,10 @@ def paged_prefill_attention(
         Each sequence's length after this step (cached + new), ``>= n_s``.
     scale, out, backend, check_bounds :
         As in :func:`paged_decode_attention`.
+    max_query_len : int, optional
+        An upper bound on the longest run ``n_s``, known on the host (the engine knows it).
+        It sizes the Triton kernel's grid; without it the grid allows T rows per sequence
+        and the surplus programs exit at once.  Other backends do not need it.
 
     Returns
     -------
@@ -386,11 +391,15 @@ def paged_prefill_attention(
         for s, n in enumerate(seq_lens.tolist()):
             _check(0 <= cu[s + 1] - cu[s] <= n, f"sequence {s} has {cu[s + 1] - cu[s]} new "
                    f"tokens but seq_lens[{s}] = {n}")
+            _check(max_query_len is None or cu[s + 1] - cu[s] <= max_query_len,
+                   f"sequence {s} has {cu[s + 1] - cu[s]} new tokens > max_query_len "
+                   f"{max_query_len}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    impl = _IMPLS["paged_prefill_attention"][
-        resolve_backend("paged_prefill_attention", query.device, backend, query.shape[-1])
-    ]
-    result = impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    name = resolve_backend("paged_prefill_attention", query.device, backend, query.shape[-1])
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    if name == "triton":  # the one backend whose grid depends on the longest run
+        args += (-1 if max_query_len is None else int(max_query_len),)
+    result = _IMPLS["paged_prefill_attention"][name](*args)
     if out is None:
         return result
     out.copy_(result)

@@ -35,13 +35,16 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, max_query_len: int = -1) -> torch.Tensor:
+    """``max_query_len``: bound on the longest run (sizes the grid); -1 = unknown."""
     return prefill_attention.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+        None if max_query_len < 0 else max_query_len)
 
 
 @paged_prefill_attention.register_fake
-def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+      max_query_len=-1):
     return query.new_empty(query.shape)
 
 

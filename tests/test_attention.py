@@ -212,3 +212,17 @@ def test_opcheck_triton_ops():
     k = torch.randn(3, 2, 64, device=device)
     torch.library.opcheck(torch.ops.cbatch_triton.write_kv_cache,
                           (k, k.clone(), kc.nan_to_num(), vc.nan_to_num(), slots))
+
+
+@pytest.mark.parametrize("backend,device", PREFILL, ids=_ids(PREFILL))
+def test_prefill_max_query_len_hint(backend, device):
+    """The grid-sizing hint changes nothing but the launch; a too-small one is refused when
+    bounds are checked."""
+    args = paged_inputs([40, 7, 19], [33, 1, 19], 2, 64, B, torch.float32, device, 5)
+    q, kc, vc, tables, cu, seq_lens = args
+    out = ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, backend=backend,
+                                      max_query_len=33)
+    assert_attention_close(out, *args)
+    with pytest.raises(ValueError, match="max_query_len 32"):
+        ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, backend=backend,
+                                    max_query_len=32, check_bounds=True)

@@ -47,7 +47,8 @@ class Attention(nn.Module):
                                            batch.seq_lens, backend=backend)
         else:
             o = ops.paged_prefill_attention(q, key_cache, value_cache, batch.block_tables,
-                                            batch.cu_seqlens_q, batch.seq_lens, backend=backend)
+                                            batch.cu_seqlens_q, batch.seq_lens, backend=backend,
+                                            max_query_len=batch.max_query_len)
         return self.c_proj(o.reshape(T, -1))
 
 
