@@ -187,3 +187,18 @@ def test_policies_order_admission():
         while engine.has_unfinished_requests():
             order += [o.request_id for o in engine.step() if o.finished]
         assert order == expected, policy
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_every_attention_backend_serves_the_engine(tiny_hf_dir, prompts, hf_greedy, backend):
+    """Chunked prefill mixed with decodes, preemption, through each backend's kernels
+    (Triton in its interpreter without a GPU)."""
+    from cbatch import ops
+
+    if not ops.available_backends()[backend].available:
+        pytest.skip(ops.available_backends()[backend].detail)
+    llm = LLM(str(tiny_hf_dir), attention_backend=backend, max_num_seqs=6,
+              max_num_batched_tokens=9, block_size=4, num_blocks=20)
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy
+    llm.engine.block_manager.check_whole()
