@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything a GPU session should run, in as few device calls as possible.  On the device
+# machine, from the repository root:
+#
+#   bash scripts/gpu_check.sh tests      # build + full test suite on CUDA
+#   bash scripts/gpu_check.sh sanitize   # build + compute-sanitizer memcheck (kernels, engine)
+#   bash scripts/gpu_check.sh bench      # build + the four benchmarks (full grids)
+#   bash scripts/gpu_check.sh all        # all three
+#
+# Logs go to $OUT (default /tmp/cbatch-gpu); benchmark results to
+# benchmarks/results/<device>/ and a copy under $OUT/results to bring back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cbatch-gpu}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+what=${1:-all}
+
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+if ! pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+python -c "import cbatch.ops as o; [print(k, v) for k, v in o.available_backends().items()]" \
+  | tee "$OUT/backends.txt"
+rc=0
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python -m pytest -q -ra tests > "$OUT/pytest.log" 2>&1 || rc=1
+  tail -15 "$OUT/pytest.log"
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  compute-sanitizer --tool memcheck --leak-check no python scripts/sanitize_run.py \
+    > "$OUT/memcheck.log" 2>&1 || rc=1
+  tail -8 "$OUT/memcheck.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in bench_decode_attention bench_prefill_attention bench_decode_step bench_throughput; do
+    python "benchmarks/$b.py" --no-progress > "$OUT/$b.log" 2>&1 || rc=1
+    tail -3 "$OUT/$b.log"
+  done
+  dev=$(python -c "import torch, sys; sys.path.insert(0, '.'); \
+from benchmarks.common import device_slug; print(device_slug(torch.device('cuda')))")
+  mkdir -p "$OUT/results" && cp -r "benchmarks/results/$dev" "$OUT/results/"
+fi
+exit $rc
