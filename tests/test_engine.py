@@ -202,3 +202,24 @@ def test_every_attention_backend_serves_the_engine(tiny_hf_dir, prompts, hf_gree
     outs = llm.generate(prompts, _params(), use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy
     llm.engine.block_manager.check_whole()
+
+
+def test_checkpoint_tokenizer_round_trip(tiny_hf_dir, tmp_path):
+    """A checkpoint with a tokenizer.json gets it: strings in, text out."""
+    import shutil
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    path = tmp_path / "with-tokenizer"
+    shutil.copytree(tiny_hf_dir, path)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                            vocab_size=300, min_frequency=1)
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(str(path))
+    assert type(llm.tokenizer).__name__ == "HFTokenizer"
+    ids = llm.tokenizer.encode("the quick fox")
+    assert llm.tokenizer.decode(ids) == "the quick fox"
+    out = llm.generate(["the quick fox"], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.text == llm.tokenizer.decode(out.token_ids)
