@@ -60,12 +60,12 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,
         token_ids=list(out),
-        text=tokenizer.decode(out),
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
         metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                seq.first_token_time, seq.finished_time, len(out),
                                seq.num_preemptions),
+        detokenize=tokenizer.decode,
     )
 
 

@@ -70,7 +70,8 @@ def available_backends() -> dict[str, BackendStatus]:
     return status
 
 
-# op name -> backend -> implementation; filled in below and by the kernel modules.
+# op name -> backend -> implementation: the reference, then the compiled kernels and the
+# Triton launchers this install has.
 _IMPLS: dict[str, dict[str, Callable]] = {
     "write_kv_cache": {"torch": reference.write_kv_cache},
     "paged_decode_attention": {"torch": reference.paged_decode_attention},
@@ -98,8 +99,6 @@ if _ext.compiled_backends():
     @torch.library.register_fake("cbatch::paged_prefill_attention")
     def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
         return query.new_empty(query.shape)
-
-
 
 
 def _triton(op: str) -> Callable:

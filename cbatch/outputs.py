@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 from cbatch.metrics import RequestMetrics
 
@@ -12,7 +14,13 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far (all of them once finished)
-    text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics
+    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False,
+                                                         compare=False)
+
+    @cached_property
+    def text(self) -> str:
+        """The generated text, decoded on first access (streaming steps do not pay for it)."""
+        return self.detokenize(self.token_ids) if self.detokenize is not None else ""
