@@ -233,6 +233,8 @@ def write_kv_cache(
         (padding slots of a CUDA graph, tokens whose K/V are already cached).
     backend : {None, "cuda", "triton", "cpu", "torch"}
         None picks the fastest available one (see :func:`available_backends`).
+
+    Backends: all four, for float32, float16 and bfloat16 and any H, D.
     """
     _check_write_args(key, value, key_cache, value_cache, slot_mapping)
     impl = _IMPLS["write_kv_cache"][resolve_backend("write_kv_cache", key_cache.device, backend)]
@@ -311,6 +313,10 @@ def paged_decode_attention(
     out : Tensor, ``[S, H, D]``, optional
         Written in place and returned when given.
     backend : {None, "cuda", "triton", "cpu", "torch"}
+        "cuda": head_dim 64 and 128 (None falls back to "triton" for others), split-KV
+        when sequences x heads cannot fill the GPU, no host sync (CUDA-graph safe).
+        "triton": any head_dim, split-KV likewise.  "cpu": any head_dim, checks lengths
+        and block ids itself.  "torch": the reference, a Python loop over sequences.
     check_bounds : bool
         Also check on the host that every sequence fits its block table and that block
         ids are in range (a device sync; off on the hot path).
@@ -371,6 +377,9 @@ def paged_prefill_attention(
         An upper bound on the longest run ``n_s``, known on the host (the engine knows it).
         It sizes the Triton kernel's grid; without it the grid allows T rows per sequence
         and the surplus programs exit at once.  Other backends do not need it.
+
+    Backends: "triton" (CUDA; any head_dim), "cpu", "torch"; there is no CUDA C++ prefill
+    kernel yet, so None picks "triton" for CUDA tensors.
 
     Returns
     -------
