@@ -1,6 +1,8 @@
-// Paged decode and prefill attention on the CPU.  One work item is one (query token, head):
-// it walks the sequence's blocks once with an online softmax in fp32, so no buffer grows
-// with the context.  at::parallel_for spreads the items over the cores.
+// Paged decode and prefill attention on the CPU.  One work item is a tile of up to kTileRows
+// consecutive query tokens of one sequence and one head: it walks the sequence's blocks once,
+// each K/V block serving every row of the tile while it is in cache, with an online softmax
+// per row in fp32 (no buffer grows with the context).  A decode token is a tile of one row.
+// at::parallel_for spreads the items over the cores.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -36,38 +38,69 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return sum;
 }
 
-// out[0:D] = softmax(q · K[0:num_keys]) V[0:num_keys] for one head `h` of one sequence whose
-// blocks are `table`.  q is fp32 and already scaled; acc [D] and scores [block_size] are
-// scratch owned by the caller.
+constexpr int64_t kTileRows = 16;
+
+// Rows [row, row + num_rows) of the query belong to sequence `seq` and sit at positions
+// first_pos, first_pos + 1, ...; row r attends to positions [0, first_pos + r].
+struct Tile {
+  int64_t seq, row, num_rows, first_pos;
+};
+
+// Per-thread scratch for one tile.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores;
+  Scratch(int64_t D, int64_t block_size)
+      : q(kTileRows * D), acc(kTileRows * D), m(kTileRows), l(kTileRows), scores(block_size) {}
+};
+
+// out rows of `tile` for head h = softmax(q K^T) V over each row's visible positions.
 template <typename T>
-void attend(const float* q, const T* key_cache, const T* value_cache, const int32_t* table,
-            const CacheView& c, int64_t h, int64_t num_keys, float* acc, float* scores, T* out) {
+void attend_tile(const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,
+                 const int32_t* table, const CacheView& c, int64_t h, const Tile& tile,
+                 float scale, Scratch& sc, T* out) {
   const int64_t D = c.head_dim, row = c.num_heads * D;  // row: one token's [H, D]
-  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-  std::fill(acc, acc + D, 0.f);
+  const int64_t R = tile.num_rows;
+  for (int64_t r = 0; r < R; ++r) {
+    const T* q_row = query + (tile.row + r) * query_stride + h * D;
+    for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(q_row[d]) * scale;
+    sc.m[r] = -std::numeric_limits<float>::infinity();
+    sc.l[r] = 0.f;
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + R * D, 0.f);
+  const int64_t num_keys = tile.first_pos + R;  // the last row sees this many positions
   for (int64_t start = 0; start < num_keys; start += c.block_size) {
     const int64_t block = table[start / c.block_size];
-    const int64_t n = std::min(c.block_size, num_keys - start);
     const T* k = key_cache + block * c.block_size * row + h * D;
     const T* v = value_cache + block * c.block_size * row + h * D;
-    float block_max = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) {
-      scores[i] = dot(q, k + i * row, D);
-      block_max = std::max(block_max, scores[i]);
+    for (int64_t r = 0; r < R; ++r) {
+      // keys of this block that row r may see (causal within the chunk)
+      const int64_t n = std::min(c.block_size, tile.first_pos + r + 1 - start);
+      if (n <= 0) continue;
+      const float* q = sc.q.data() + r * D;
+      float* acc = sc.acc.data() + r * D;
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i) {
+        sc.scores[i] = dot(q, k + i * row, D);
+        block_max = std::max(block_max, sc.scores[i]);
+      }
+      const float new_m = std::max(sc.m[r], block_max);
+      const float correction = std::exp(sc.m[r] - new_m);  // 0 on the first block (m = -inf)
+      float l = sc.l[r] * correction;
+      for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = std::exp(sc.scores[i] - new_m);
+        l += p;
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[i * row + d]);
+      }
+      sc.m[r] = new_m;
+      sc.l[r] = l;
     }
-    const float new_m = std::max(m, block_max);
-    const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
-    l *= correction;
-    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-    for (int64_t i = 0; i < n; ++i) {
-      const float p = std::exp(scores[i] - new_m);
-      l += p;
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[i * row + d]);
-    }
-    m = new_m;
   }
-  const float inv_l = 1.f / l;
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv_l);
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv_l = 1.f / sc.l[r];
+    T* o = out + ((tile.row + r) * c.num_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(sc.acc[r * D + d] * inv_l);
+  }
 }
 
 // Host-side bounds checks: on the CPU the lengths and tables are already in host memory.
@@ -94,30 +127,27 @@ CacheView view_of(const at::Tensor& key_cache) {
   return {key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
 }
 
-// Runs attend() for every (row, head) with row r of query belonging to sequence
-// seq_of_row[r] and attending to its first num_keys[r] positions.
+// Runs attend_tile() for every (tile, head).
 at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_tables,
-               const std::vector<int64_t>& seq_of_row, const std::vector<int64_t>& num_keys,
-               double scale) {
+               const std::vector<Tile>& tiles, double scale) {
   const CacheView c = view_of(key_cache);
-  const int64_t rows = query.size(0), H = c.num_heads, D = c.head_dim;
-  at::Tensor out = at::empty({rows, H, D}, query.options());
-  const int64_t max_blocks = block_tables.size(1), q_stride = query.stride(0);
+  const int64_t H = c.num_heads;
+  at::Tensor out = at::empty({query.size(0), H, c.head_dim}, query.options());
+  const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "attend", [&] {
     const scalar_t* q_ptr = query.data_ptr<scalar_t>();
     const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
     const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(D), acc(D), scores(c.block_size);
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(c.head_dim, c.block_size);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t r = item / H, h = item % H;
-        const scalar_t* q_row = q_ptr + r * q_stride + h * D;
-        for (int64_t d = 0; d < D; ++d) q[d] = static_cast<float>(q_row[d]) * scale;
-        attend(q.data(), k_ptr, v_ptr, tables + seq_of_row[r] * max_blocks, c, h,
-               num_keys[r], acc.data(), scores.data(), out_ptr + (r * H + h) * D);
+        const Tile& tile = tiles[item / H];
+        attend_tile(q_ptr, query.stride(0), k_ptr, v_ptr, tables + tile.seq * max_blocks, c,
+                    item % H, tile, static_cast<float>(scale), scratch, out_ptr);
       }
     });
   });
@@ -137,12 +167,9 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& query, const at::Tensor&
   check_bounds(block_tables, seq_lens, view_of(key_cache));
   const int64_t S = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  std::vector<int64_t> seq_of_row(S), num_keys(S);
-  for (int64_t s = 0; s < S; ++s) {
-    seq_of_row[s] = s;
-    num_keys[s] = lens[s];
-  }
-  return run(query, key_cache, value_cache, block_tables, seq_of_row, num_keys, scale);
+  std::vector<Tile> tiles(S);
+  for (int64_t s = 0; s < S; ++s) tiles[s] = {s, s, 1, lens[s] - 1};
+  return run(query, key_cache, value_cache, block_tables, tiles, scale);
 }
 
 at::Tensor paged_prefill_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
@@ -162,17 +189,17 @@ at::Tensor paged_prefill_attention_cpu(const at::Tensor& query, const at::Tensor
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(cu[0] == 0 && cu[S] == T, "cu_seqlens_q must run from 0 to T = ", T,
                     ", got ", cu[0], " … ", cu[S]);
-  std::vector<int64_t> seq_of_row(T), num_keys(T);
+  std::vector<Tile> tiles;
+  tiles.reserve(T / kTileRows + S);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = cu[s + 1] - cu[s];
     TORCH_CHECK_VALUE(n >= 0 && n <= lens[s], "sequence ", s, " has ", n,
                       " new tokens but seq_lens[", s, "] = ", lens[s]);
-    for (int64_t i = 0; i < n; ++i) {
-      seq_of_row[cu[s] + i] = s;
-      num_keys[cu[s] + i] = lens[s] - n + i + 1;  // position + 1: causal over the chunk
+    for (int64_t i = 0; i < n; i += kTileRows) {  // chunk rows sit at the sequence's end
+      tiles.push_back({s, cu[s] + i, std::min(kTileRows, n - i), lens[s] - n + i});
     }
   }
-  return run(query, key_cache, value_cache, block_tables, seq_of_row, num_keys, scale);
+  return run(query, key_cache, value_cache, block_tables, tiles, scale);
 }
 
 }  // namespace cbatch
