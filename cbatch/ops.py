@@ -105,9 +105,9 @@ def _triton(op: str) -> Callable:
     """The Triton implementation of ``op``, imported on first use (importing triton is slow)."""
 
     def impl(*args):
-        from cbatch import kernels
+        from cbatch import triton_ops
 
-        return getattr(kernels, op)(*args)
+        return getattr(triton_ops, op)(*args)
 
     impl.__name__ = f"triton_{op}"
     return impl

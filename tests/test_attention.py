@@ -197,7 +197,7 @@ def test_opcheck_compiled_ops(dtype):
 
 @pytest.mark.skipif(not STATUS["triton"].available, reason="triton not installed")
 def test_opcheck_triton_ops():
-    from cbatch import kernels  # noqa: F401  (registers the cbatch_triton ops)
+    from cbatch import triton_ops  # noqa: F401  (registers the cbatch_triton ops)
 
     device = "cuda" if HAS_CUDA else "cpu"
     q, kc, vc, tables, cu, lens = paged_inputs([3, 20], [1, 1], 2, 64, B, torch.float32,
