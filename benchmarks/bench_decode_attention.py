@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
-    paged_inputs, pyplot, write_results)
+    paged_inputs, publish, pyplot, save_figure)
 from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
@@ -179,11 +179,8 @@ def run(args) -> Path:
     meta = {**environment(device), "copy_bandwidth_GBps": bw / 1e9, "reps": reps,
             "timing": "median, cold cache (flush buffer overwritten before every run)",
             "block_size": 16}
-    out = write_results("decode_attention", device, rows, meta, COLUMNS,
-                        Path(args.out) if args.out else None)
-    plot(rows, bw, out / "decode_attention.png")
-    print(f"results in {out}")
-    return out
+    return publish("decode_attention", device, rows, meta, COLUMNS, args.out,
+                   lambda rows, path: plot(rows, bw, path))
 
 
 def plot(rows: list[dict], bw: float, path: Path) -> None:
@@ -214,9 +211,7 @@ def plot(rows: list[dict], bw: float, path: Path) -> None:
                 ax.set_ylabel("GB/s (dashed: copy bandwidth)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"paged decode attention, heads {heads}, {dtype}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

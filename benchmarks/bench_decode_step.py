@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Timer, base_parser, copy_bandwidth, environment, pyplot, write_results)
+    Timer, base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
 from cbatch import GPT2LMHeadModel, KVCache, bytes_per_token  # noqa: E402
 from cbatch.batch import make_step_batch  # noqa: E402
 
@@ -62,11 +62,8 @@ def run(args) -> Path:
             "copy_bandwidth_GBps": bw / 1e9,
             "attention_backend": args.backend or "auto",
             "floor": "(weight bytes + KV bytes read) / measured copy bandwidth"}
-    out = write_results("decode_step", device, rows, meta, COLUMNS,
-                        Path(args.out) if args.out else None)
-    plot(rows, out / "decode_step.png", meta)
-    print(f"results in {out}")
-    return out
+    return publish("decode_step", device, rows, meta, COLUMNS, args.out,
+                   lambda rows, path: plot(rows, path, meta))
 
 
 def plot(rows, path, meta):
@@ -80,9 +77,7 @@ def plot(rows, path, meta):
     ax.set_ylabel("ms per step")
     ax.set_title(f"{meta['model']} decode step, context {rows[0]['context']}, {meta['dtype']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

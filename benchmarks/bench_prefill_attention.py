@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
-    paged_inputs, pyplot, write_results)
+    paged_inputs, publish, pyplot, save_figure)
 from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "batch", "chunk", "cached", "us", "TFLOP/s", "max_err",
@@ -113,11 +113,7 @@ def run(args) -> Path:
     meta = {**environment(device), "reps": reps, "block_size": 16,
             "copy_bandwidth_GBps": copy_bandwidth(device, (64 << 20) if args.quick else None) / 1e9,
             "timing": "median, cold cache (flush buffer overwritten before every run)"}
-    out = write_results("prefill_attention", device, rows, meta, COLUMNS,
-                        Path(args.out) if args.out else None)
-    plot(rows, out / "prefill_attention.png")
-    print(f"results in {out}")
-    return out
+    return publish("prefill_attention", device, rows, meta, COLUMNS, args.out, plot)
 
 
 def plot(rows, path):
@@ -143,9 +139,7 @@ def plot(rows, path):
     axes[0][0].set_ylabel("µs (lower is better)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"paged prefill attention, heads {heads}, {dtype}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):

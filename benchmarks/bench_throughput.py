@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Unavailable, base_parser, environment, pyplot, write_results)
+    Unavailable, base_parser, environment, publish, pyplot, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
 from cbatch.models.gpt2 import _CONV1D  # noqa: E402
 
@@ -224,11 +224,8 @@ def run(args) -> Path:
             "scale": args.scale, "max_len": args.max_len,
             "max_num_seqs": args.max_num_seqs or "the workload's batch size",
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching"}
-    out = write_results("throughput", device, rows, meta, COLUMNS,
-                        Path(args.out) if args.out else None)
-    plot(rows, out / "throughput.png", meta)
-    print(f"results in {out}")
-    return out
+    return publish("throughput", device, rows, meta, COLUMNS, args.out,
+                   lambda rows, path: plot(rows, path, meta))
 
 
 def plot(rows, path, meta):
@@ -248,9 +245,7 @@ def plot(rows, path, meta):
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{meta['model']} {meta['dtype']} on {meta['device']}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 ENGINES = ["cbatch-continuous", "cbatch-static", "hf-generate", "hf-continuous"]

@@ -137,6 +137,21 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def publish(name: str, device: torch.device, rows: list[dict], meta: dict, columns: list[str],
+            out_dir: str | None, plot: Callable[[list[dict], Path], None]) -> Path:
+    """Write the tables (see :func:`write_results`) and ``<name>.png``; returns the folder."""
+    out = write_results(name, device, rows, meta, columns, Path(out_dir) if out_dir else None)
+    plot(rows, out / f"{name}.png")
+    print(f"results in {out}")
+    return out
+
+
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """The options every benchmark has: --device, --quick, --reps, --out, --no-progress."""
     parser = argparse.ArgumentParser(description=doc,
