@@ -72,10 +72,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
               f"{len(r['trace']):5d} |")
     speedup = results[0]["wall_s"] / results[1]["wall_s"]
     print(f"\ncontinuous batching is {speedup:.2f}x faster; greedy outputs identical: {same}")
-    stats = continuous.engine.stats()
-    print(f"continuous engine: {stats.num_steps} steps, mean occupancy "
-          f"{stats.mean_batch_occupancy:.0%}, Python work outside the model "
-          f"{stats.host_overhead:.1%} of step time")
+    for r in results:
+        trace = r["trace"]
+        print(f"{r['label']:>10}: {len(trace)} steps, mean occupancy "
+              f"{sum(trace) / len(trace) / wl.batch_size:.0%} of the batch")
+    print(f"continuous engine: Python work outside the model "
+          f"{continuous.engine.stats().host_overhead:.1%} of step time")
     out = Path(args.plot)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_occupancy(results, wl.batch_size, out)
