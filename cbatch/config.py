@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -69,9 +69,6 @@ class GPT2Config:
             raise ValueError(f"{path}: scale_attn_weights=false is not supported by cbatch")
         fields = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in fields and v is not None})
-
-    def with_(self, **changes) -> GPT2Config:
-        return replace(self, **changes)
 
 
 _ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu", "relu"}
