@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
-    paged_inputs, publish, pyplot, save_figure)
+    first_shape_ok_rows, paged_inputs, publish, pyplot, save_figure)
 from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
@@ -185,11 +185,10 @@ def run(args) -> Path:
 
 def plot(rows: list[dict], bw: float, path: Path) -> None:
     plt = pyplot()
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
+    sel = first_shape_ok_rows(rows)
+    if not sel:
         return
-    heads, dtype = ok[0]["heads"], ok[0]["dtype"]
-    sel = [r for r in ok if r["heads"] == heads and r["dtype"] == dtype]
+    heads, dtype = sel[0]["heads"], sel[0]["dtype"]
     contexts = sorted({r["context"] for r in sel})
     mixes = sorted({r["mix"] for r in sel})
     fig, axes = plt.subplots(len(mixes), len(contexts), figsize=(4 * len(contexts),

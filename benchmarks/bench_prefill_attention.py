@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
-    paged_inputs, publish, pyplot, save_figure)
+    first_shape_ok_rows, paged_inputs, publish, pyplot, save_figure)
 from cbatch import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "batch", "chunk", "cached", "us", "TFLOP/s", "max_err",
@@ -118,11 +118,10 @@ def run(args) -> Path:
 
 def plot(rows, path):
     plt = pyplot()
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
+    sel = first_shape_ok_rows(rows)
+    if not sel:
         return
-    heads, dtype = ok[0]["heads"], ok[0]["dtype"]
-    sel = [r for r in ok if r["heads"] == heads and r["dtype"] == dtype]
+    heads, dtype = sel[0]["heads"], sel[0]["dtype"]
     keys = sorted({(r["chunk"], r["cached"]) for r in sel})
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False,
                              sharey=True)

@@ -137,6 +137,14 @@ def pyplot():
     return plt
 
 
+def first_shape_ok_rows(rows: list[dict]) -> list[dict]:
+    """The rows that ran ("ok") for the first (heads, dtype) measured: what a plot shows."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return []
+    return [r for r in ok if (r["heads"], r["dtype"]) == (ok[0]["heads"], ok[0]["dtype"])]
+
+
 def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -102,15 +102,16 @@ if _ext.compiled_backends():
 
 
 def _triton(op: str) -> Callable:
-    """The Triton implementation of ``op``, imported on first use (importing triton is slow)."""
+    """A stand-in for the Triton implementation of ``op``: the first call imports it
+    (importing triton is slow) and puts the custom op itself in the table."""
 
-    def impl(*args):
+    def first_call(*args):
         from cbatch import triton_ops
 
-        return getattr(triton_ops, op)(*args)
+        _IMPLS[op]["triton"] = impl = getattr(triton_ops, op)
+        return impl(*args)
 
-    impl.__name__ = f"triton_{op}"
-    return impl
+    return first_call
 
 
 if importlib.util.find_spec("triton") is not None:
