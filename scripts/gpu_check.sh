@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh tests      # build + full test suite on CUDA
 #   bash scripts/gpu_check.sh sanitize   # build + compute-sanitizer memcheck (kernels, engine)
-#   bash scripts/gpu_check.sh bench      # build + the four benchmarks (full grids)
+#   bash scripts/gpu_check.sh bench      # build + the five benchmarks (full grids)
 #   bash scripts/gpu_check.sh all        # all three
 #
 # Logs go to $OUT (default /tmp/cbatch-gpu); benchmark results to
@@ -35,7 +35,8 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   tail -8 "$OUT/memcheck.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in bench_decode_attention bench_prefill_attention bench_decode_step bench_throughput; do
+  for b in bench_decode_attention bench_prefill_attention bench_mixed_step bench_decode_step \
+      bench_throughput; do
     python "benchmarks/$b.py" --no-progress > "$OUT/$b.log" 2>&1 || rc=1
     tail -3 "$OUT/$b.log"
   done

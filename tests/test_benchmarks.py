@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (  # noqa: E402
-    bench_decode_attention, bench_decode_step, bench_prefill_attention, bench_throughput)
+    bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
+    bench_throughput)
 
 
 def _rows(out: Path, name: str) -> list[dict]:
@@ -31,6 +32,16 @@ def test_attention_benchmarks(tmp_path, module, name):
         assert "flex-paged" in {r["impl"] for r in ok}
     assert not [r for r in rows if r["status"].startswith(("WRONG", "error"))]
     assert all(r["us"] > 0 for r in ok)
+
+
+def test_mixed_step_benchmark(tmp_path):
+    rows = _rows(bench_mixed_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
+                 "mixed_step")
+    assert {r["impl"] for r in rows} == {"cpu-unified", "cpu-split", "torch-unified",
+                                         "torch-split"}
+    assert all(r["status"] == "ok" and r["us"] > 0 for r in rows)
+    for r in rows:  # each split row carries unified time / split time for its backend
+        assert (r.get("speedup", 0) > 0) == r["impl"].endswith("-split")
 
 
 def test_decode_step_benchmark(tmp_path):
