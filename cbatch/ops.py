@@ -13,6 +13,7 @@ variable ``CBATCH_ATTENTION_BACKEND`` overrides that choice.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -125,15 +126,15 @@ _DEVICE_OF = {"cuda": "cuda", "cpu": "cpu"}  # backends tied to one device type
 _HEAD_DIMS = {("paged_decode_attention", "cuda"): (64, 128)}
 
 
-def _backend_ok(op: str, backend: str, device: torch.device, head_dim: int | None = None
-                ) -> bool:
+def _backend_ok(op: str, backend: str, device_type: str, head_dim: int | None = None,
+                interpret: bool = False) -> bool:
     if backend not in _IMPLS[op]:
         return False
     if head_dim is not None and head_dim not in _HEAD_DIMS.get((op, backend), (head_dim,)):
         return False
     if backend == "triton":
-        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return _DEVICE_OF.get(backend, device.type) == device.type
+        return device_type == "cuda" or interpret
+    return _DEVICE_OF.get(backend, device_type) == device_type
 
 
 def resolve_backend(op: str, device: torch.device, backend: str | None = None,
@@ -145,67 +146,77 @@ def resolve_backend(op: str, device: torch.device, backend: str | None = None,
     that cannot run this op on these tensors.
     """
     backend = backend or os.environ.get("CBATCH_ATTENTION_BACKEND") or None
+    return _resolve(op, device.type, backend, head_dim,
+                    os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=256)  # called for every op call: keep it off the hot path
+def _resolve(op: str, device_type: str, backend: str | None, head_dim: int | None,
+             interpret: bool) -> str:
     if backend is None:
-        for candidate in _PREFERENCE.get(device.type, ("torch",)):
-            if _backend_ok(op, candidate, device, head_dim):
+        for candidate in _PREFERENCE.get(device_type, ("torch",)):
+            if _backend_ok(op, candidate, device_type, head_dim, interpret):
                 return candidate
         return "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if not _backend_ok(op, backend, device, head_dim):
+    if not _backend_ok(op, backend, device_type, head_dim, interpret):
         status = available_backends()[backend]
         if not status.available:
             why = status.detail
-        elif _backend_ok(op, backend, device):
+        elif _backend_ok(op, backend, device_type, None, interpret):
             why = f"its kernel supports head_dim {_HEAD_DIMS[(op, backend)]}, got {head_dim}"
         else:
-            why = f"it has no {op} kernel for {device.type} tensors"
-        raise ValueError(f"backend {backend!r} cannot run {op} on {device}: {why}")
+            why = f"it has no {op} kernel for {device_type} tensors"
+        raise ValueError(f"backend {backend!r} cannot run {op} on {device_type}: {why}")
     return backend
 
 
 # ----------------------------------------------------------------------------- checks
 
 
-def _check(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
-    if not cond:
-        raise exc(msg)
-
-
 def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    _check(key_cache.dim() == 4, f"key_cache must be [num_blocks, block_size, H, D], "
-           f"got shape {tuple(key_cache.shape)}")
-    _check(value_cache.shape == key_cache.shape, f"value_cache shape {tuple(value_cache.shape)} "
-           f"must equal key_cache shape {tuple(key_cache.shape)}")
-    _check(value_cache.dtype == key_cache.dtype, f"value_cache dtype {value_cache.dtype} must "
-           f"equal key_cache dtype {key_cache.dtype}", TypeError)
-    _check(key_cache.is_contiguous() and value_cache.is_contiguous(),
-           "key_cache and value_cache must be contiguous")
-    _check(value_cache.device == key_cache.device, "key_cache and value_cache must be on "
-           "the same device")
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got shape "
+                         f"{tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
+                         f"{tuple(key_cache.shape)}")
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache dtype {value_cache.dtype} must equal key_cache dtype "
+                        f"{key_cache.dtype}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if value_cache.device != key_cache.device:
+        raise ValueError("key_cache and value_cache must be on the same device")
 
 
 def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
-        _check(t.device == device, f"{name} is on {t.device} but the cache is on {device}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
 
 
 def _check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     _check_cache(key_cache, value_cache)
     H, D = key_cache.shape[2:]
-    _check(key.dim() == 3 and key.shape[1:] == (H, D), f"key must be [T, {H}, {D}] to match "
-           f"the cache, got {tuple(key.shape)}")
-    _check(value.shape == key.shape, f"value shape {tuple(value.shape)} must equal key shape "
-           f"{tuple(key.shape)}")
-    _check(key.dtype == value.dtype == key_cache.dtype, f"key, value and the cache must share "
-           f"a dtype, got {key.dtype}, {value.dtype}, {key_cache.dtype}", TypeError)
-    _check(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got "
-           f"{slot_mapping.dtype}", TypeError)
-    _check(slot_mapping.shape == key.shape[:1], f"slot_mapping must be [T={key.shape[0]}], got "
-           f"{tuple(slot_mapping.shape)}")
+    if not (key.dim() == 3 and key.shape[1:] == (H, D)):
+        raise ValueError(f"key must be [T, {H}, {D}] to match the cache, got {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} must equal key shape "
+                         f"{tuple(key.shape)}")
+    if not (key.dtype == value.dtype == key_cache.dtype):
+        raise TypeError(f"key, value and the cache must share a dtype, got {key.dtype}, "
+                        f"{value.dtype}, {key_cache.dtype}")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got "
+                         f"{tuple(slot_mapping.shape)}")
     for name, t in (("key", key), ("value", value)):
-        _check(t.stride(2) == 1 and t.stride(1) == D, f"{name} must have dense [H, D] rows per "
-               f"token, got strides {t.stride()}")
+        if not (t.stride(2) == 1 and t.stride(1) == D):
+            raise ValueError(f"{name} must have dense [H, D] rows per token, got strides "
+                             f"{t.stride()}")
     _check_same_device(key_cache.device, key=key, value=value, slot_mapping=slot_mapping)
 
 
@@ -245,23 +256,25 @@ def write_kv_cache(
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     _check_cache(key_cache, value_cache)
     H, D = key_cache.shape[2:]
-    _check(query.dim() == 3 and query.shape[1:] == (H, D), f"query must be [*, {H}, {D}] to "
-           f"match the cache's heads and head_dim, got {tuple(query.shape)}")
-    _check(query.dtype == key_cache.dtype, f"query dtype {query.dtype} must equal the cache "
-           f"dtype {key_cache.dtype}", TypeError)
-    _check(query.dtype in (torch.float32, torch.float16, torch.bfloat16),
-           f"query dtype must be float32, float16 or bfloat16, got {query.dtype}", TypeError)
-    _check(block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32,
-           f"block_tables and seq_lens must be int32, got {block_tables.dtype} and "
-           f"{seq_lens.dtype}", TypeError)
-    _check(block_tables.dim() == 2, f"block_tables must be [S, max_blocks], got "
-           f"{tuple(block_tables.shape)}")
+    if not (query.dim() == 3 and query.shape[1:] == (H, D)):
+        raise ValueError(f"query must be [*, {H}, {D}] to match the cache's heads and head_dim, "
+                         f"got {tuple(query.shape)}")
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
+    if not (block_tables.dtype == seq_lens.dtype == torch.int32):
+        raise TypeError(f"block_tables and seq_lens must be int32, got {block_tables.dtype} and "
+                        f"{seq_lens.dtype}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got {tuple(block_tables.shape)}")
     S = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    _check(S >= 1, f"seq_lens must be a non-empty [S] tensor, got {tuple(seq_lens.shape)}")
-    _check(block_tables.shape[0] == S, f"block_tables has {block_tables.shape[0]} rows for "
-           f"{S} sequences")
-    _check(block_tables.is_contiguous() and seq_lens.is_contiguous(),
-           "block_tables and seq_lens must be contiguous")
+    if S < 1:
+        raise ValueError(f"seq_lens must be a non-empty [S] tensor, got {tuple(seq_lens.shape)}")
+    if block_tables.shape[0] != S:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {S} sequences")
+    if not (block_tables.is_contiguous() and seq_lens.is_contiguous()):
+        raise ValueError("block_tables and seq_lens must be contiguous")
     _check_same_device(key_cache.device, query=query, block_tables=block_tables,
                        seq_lens=seq_lens)
 
@@ -276,14 +289,16 @@ def check_seq_lens_fit(seq_lens: torch.Tensor, block_tables: torch.Tensor,
     capacity = block_tables.shape[1] * block_size
     lens = seq_lens.tolist()
     for s, n in enumerate(lens):
-        _check(0 < n <= capacity, f"seq_lens[{s}] = {n} is outside [1, {capacity}] "
-               f"(block_tables holds {block_tables.shape[1]} blocks of {block_size})")
+        if not (0 < n <= capacity):
+            raise ValueError(f"seq_lens[{s}] = {n} is outside [1, {capacity}] (block_tables holds "
+                             f"{block_tables.shape[1]} blocks of {block_size})")
     if num_blocks is not None:
         for s, n in enumerate(lens):
             used = block_tables[s, : -(-n // block_size)]
             bad = (used < 0) | (used >= num_blocks)
-            _check(not bool(bad.any()), f"block_tables[{s}] holds block ids outside "
-                   f"[0, {num_blocks}): {used[bad].tolist()}")
+            if bool(bad.any()):
+                raise ValueError(f"block_tables[{s}] holds block ids outside [0, {num_blocks}): "
+                                 f"{used[bad].tolist()}")
 
 
 def paged_decode_attention(
@@ -327,8 +342,9 @@ def paged_decode_attention(
     Tensor, ``[S, H, D]`` in query's dtype (accumulation in float32).
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
-    _check(query.shape[0] == seq_lens.shape[0], f"query has {query.shape[0]} tokens for "
-           f"{seq_lens.shape[0]} sequences; decode takes exactly one token per sequence")
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} tokens for {seq_lens.shape[0]} sequences; "
+                         f"decode takes exactly one token per sequence")
     if check_bounds:
         check_seq_lens_fit(seq_lens, block_tables, key_cache.shape[1], key_cache.shape[0])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -387,22 +403,25 @@ def paged_prefill_attention(
     Tensor, ``[T, H, D]`` in query's dtype.
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
-    _check(cu_seqlens_q.dtype == torch.int32, f"cu_seqlens_q must be int32, got "
-           f"{cu_seqlens_q.dtype}", TypeError)
-    _check(cu_seqlens_q.shape == (seq_lens.shape[0] + 1,), f"cu_seqlens_q must be "
-           f"[S + 1 = {seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
+    if cu_seqlens_q.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_q must be int32, got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"cu_seqlens_q must be [S + 1 = {seq_lens.shape[0] + 1}], got "
+                         f"{tuple(cu_seqlens_q.shape)}")
     _check_same_device(key_cache.device, cu_seqlens_q=cu_seqlens_q)
     if check_bounds:
         check_seq_lens_fit(seq_lens, block_tables, key_cache.shape[1], key_cache.shape[0])
         cu = cu_seqlens_q.tolist()
-        _check(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q must run from 0 to "
-               f"T = {query.shape[0]}, got {cu[0]} … {cu[-1]}")
+        if not (cu[0] == 0 and cu[-1] == query.shape[0]):
+            raise ValueError(f"cu_seqlens_q must run from 0 to T = {query.shape[0]}, got {cu[0]} … "
+                             f"{cu[-1]}")
         for s, n in enumerate(seq_lens.tolist()):
-            _check(0 <= cu[s + 1] - cu[s] <= n, f"sequence {s} has {cu[s + 1] - cu[s]} new "
-                   f"tokens but seq_lens[{s}] = {n}")
-            _check(max_query_len is None or cu[s + 1] - cu[s] <= max_query_len,
-                   f"sequence {s} has {cu[s + 1] - cu[s]} new tokens > max_query_len "
-                   f"{max_query_len}")
+            if not (0 <= cu[s + 1] - cu[s] <= n):
+                raise ValueError(f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but "
+                                 f"seq_lens[{s}] = {n}")
+            if max_query_len is not None and cu[s + 1] - cu[s] > max_query_len:
+                raise ValueError(f"sequence {s} has {cu[s + 1] - cu[s]} new tokens > max_query_len "
+                                 f"{max_query_len}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     name = resolve_backend("paged_prefill_attention", query.device, backend, query.shape[-1])
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
