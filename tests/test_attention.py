@@ -67,6 +67,28 @@ def test_decode_ragged_long_tail(backend, device, block_size):
     assert_attention_close(out, *args)
 
 
+@pytest.mark.skipif(not STATUS["cpu"].available, reason="C++ extension not built")
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_cpu_kernels_any_thread_count(threads):
+    """The CPU kernels cut heads into groups by the thread count (one sequence: several
+    items per head group; many: whole heads) and hand items out dynamically."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens, new in (([300], [1]), ([5, 40, 17, 1, 90, 33, 16, 2, 64], [1] * 9),
+                          ([50, 20], [50, 3])):
+            args = paged_inputs(lens, new, 5, 64, B, torch.bfloat16, "cpu", threads)
+            q, kc, vc, tables, cu, seq_lens = args
+            if sum(new) == len(new):
+                out = ops.paged_decode_attention(q, kc, vc, tables, seq_lens, backend="cpu")
+            else:
+                out = ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
+                                                  backend="cpu")
+            assert_attention_close(out, *args)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not STATUS["triton"].available, reason="triton not installed")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_split_kv_path(dtype):
