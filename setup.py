@@ -7,9 +7,12 @@ is a CUDA build and nvcc is found.  Knobs (environment variables):
 - ``CBATCH_NO_CUDA=1``        compile the CPU kernels only, even with a CUDA torch
 - ``TORCH_CUDA_ARCH_LIST``    CUDA archs, e.g. ``"9.0"``; default ``"8.0;9.0"``
 - ``MAX_JOBS``                parallel compile jobs; default: the number of CPUs
+- ``CUDA_HOME``               the CUDA toolkit; default: where the ``nvcc`` on PATH says it lives
 """
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from setuptools import setup
@@ -19,10 +22,37 @@ PACKAGES = ["cbatch", "cbatch.models", "cbatch.kernels"]
 PACKAGE_DIR = {"cbatch.kernels": "kernels"}  # Triton code: never a top-level `kernels`
 
 
+def toolkit_root_from_nvcc() -> str | None:
+    """The CUDA toolkit's root as the ``nvcc`` on PATH reports it (``nvcc -dryrun``), if its
+    runtime library is there.  torch guesses the root as nvcc's parent folder, which is wrong
+    when that nvcc is a wrapper script (``/usr/local/bin/nvcc`` on some images): the link
+    then fails with ``cannot find -lcudart``."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        dry = subprocess.run([nvcc, "-dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (dry.stdout + dry.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            root = os.path.normpath(line.split("=", 1)[1].strip())
+            if any(os.path.exists(os.path.join(root, lib, "libcudart.so"))
+                   for lib in ("lib64", "lib")):
+                return root
+    return None
+
+
 def _extensions():
     if os.environ.get("CBATCH_NO_EXT", "0") == "1":
         return [], {}
     import torch
+
+    if torch.version.cuda and not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
+        root = toolkit_root_from_nvcc()  # before cpp_extension reads the environment
+        if root:
+            os.environ["CUDA_HOME"] = root
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
@@ -53,11 +83,11 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
-ext_modules, cmdclass = _extensions()
-
-setup(
-    packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import the helpers
+    ext_modules, cmdclass = _extensions()
+    setup(
+        packages=PACKAGES,
+        package_dir=PACKAGE_DIR,
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )

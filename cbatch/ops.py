@@ -13,7 +13,6 @@ variable ``CBATCH_ATTENTION_BACKEND`` overrides that choice.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -146,11 +145,16 @@ def resolve_backend(op: str, device: torch.device, backend: str | None = None,
     that cannot run this op on these tensors.
     """
     backend = backend or os.environ.get("CBATCH_ATTENTION_BACKEND") or None
-    return _resolve(op, device.type, backend, head_dim,
-                    os.environ.get("TRITON_INTERPRET") == "1")
+    key = (op, device.type, backend, head_dim, os.environ.get("TRITON_INTERPRET") == "1")
+    resolved = _RESOLVED.get(key)  # every op call asks: keep the search off the hot path
+    if resolved is None:
+        resolved = _RESOLVED[key] = _resolve(*key)
+    return resolved
 
 
-@functools.lru_cache(maxsize=256)  # called for every op call: keep it off the hot path
+_RESOLVED: dict[tuple, str] = {}  # (not functools.lru_cache: torch.compile warns about it)
+
+
 def _resolve(op: str, device_type: str, backend: str | None, head_dim: int | None,
              interpret: bool) -> str:
     if backend is None:

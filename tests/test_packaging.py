@@ -1,8 +1,14 @@
-"""Packaging hazards: the repository's kernels/ folder seen as a top-level `kernels`."""
+"""Packaging hazards: the repository's kernels/ folder seen as a top-level `kernels`; the
+CUDA toolkit behind a wrapper `nvcc`."""
 
+import os
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +38,14 @@ def test_top_level_kernels_import_is_inert():
                             cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on PATH")
+def test_setup_finds_the_toolkit_behind_nvcc():
+    """setup.py asks nvcc for the toolkit root (torch's guess, nvcc's parent folder, has no
+    libcudart when nvcc is a wrapper script such as /usr/local/bin/nvcc)."""
+    helpers = runpy.run_path(str(ROOT / "setup.py"), run_name="not_main")  # no setup() call
+    root = helpers["toolkit_root_from_nvcc"]()
+    assert root is not None
+    assert any(os.path.exists(os.path.join(root, lib, "libcudart.so")) for lib in ("lib64", "lib"))
+    assert os.path.exists(os.path.join(root, "bin", "nvcc"))
