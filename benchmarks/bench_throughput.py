@@ -19,6 +19,7 @@ benchmarks/results/<device>/throughput.*.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -56,11 +57,20 @@ def _summary(per_request: list[dict], wall: float) -> dict:
             "tpot_p99_ms": 1e3 * _pct(tpot, 0.99) if tpot else None}
 
 
+def _settle() -> None:
+    """Before every timed run, whichever the engine: collect, then freeze what is alive, so
+    that full garbage collections do not walk the models (cbatch's Engine does this itself
+    at start; here every engine gets it, in any order)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_cbatch(args, wl, policy) -> tuple[dict, list]:
     kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
               wl.batch_size)
     llm = LLM(args.model, scheduling_policy=policy, **kw)
     llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
+    _settle()
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, wl.params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - start
@@ -108,6 +118,7 @@ def run_hf_generate(args, wl, hf) -> tuple[dict, list]:
     pad = hf.config.eos_token_id
     ids_all = [p if isinstance(p, list) else None for p in wl.prompts]
     per, tokens = [], []
+    _settle()
     start = time.perf_counter()
     size = args.max_num_seqs or wl.batch_size
     batches = range(0, len(ids_all), size)
@@ -142,6 +153,7 @@ def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
     manager = hf.init_continuous_batching(generation_config=gen_cfg)
     manager.start()
     try:
+        _settle()
         start = time.perf_counter()
         ids = [manager.add_request(p, request_id=str(i), max_new_tokens=sp.max_tokens,
                                    record_timestamps=True)
@@ -223,7 +235,9 @@ def run(args) -> Path:
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "scale": args.scale, "max_len": args.max_len,
             "max_num_seqs": args.max_num_seqs or "the workload's batch size",
-            "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching"}
+            "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
+            "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
+                      "each timed run, whichever the engine"}
     return publish("throughput", device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 

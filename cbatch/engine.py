@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import time
 
@@ -54,12 +56,29 @@ def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
     return mem // per_block
 
 
+def freeze_long_lived_objects() -> None:
+    """Move every object alive now (the model, the tokenizer, the modules of torch and
+    transformers) out of the garbage collector's sight, as vLLM does after start-up: a full
+    collection then walks only what the serving loop allocates.  Measured on the 2-core CPU
+    with 256 running sequences of a tiny model: 7.7 -> 5.9 ms per step.  At exit they are
+    handed back, so that the last collection (and extensions' leak checks) sees them."""
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False
+
+
 def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
-    out = seq.output_token_ids
+    out = seq.output_token_ids  # a copy: the output is a snapshot
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,
-        token_ids=list(out),
+        token_ids=out,
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
         metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
@@ -103,6 +122,7 @@ class Engine:
         self._elapsed = self._occupancy_sum = 0.0
         self._phase_s = dict.fromkeys(("schedule", "prepare", "execute", "postprocess"), 0.0)
         self.occupancy_trace: list[int] = []  # scheduled sequences per step
+        freeze_long_lived_objects()
 
     # -------------------------------------------------------------- requests
 
@@ -206,16 +226,17 @@ class Engine:
                 del self._requests[seq.request_id]
                 self._finish(seq, reason)
             changed.append(seq)
+        outputs = [request_output(s, self.tokenizer) for s in changed]
         self._num_steps += 1
         done = time.perf_counter()
         self._elapsed += done - start
         self._phase_s["schedule"] += scheduled_at - start
         self._phase_s["prepare"] += prepared_at - scheduled_at
         self._phase_s["execute"] += now - prepared_at
-        self._phase_s["postprocess"] += done - now
+        self._phase_s["postprocess"] += done - now  # token bookkeeping and the outputs
         self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         self.occupancy_trace.append(len(schedule.scheduled))
-        return [request_output(s, self.tokenizer) for s in changed]
+        return outputs
 
     def stats(self) -> EngineStats:
         return EngineStats(

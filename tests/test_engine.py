@@ -92,6 +92,19 @@ def test_streaming_outputs_and_metrics():
     assert 0 <= stats.host_overhead < 1
 
 
+def test_outputs_are_snapshots_and_the_model_is_frozen_for_the_gc():
+    import gc
+
+    engine = Engine("random:tiny", max_num_seqs=2)
+    assert gc.get_freeze_count() > 0  # the model and libraries are out of the collector's way
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    first = engine.step()[0]
+    snapshot = list(first.token_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert first.token_ids == snapshot and len(snapshot) == 1  # later steps did not touch it
+
+
 def test_abort_mid_run_keeps_serving_others():
     engine = Engine("random:tiny", max_num_seqs=4)
     p = SamplingParams(max_tokens=10, ignore_eos=True)
