@@ -45,6 +45,13 @@ def _cases():
            {"ROW": 768, "BLOCK": 1024})
 
 
+# Integer arguments that are multiples of 16 for GPT-2-like shapes (the cache strides
+# B*H*D, H*D, D; a fused-qkv view's token stride 3*H*D and head stride D): at run time Triton
+# specializes on that (16-byte vector loads), so the variant compiled here does too.
+ALIGNED_INTS = {"stride_c_block", "stride_c_tok", "stride_c_head", "stride_q_t", "stride_q_h",
+                "stride_o_t", "stride_o_h", "stride_k_t", "stride_v_t"}
+
+
 def _compile(kernel, pointer_types: dict, constexprs: dict) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,15 +60,18 @@ def _compile(kernel, pointer_types: dict, constexprs: dict) -> str:
     from triton.runtime.autotuner import Autotuner
 
     fn = kernel.fn if isinstance(kernel, Autotuner) else kernel  # the JITFunction
-    signature = {}
-    for name in inspect.signature(fn.fn).parameters:
+    signature, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
+            continue
+        if name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, pointer_types["*"])
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        if name.endswith("_ptr") or name in ALIGNED_INTS:  # torch allocations: 16-B aligned
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
