@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -57,7 +56,8 @@ __attribute__((target("avx,f16c"))) void widen_f16c(const c10::Half* src, float*
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 bool has_f16c() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("f16c"));
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx") &&
+                                                     __builtin_cpu_supports("f16c"));
   return yes;
 }
 #endif
