@@ -15,32 +15,33 @@ OUT=${OUT:-/tmp/cbatch-gpu}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 what=${1:-all}
+PY=${PYTHON:-python3}  # the device image's python3 is the one that holds torch
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-if ! pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+if ! "$PY" -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   exit 1
 fi
-python -c "import cbatch.ops as o; [print(k, v) for k, v in o.available_backends().items()]" \
+"$PY" -c "import cbatch.ops as o; [print(k, v) for k, v in o.available_backends().items()]" \
   | tee "$OUT/backends.txt"
 rc=0
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python -m pytest -q -ra tests > "$OUT/pytest.log" 2>&1 || rc=1
+  "$PY" -m pytest -q -ra tests > "$OUT/pytest.log" 2>&1 || rc=1
   tail -15 "$OUT/pytest.log"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
-  compute-sanitizer --tool memcheck --leak-check no python scripts/sanitize_run.py \
+  compute-sanitizer --tool memcheck --leak-check no "$PY" scripts/sanitize_run.py \
     > "$OUT/memcheck.log" 2>&1 || rc=1
   tail -8 "$OUT/memcheck.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in bench_decode_attention bench_prefill_attention bench_mixed_step bench_decode_step \
       bench_throughput; do
-    python "benchmarks/$b.py" --no-progress > "$OUT/$b.log" 2>&1 || rc=1
+    "$PY" "benchmarks/$b.py" --no-progress > "$OUT/$b.log" 2>&1 || rc=1
     tail -3 "$OUT/$b.log"
   done
-  dev=$(python -c "import torch, sys; sys.path.insert(0, '.'); \
+  dev=$("$PY" -c "import torch, sys; sys.path.insert(0, '.'); \
 from benchmarks.common import device_slug; print(device_slug(torch.device('cuda')))")
   mkdir -p "$OUT/results" && cp -r "benchmarks/results/$dev" "$OUT/results/"
 fi
