@@ -229,9 +229,15 @@ def paged_inputs(lens: list[int], H: int, D: int, dtype: torch.dtype, device: to
         tables[s, :n] = perm[offset:offset + n]
         offset += n
     shape = (num_blocks, block_size, H, D)
-    key_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    value_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    query = torch.randn(sum(num_new), H, D, generator=gen).to(device=device, dtype=dtype)
+    # drawn where they live: gigabytes of cache are quick to draw on a GPU, slow on its host
+    device = torch.device(device)
+    data_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(size, generator=data_gen, device=device, dtype=dtype)
+
+    key_cache, value_cache = randn(*shape), randn(*shape)
+    query = randn(sum(num_new), H, D)
     cu = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.int32)
     return (query, key_cache, value_cache, tables.to(device), cu.to(device),
             torch.tensor(lens, dtype=torch.int32, device=device))
