@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Timer, Unavailable, base_parser, check_and_time, environment, first_shape_ok_rows,
+    Timer, base_parser, check_and_time, check_backend, environment, first_shape_ok_rows,
     paged_inputs, publish, pyplot, save_figure)
 from cbatch import ops, reference  # noqa: E402
 
@@ -32,26 +32,18 @@ COLUMNS = ["impl", "heads", "dtype", "decodes", "context", "prefills", "chunk", 
            "speedup", "max_err", "status"]
 
 
-def _check_backend(backend: str, device: torch.device, head_dim: int) -> str | None:
+def _backend_arg(backend: str, device: torch.device, head_dim: int) -> str | None:
     """The backend argument for the ops (None = auto), or Unavailable."""
     if backend == "auto":
         return None
-    status = ops.available_backends()[backend]
-    if not status.available:
-        raise Unavailable(status.detail)
-    if backend == "triton" and device.type != "cuda":
-        raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
-    for op in ("paged_decode_attention", "paged_prefill_attention"):
-        try:
-            ops.resolve_backend(op, device, backend, head_dim)
-        except ValueError as e:
-            raise Unavailable(str(e)) from e
+    check_backend(backend, device, head_dim, "paged_decode_attention",
+                  "paged_prefill_attention")
     return backend
 
 
 def unified(backend: str, num_decodes: int, max_query_len: int):
     def build(q, kc, vc, bt, cu, sl):
-        b = _check_backend(backend, q.device, q.shape[-1])
+        b = _backend_arg(backend, q.device, q.shape[-1])
         return lambda: ops.paged_prefill_attention(q, kc, vc, bt, cu, sl, backend=b,
                                                    max_query_len=max_query_len)
     return build
@@ -59,7 +51,7 @@ def unified(backend: str, num_decodes: int, max_query_len: int):
 
 def split(backend: str, num_decodes: int, max_query_len: int):
     def build(q, kc, vc, bt, cu, sl):
-        b = _check_backend(backend, q.device, q.shape[-1])
+        b = _backend_arg(backend, q.device, q.shape[-1])
         nd = num_decodes
         # what a step batch would carry precomputed: the prefill half's own offsets
         q_dec, q_pre, cu_pre = q[:nd], q[nd:], (cu[nd:] - nd).contiguous()

@@ -173,20 +173,28 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def check_backend(backend: str, device: torch.device, head_dim: int, *op_names: str) -> None:
+    """Raise Unavailable unless cbatch's ``backend`` can be timed running every op named."""
+    from cbatch import ops
+
+    status = ops.available_backends()[backend]
+    if not status.available:
+        raise Unavailable(status.detail)
+    if backend == "triton" and device.type != "cuda":
+        raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
+    for op in op_names:
+        try:
+            ops.resolve_backend(op, device, backend, head_dim)
+        except ValueError as e:
+            raise Unavailable(str(e)) from e
+
+
 def cbatch_impl(op: str, backend: str):
     """A builder for an implementation row: cbatch's ``op`` on ``backend``, or Unavailable."""
     from cbatch import ops
 
     def build(query, *args):
-        status = ops.available_backends()[backend]
-        if not status.available:
-            raise Unavailable(status.detail)
-        if backend == "triton" and query.device.type != "cuda":
-            raise Unavailable("Triton on the CPU runs only in its interpreter (not timed)")
-        try:
-            ops.resolve_backend(op, query.device, backend, query.shape[-1])
-        except ValueError as e:
-            raise Unavailable(str(e)) from e
+        check_backend(backend, query.device, query.shape[-1], op)
         fn = getattr(ops, op)
         return lambda: fn(query, *args, backend=backend)
 
