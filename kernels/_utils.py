@@ -7,6 +7,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -31,3 +32,12 @@ def upcast(dtype: torch.dtype) -> bool:
     """Do the dots in fp32: for fp32 inputs, and always under the interpreter (its bf16
     arithmetic is wrong)."""
     return dtype == torch.float32 or interpreting()
+
+
+@triton.jit
+def paged_offsets(table, offs_n, mask_n, PAGE_SIZE: tl.constexpr, stride_c_block,
+                  stride_c_tok):
+    """Element offsets in the cache of a sequence's token positions ``offs_n`` (masked by
+    ``mask_n``), through its block table ``table``: the start of each token's [H, D] row."""
+    block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    return block * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok

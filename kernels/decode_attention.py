@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import configs, interpreting, num_sms
+from cbatch.kernels._utils import configs, interpreting, num_sms, paged_offsets
 
 TILE_N_SPACE = [32, 64, 128]
 
@@ -55,8 +55,8 @@ def _paged_decode_kernel(
     for tile in range(start, end, TILE_N):
         offs_n = tile + tl.arange(0, TILE_N)
         mask_n = offs_n < end
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = block * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + head * stride_c_head
+        row = (paged_offsets(table, offs_n, mask_n, PAGE_SIZE, stride_c_block, stride_c_tok)
+               + head * stride_c_head)
         mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # [TILE_N]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import configs, upcast
+from cbatch.kernels._utils import configs, paged_offsets, upcast
 
 
 def _prefill_configs():
@@ -59,8 +59,8 @@ def _paged_prefill_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = block * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + head * stride_c_head
+        row = (paged_offsets(table, offs_n, mask_n, PAGE_SIZE, stride_c_block, stride_c_tok)
+               + head * stride_c_head)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
