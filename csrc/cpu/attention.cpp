@@ -321,10 +321,9 @@ inline void work_any(const Job<c10::BFloat16>& job, Scratch& sc) { work_bf16(job
 // Runs attend() for every (tile, head group) item.
 template <typename T>
 void run_items(const at::Tensor& query, const at::Tensor& key_cache,
-               const at::Tensor& value_cache, const at::Tensor& block_tables,
+               const at::Tensor& value_cache, const at::Tensor& block_tables, const CacheView& c,
                const std::vector<Tile>& tiles, const std::vector<Item>& items, float scale,
                at::Tensor& out) {
-  const CacheView c = view_of(key_cache);
   const int64_t max_heads = items.front().head_end - items.front().head_begin;
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
@@ -345,13 +344,13 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
   const float s = static_cast<float>(scale);
   switch (query.scalar_type()) {
     case at::kFloat:
-      run_items<float>(query, key_cache, value_cache, block_tables, tiles, items, s, out);
+      run_items<float>(query, key_cache, value_cache, block_tables, c, tiles, items, s, out);
       break;
     case at::kHalf:
-      run_items<c10::Half>(query, key_cache, value_cache, block_tables, tiles, items, s, out);
+      run_items<c10::Half>(query, key_cache, value_cache, block_tables, c, tiles, items, s, out);
       break;
     case at::kBFloat16:
-      run_items<c10::BFloat16>(query, key_cache, value_cache, block_tables, tiles, items, s,
+      run_items<c10::BFloat16>(query, key_cache, value_cache, block_tables, c, tiles, items, s,
                                out);
       break;
     default:
