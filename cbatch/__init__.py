@@ -1,29 +1,43 @@
-"""cbatch: continuous-batching inference for GPT-2-family models with ragged paged attention."""
+"""cbatch: continuous-batching inference for GPT-2-family models with ragged paged attention.
 
-from cbatch import ops
-from cbatch.config import MODEL_CONFIGS, EngineConfig, GPT2Config
-from cbatch.engine import Engine
-from cbatch.kv_cache import KVCache, bytes_per_token
-from cbatch.llm import LLM
-from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
-from cbatch.outputs import RequestOutput
-from cbatch.sampling_params import SamplingParams
-from cbatch.static import StaticBatchEngine
+The names below are imported on first use, so ``import cbatch.ops`` or ``import cbatch.hf``
+loads the kernels and nothing of the engine, the entry points or the server.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "Engine",
-    "EngineConfig",
-    "RequestOutput",
-    "SamplingParams",
-    "StaticBatchEngine",
-    "GPT2Config",
-    "GPT2LMHeadModel",
-    "KVCache",
-    "MODEL_CONFIGS",
-    "bytes_per_token",
-    "load_model",
-    "ops",
-]
+_EXPORTS = {
+    "LLM": "cbatch.entrypoints.llm",
+    "Engine": "cbatch.core.engine",
+    "StaticBatchEngine": "cbatch.core.static",
+    "EngineConfig": "cbatch.config",
+    "GPT2Config": "cbatch.config",
+    "MODEL_CONFIGS": "cbatch.config",
+    "RequestOutput": "cbatch.outputs",
+    "SamplingParams": "cbatch.sampling_params",
+    "GPT2LMHeadModel": "cbatch.models.gpt2",
+    "load_model": "cbatch.models.gpt2",
+    "KVCache": "cbatch.kv_cache",
+    "bytes_per_token": "cbatch.kv_cache",
+}
+
+__all__ = sorted(_EXPORTS) + ["ops"]
+
+
+def __getattr__(name: str):
+    if name == "ops":
+        return importlib.import_module("cbatch.ops")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cbatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -100,6 +100,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    tokenizer: str | None = None  # a path or hub id; None: the model's own
+    cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for CUDA
+    async_scheduling: bool = False  # schedule step n+1 while step n runs on the device
+    enable_prefix_caching: bool = True  # requests share the KV blocks of common prefixes
+    batch_invariant: bool = False  # a request's logits never depend on its batch-mates
 
     def __post_init__(self) -> None:
         import torch
@@ -118,7 +123,7 @@ class EngineConfig:
         if mem is not None and (mem <= 0 or (isinstance(mem, float) and mem > 1)):
             raise ValueError("kv_cache_memory must be a byte count or a fraction in (0, 1], "
                              f"got {mem}")
-        from cbatch.scheduler import POLICIES
+        from cbatch.core.scheduler import POLICIES
 
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "

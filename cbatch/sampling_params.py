@@ -17,6 +17,10 @@ class SamplingParams:
                     in the batch (None: derived from the engine's seed and the request)
     stop_token_ids  tokens that finish the request (with reason "stop"); they are kept
     ignore_eos      keep going past the model's end-of-sequence token
+    stop            strings that finish the request (reason "stop"); the text ends before
+                    the first one
+    logprobs        None: none; k >= 1: the log-probability of each sampled token and the
+                    k most likely alternatives at every step (RequestOutput.logprobs)
     """
 
     max_tokens: int = 16
@@ -26,6 +30,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,6 +43,12 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or self.logprobs < 1):
+            raise ValueError(f"logprobs must be None or an int >= 1, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

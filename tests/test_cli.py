@@ -1,6 +1,6 @@
 """The command line, on a tiny random model."""
 
-from cbatch.cli import main
+from cbatch.entrypoints.cli import main
 
 
 def test_demo_prints_table_and_writes_plot(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 import torch
 
-from cbatch.sampler import SamplingBatch, sample
+from cbatch.core.sampler import SamplingBatch, sample
 
 
 def _batch(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from cbatch.block_manager import BlockManager
+from cbatch.core.block_manager import BlockManager
+from cbatch.core.scheduler import Scheduler
+from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.sampling_params import SamplingParams
-from cbatch.scheduler import Scheduler
-from cbatch.sequence import Sequence, SequenceStatus
 
-TORCH_FREE = ["scheduler.py", "block_manager.py", "sequence.py", "sampling_params.py"]
+TORCH_FREE = ["core/scheduler.py", "core/block_manager.py", "core/sequence.py", "sampling_params.py"]
 
 
 @pytest.mark.parametrize("name", TORCH_FREE)
@@ -26,7 +26,8 @@ def test_module_imports_no_torch(name):
         for mod in mods:
             assert not mod.startswith(("torch", "numpy")), f"{name} imports {mod}"
             if mod.startswith("cbatch."):
-                assert mod.removeprefix("cbatch.") + ".py" in TORCH_FREE, f"{name} imports {mod}"
+                path = mod.removeprefix("cbatch.").replace(".", "/") + ".py"
+                assert path in TORCH_FREE, f"{name} imports {mod}"
 
 
 def _seq(i, prompt_len, max_tokens=4, priority=0):

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from cbatch.config import EngineConfig
-from cbatch.engine import load_model_and_tokenizer, request_output
+from cbatch.core.engine import load_model_and_tokenizer, request_output
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.outputs import RequestOutput
-from cbatch.sampler import SamplingBatch, sample
+from cbatch.core.sampler import SamplingBatch, sample
 from cbatch.sampling_params import SamplingParams
-from cbatch.sequence import Sequence, SequenceStatus
+from cbatch.core.sequence import Sequence, SequenceStatus
 
 
 def dense_forward(model: GPT2LMHeadModel, input_ids: torch.Tensor, position_ids: torch.Tensor,

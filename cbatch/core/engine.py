@@ -9,16 +9,16 @@ import time
 
 import torch
 
-from cbatch.block_manager import BlockManager
+from cbatch.core.block_manager import BlockManager
 from cbatch.config import EngineConfig
 from cbatch.kv_cache import KVCache, bytes_per_token
 from cbatch.metrics import EngineStats, RequestMetrics
-from cbatch.model_runner import ModelRunner
+from cbatch.core.model_runner import ModelRunner
 from cbatch.models.gpt2 import GPT2LMHeadModel, load_model, resolve_checkpoint_dir
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
-from cbatch.scheduler import Scheduler
-from cbatch.sequence import Sequence, SequenceStatus
+from cbatch.core.scheduler import Scheduler
+from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30

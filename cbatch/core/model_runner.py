@@ -8,8 +8,8 @@ import torch
 from cbatch.batch import StepBatch
 from cbatch.kv_cache import KVCache
 from cbatch.models.gpt2 import GPT2LMHeadModel
-from cbatch.sampler import SamplingBatch, sample
-from cbatch.scheduler import ScheduledSequence
+from cbatch.core.sampler import SamplingBatch, sample
+from cbatch.core.scheduler import ScheduledSequence
 
 
 class ModelRunner:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cbatch.block_manager import BlockManager
-from cbatch.sequence import Sequence, SequenceStatus
+from cbatch.core.block_manager import BlockManager
+from cbatch.core.sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority", "sjf")
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from cbatch.engine import Engine
+from cbatch.core.engine import Engine
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
-from cbatch.static import StaticBatchEngine
+from cbatch.core.static import StaticBatchEngine
 
 
 class LLM:
     """Offline batched generation.
 
     ``scheduling_policy`` "fcfs" / "priority" / "sjf" run the continuous-batching
-    :class:`~cbatch.Engine`; "static" runs the :class:`~cbatch.static.StaticBatchEngine`
+    :class:`~cbatch.Engine`; "static" runs the :class:`~cbatch.core.static.StaticBatchEngine`
     baseline.  Other keywords are those of :class:`cbatch.config.EngineConfig`.
     """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cbatch import workloads
-from cbatch.llm import LLM
+from cbatch.entrypoints.llm import LLM
 from cbatch.sampling_params import SamplingParams
 
 
