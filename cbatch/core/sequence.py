@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cbatch.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +42,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # made when its text is first read
 
     def __post_init__(self) -> None:
         if not self.token_ids:
