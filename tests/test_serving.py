@@ -210,3 +210,14 @@ def test_cbatch_serve_command(tmp_path):
     # uvicorn shuts down gracefully, then re-raises SIGTERM as its exit status
     assert proc.returncode in (0, -signal.SIGTERM), out.decode()[-2000:]
     assert "Application shutdown complete" in out.decode()
+
+
+def test_ops_and_hf_import_no_engine_or_server():
+    probe = ("import sys, cbatch.ops, cbatch.hf\n"
+             "bad = [m for m in sys.modules if m.startswith(('cbatch.core', 'cbatch.entrypoints',"
+             " 'fastapi', 'uvicorn', 'ray'))]\n"
+             "assert not bad, bad\n"
+             "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

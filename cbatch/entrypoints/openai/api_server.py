@@ -123,6 +123,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="seconds running requests get to finish at shutdown")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--num-replicas", type=int, default=1,
+                        help="> 1: that many engines behind one route with Ray Serve")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -137,9 +139,17 @@ def run_server(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
 
+    name = args.served_model_name or args.model
+    if args.num_replicas > 1:
+        from cbatch.entrypoints.ray_serve import serve
+
+        gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
+        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
+              num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
+              **engine_kwargs(args))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    name = args.served_model_name or args.model
     engine, metrics = build_engine(args.model, args.max_waiting, name, **engine_kwargs(args))
     app = build_app(engine, metrics, name, args.shutdown_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
