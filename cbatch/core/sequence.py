@@ -10,12 +10,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from cbatch.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from cbatch.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -42,7 +38,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    detokenizer: IncrementalDetokenizer | None = None  # made when its text is first read
+    # a cbatch.detokenizer.IncrementalDetokenizer, made when the text is first read (not
+    # imported: this module stays free of everything but sampling_params)
+    detokenizer: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
