@@ -22,6 +22,8 @@ _EXPORTS = {
     "load_model": "cbatch.models.gpt2",
     "KVCache": "cbatch.kv_cache",
     "bytes_per_token": "cbatch.kv_cache",
+    "AsyncEngine": "cbatch.core.async_engine",
+    "serve": "cbatch.entrypoints.ray_serve",
 }
 
 __all__ = sorted(_EXPORTS) + ["ops"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from cbatch.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from cbatch.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
@@ -17,10 +20,12 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics
-    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False,
-                                                         compare=False)
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def text(self) -> str:
-        """The generated text, decoded on first access (streaming steps do not pay for it)."""
-        return self.detokenize(self.token_ids) if self.detokenize is not None else ""
+        """The generated text, decoded on first access (steps nobody reads do not pay for it):
+        up to the first stop string; while unfinished, the part no later token can change."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.text_at(len(self.token_ids), self.finished)

@@ -11,6 +11,7 @@ import torch
 
 from cbatch.core.block_manager import BlockManager
 from cbatch.config import EngineConfig
+from cbatch.detokenizer import detokenizer_for
 from cbatch.kv_cache import KVCache, bytes_per_token
 from cbatch.metrics import EngineStats, RequestMetrics
 from cbatch.core.model_runner import ModelRunner
@@ -96,7 +97,7 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
         metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                seq.first_token_time, seq.finished_time, len(out),
                                seq.num_preemptions),
-        detokenize=tokenizer.decode,
+        detokenizer=detokenizer_for(seq, tokenizer),
     )
 
 
@@ -242,6 +243,8 @@ class Engine:
         params = seq.params
         if token in params.stop_token_ids or (
                 not params.ignore_eos and token == self.model.config.eos_token_id):
+            return "stop"
+        if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"

@@ -38,6 +38,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # a cbatch.detokenizer.IncrementalDetokenizer, made when the text is first read (not
+    # imported: this module stays free of everything but sampling_params)
+    detokenizer: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -93,6 +93,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"ttft {out.metrics.ttft * 1e3:.0f} ms)\n{prompt}{out.text}")
 
 
+def add_serve_command(sub, common: argparse.ArgumentParser) -> None:
+    """`cbatch serve`: the OpenAI-compatible server (imported only when it runs)."""
+    from cbatch.entrypoints.openai.api_server import add_server_args
+
+    def cmd_serve(args: argparse.Namespace) -> None:
+        from cbatch.entrypoints.openai.api_server import run_server
+
+        run_server(args)
+
+    serve = sub.add_parser("serve", parents=[common], help="serve the OpenAI API over HTTP")
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    add_serve_command(sub, common)
 
     args = parser.parse_args(argv)
     args.func(args)

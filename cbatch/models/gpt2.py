@@ -198,7 +198,8 @@ def resolve_checkpoint_dir(name_or_path: str) -> Path:
         return Path(snapshot_download(
             name_or_path,
             allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin",
-                            "tokenizer.json", "vocab.json", "merges.txt"],
+                            "tokenizer.json", "vocab.json", "merges.txt",
+                            "tokenizer_config.json", "chat_template.jinja"],
         ))
     except Exception as e:  # offline, unknown repo, no huggingface_hub
         raise FileNotFoundError(f"{name_or_path!r} is neither a local checkpoint directory nor "

@@ -1,0 +1,243 @@
+"""The engine for asyncio callers: one background thread runs ``Engine.step()`` in a loop, and
+every request is an async iterator of its outputs.
+
+Callers (coroutines on any event loop) never touch the engine: they post commands (add,
+abort) to a queue that the engine thread drains between steps, and the engine thread hands
+each step's outputs to the callers' loops in one ``call_soon_threadsafe`` per loop.  So the
+event loop never waits for a step, and the engine, its scheduler and each request's
+detokenizer are only ever used from one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from cbatch.core.engine import Engine
+from cbatch.metrics import EngineStats
+from cbatch.outputs import RequestOutput
+from cbatch.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the request was refused (retry later)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shutting down or its loop failed; it takes no more requests."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, the last one ``finished``.
+
+    Stopping early (``aclose()``, leaving an ``async for`` by ``break`` or an exception, or
+    dropping the stream) aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the caller went away
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._post(("abort", self.request_id))
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """An :class:`~cbatch.Engine` stepped by a background thread.
+
+    ``max_waiting`` bounds the requests admitted but not yet running: one more is refused
+    with :class:`QueueFullError` instead of piling up.  ``on_finished(output)`` is called on
+    the engine thread for every finished request (metrics).  Other keywords are those of
+    :class:`cbatch.config.EngineConfig`.
+
+    >>> async def main():
+    ...     engine = AsyncEngine("random:tiny", max_num_seqs=4)
+    ...     async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+    ...         pass
+    ...     engine.shutdown()
+    ...     return out.finish_reason
+    >>> asyncio.run(main())
+    'length'
+    """
+
+    def __init__(self, model: str = "random:gpt2", *, max_waiting: int = 1024,
+                 on_finished: Callable[[RequestOutput], None] | None = None, **engine_kwargs):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = Engine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self.stats: EngineStats = self.engine.stats()  # a snapshot after the latest step
+        self._commands: collections.deque = collections.deque()  # appended from any thread
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._deadline = float("inf")  # shutdown aborts what is still running after this
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="cbatch-engine", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- callers' side
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self._error is None
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Admit a request; returns its stream.  Raises what :meth:`Engine.add_request`
+        raises for a bad request, :class:`QueueFullError` when the waiting queue is full and
+        :class:`EngineDeadError` when the engine is not running."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is shut down" if self._error is None else
+                                  f"the engine loop failed: {self._error!r}")
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._post(("add", request_id, prompt, params, priority,
+                    asyncio.get_running_loop(), queue))
+        try:
+            admitted = await queue.get()  # None, or the reason it was refused
+        except BaseException:  # cancelled while waiting: do not leave it running unheard
+            self.abort(request_id)
+            raise
+        if admitted is not None:
+            raise admitted
+        return RequestStream(self, request_id, queue)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it runs; the last one is finished."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op if it has finished)."""
+        self._post(("abort", str(request_id)))
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop taking requests, let running ones finish for up to ``timeout`` seconds, abort
+        the rest (their streams end with reason "abort"), and stop the engine thread.  Every
+        KV block is free afterwards.  Blocks the calling thread: from a coroutine use
+        ``await asyncio.to_thread(engine.shutdown, timeout)``."""
+        self._deadline = time.monotonic() + timeout
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join()
+        if self._error is None:
+            self.engine.block_manager.check_whole()
+
+    def _post(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    # -------------------------------------------------------------- the engine thread
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wakeup.clear()
+                pending: dict = collections.defaultdict(list)
+                self._handle_commands(pending)
+                if self._stopping and time.monotonic() >= self._deadline:
+                    for request_id in list(self._streams):  # every unfinished request
+                        engine.abort(request_id)
+                if engine.has_unfinished_requests():
+                    self._collect(engine.step(), pending)
+                    self.stats = engine.stats()
+                self._deliver(pending)
+                if not engine.has_unfinished_requests() and not self._commands:
+                    if self._stopping:
+                        break
+                    self._wakeup.wait()
+        except BaseException as exc:  # the loop is dead: every caller must hear of it
+            self._error = exc
+            pending = collections.defaultdict(list)
+            for loop, queue in self._streams.values():
+                pending[loop].append((queue, EngineDeadError(f"the engine loop failed: {exc!r}")))
+            self._streams.clear()
+            self._deliver(pending)
+            raise
+
+    def _handle_commands(self, pending: dict) -> None:
+        engine = self.engine
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "abort":
+                if self._streams.pop(command[1], None) is not None:
+                    engine.abort(command[1])
+                continue
+            _, request_id, prompt, params, priority, loop, queue = command
+            try:
+                if self._stopping:
+                    raise EngineDeadError("the engine is shutting down")
+                if len(engine.scheduler.waiting) >= self.max_waiting:
+                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting} "
+                                         "requests waiting); retry later")
+                engine.add_request(prompt, params, priority, request_id)
+            except Exception as exc:  # refused: the caller raises it
+                pending[loop].append((queue, exc))
+                continue
+            self._streams[request_id] = (loop, queue)
+            pending[loop].append((queue, None))
+
+    def _collect(self, outputs: list[RequestOutput], pending: dict) -> None:
+        for out in outputs:
+            out.text  # decoded here, on the engine thread that owns the detokenizer
+            if out.finished and self.on_finished is not None:
+                self.on_finished(out)
+            target = (self._streams.pop if out.finished else self._streams.get)(out.request_id,
+                                                                                 None)
+            if target is not None:
+                loop, queue = target
+                pending[loop].append((queue, out))
+
+    @staticmethod
+    def _deliver(pending: dict) -> None:
+        for loop, items in pending.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,101 @@
+"""Incremental detokenization and stop strings.
+
+A request's text grows by one token at a time.  Decoding the whole output again at every
+step costs O(n) per token; instead each new token is decoded once, in a small window that
+starts at the previous piece of text (the context some tokenizers need to place spaces), as
+vLLM and transformers' ``TextStreamer`` do.  A token that ends in the middle of a multi-byte
+character decodes to U+FFFD; its text is held back until the character is complete, so the
+pieces join up to ``tokenizer.decode(output_token_ids)``.
+
+Stop strings are searched only in the text that each new piece can complete, and the text
+ends before the first one found.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cbatch.core.sequence import Sequence
+    from cbatch.tokenizer import Tokenizer
+
+# Held tokens wait for the rest of a character (at most 3 more bytes).  Only a run of invalid
+# bytes keeps text held longer; past this many tokens it is emitted as U+FFFDs, which bounds
+# the window (the pieces then differ from one whole decode only inside such garbage).
+MAX_HELD_TOKENS = 16
+
+
+class IncrementalDetokenizer:
+    """The output text of one sequence, extended lazily as its tokens are read.
+
+    ``token_ids`` is the sequence's own list (prompt + output), read, never written: it only
+    grows, so every snapshot of the output can ask for its text later (:meth:`text_at`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, token_ids: list[int], num_prompt_tokens: int,
+                 stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.stop = list(stop or [])
+        # Streaming holds back the last len(longest stop) - 1 characters: they might be the
+        # start of a stop string, which must never reach the client.
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # the decoded output so far (complete characters only)
+        self.stop_at: int | None = None  # where the first stop string starts in text
+        self._text_ends: list[int] = []  # len(text) after each output token
+        self._prefix = self._read = num_prompt_tokens  # window: [prefix, read) is decoded
+
+    def _advance(self, num_tokens: int) -> None:
+        """Decode the tokens up to ``token_ids[:num_tokens]``, one at a time."""
+        ids, decode = self.token_ids, self.tokenizer.decode
+        for end in range(self.num_prompt_tokens + len(self._text_ends), num_tokens):
+            if self.stop_at is None:
+                prefix_text = decode(ids[self._prefix:self._read])
+                new_text = decode(ids[self._prefix:end + 1])
+                if len(new_text) > len(prefix_text) and (
+                        not new_text.endswith("\ufffd") or end + 1 - self._read > MAX_HELD_TOKENS):
+                    self._append(new_text[len(prefix_text):])
+                    self._prefix, self._read = self._read, end + 1
+            self._text_ends.append(len(self.text))
+
+    def _append(self, piece: str) -> None:
+        # A stop string may straddle the old text and the new piece.
+        start = max(0, len(self.text) - self._holdback)
+        self.text += piece
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if found:
+            self.stop_at = min(found)
+
+    def hits_stop(self) -> bool:
+        """Read every token so far; whether the text now contains a stop string."""
+        self._advance(len(self.token_ids))
+        return self.stop_at is not None
+
+    def text_at(self, num_output_tokens: int, finished: bool) -> str:
+        """The text of the first ``num_output_tokens`` output tokens: for a finished request
+        all of it (a character cut off by the end included) up to the first stop string; for
+        an unfinished one the part that no later token can change."""
+        end = self.num_prompt_tokens + num_output_tokens
+        self._advance(end)
+        if finished and self.stop_at is None and self._read < end == len(self.token_ids):
+            # flush what was held back for a character that will never be completed
+            prefix_text = self.tokenizer.decode(self.token_ids[self._prefix:self._read])
+            self._append(self.tokenizer.decode(self.token_ids[self._prefix:end])
+                         [len(prefix_text):])
+            self._prefix = self._read = end
+            self._text_ends[-1] = len(self.text)
+        n = self._text_ends[num_output_tokens - 1] if num_output_tokens else 0
+        if not finished:
+            n -= self._holdback
+        if self.stop_at is not None:
+            n = min(n, self.stop_at)
+        return self.text[:max(0, n)]
+
+
+def detokenizer_for(seq: Sequence, tokenizer: Tokenizer) -> IncrementalDetokenizer:
+    """The sequence's detokenizer, made on first use (requests nobody reads pay nothing)."""
+    if seq.detokenizer is None:
+        seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids, seq.num_prompt_tokens,
+                                                 seq.params.stop)
+    return seq.detokenizer

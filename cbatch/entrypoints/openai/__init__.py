@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol (schemas), serving_* (endpoints), api_server (app)."""

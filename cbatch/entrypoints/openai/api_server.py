@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP server: a thin FastAPI layer over one :class:`AsyncEngine`.
+
+    cbatch serve --model gpt2 --host 127.0.0.1 --port 8000
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus).  Every error is OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from cbatch.core.async_engine import AsyncEngine, EngineDeadError
+from cbatch.entrypoints.openai.metrics import ServerMetrics
+from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                ModelCard, ModelList, OpenAIError)
+from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+
+def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | None = None,
+                 **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
+    """An AsyncEngine whose finished requests feed a fresh set of server metrics."""
+    metrics = ServerMetrics(served_model_name or model)
+    engine = AsyncEngine(model, max_waiting=max_waiting, on_finished=metrics.observe,
+                         **engine_kwargs)
+    metrics.attach(engine)
+    return engine, metrics
+
+
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
+              shutdown_timeout: float = 0.0) -> FastAPI:
+    """The FastAPI app serving ``engine`` as model ``served_model_name``.  When the app shuts
+    down it shuts the engine down, giving running requests ``shutdown_timeout`` seconds."""
+    from cbatch.models.gpt2 import resolve_checkpoint_dir
+
+    config = engine.engine.config
+    max_model_len = engine.engine.model.config.n_positions
+    template = None if config.model.startswith("random:") else load_chat_template(
+        resolve_checkpoint_dir(config.model))
+    completions = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(engine.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="cbatch", lifespan=lifespan)
+    app.state.engine = engine
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                                   f"{served_model_name!r}", param="model",
+                              code="model_not_found")
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}"
+                            for e in exc.errors())
+        return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return JSONResponse(OpenAIError(503, str(exc), "service_unavailable").body(),
+                            status_code=503)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw_request: Request):
+        check_model(req.model)
+        return await completions.create(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+        check_model(req.model)
+        return await chat.create(req, raw_request)
+
+    return app
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Server and engine options of ``cbatch serve`` (besides --model/--device/--dtype)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: --model)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-waiting", type=int, default=1024,
+                        help="requests waiting beyond this are refused with 503")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="seconds running requests get to finish at shutdown")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--num-replicas", type=int, default=1,
+                        help="> 1: that many engines behind one route with Ray Serve")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                block_size=args.block_size, scheduling_policy=args.scheduling_policy,
+                attention_backend=args.attention_backend, seed=args.seed)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
+    import torch
+    import uvicorn
+
+    name = args.served_model_name or args.model
+    if args.num_replicas > 1:
+        from cbatch.entrypoints.ray_serve import serve
+
+        gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
+        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
+              num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
+              **engine_kwargs(args))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine, metrics = build_engine(args.model, args.max_waiting, name, **engine_kwargs(args))
+    app = build_app(engine, metrics, name, args.shutdown_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cbatch.entrypoints.openai.api_server",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:gpt2")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_server_args(parser)
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Prometheus metrics of a server: engine gauges and counters read from the latest step's
+stats at scrape time, per-request latency histograms observed as requests finish.
+
+Each server has its own registry, so several servers (tests, replicas) in one process do not
+collide on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from cbatch.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.engine = None  # an AsyncEngine, once attached
+        labels = ["model_name"]
+        self.ttft = Histogram("cbatch_time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("cbatch_time_per_output_token_seconds",
+                              "Time per output token after the first", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("cbatch_e2e_request_latency_seconds", "Arrival to last token",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("cbatch_request_finished", "Requests finished, by reason",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.registry.register(self)
+
+    def attach(self, engine) -> None:
+        self.engine = engine
+
+    def observe(self, out: RequestOutput) -> None:
+        """Called on the engine thread for every finished request."""
+        m = out.metrics
+        self.finished.labels(self.model_name, out.finish_reason).inc()
+        if out.finish_reason == "abort":
+            return  # an aborted request's latencies say how long the client waited, not us
+        for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
+            if value is not None:
+                histogram.labels(self.model_name).observe(value)
+
+    def collect(self):
+        """The engine's own numbers, as of its latest step (a prometheus_client collector)."""
+        if self.engine is None:
+            return
+        stats = self.engine.stats
+        for name, doc, value in (
+                ("cbatch_num_requests_running", "Requests in the running batch",
+                 stats.num_running),
+                ("cbatch_num_requests_waiting", "Requests waiting to be scheduled",
+                 stats.num_waiting),
+                ("cbatch_kv_cache_usage_perc", "Fraction of KV-cache blocks in use",
+                 stats.kv_cache_usage)):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, doc, value in (
+                ("cbatch_num_preemptions", "Preemptions (recompute)", stats.num_preemptions),
+                ("cbatch_prompt_tokens", "Tokens computed in prefill", stats.num_prefill_tokens),
+                ("cbatch_generation_tokens", "Tokens generated", stats.num_output_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

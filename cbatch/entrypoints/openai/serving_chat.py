@@ -1,0 +1,95 @@
+"""``POST /v1/chat/completions``: the model's chat template turns messages into a prompt, which
+is then generated like a completion.  GPT-2 ships no template, so it gets a 400 saying so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cbatch.core.async_engine import AsyncEngine
+from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
+                                                ChatCompletionResponse, ChatDelta, OpenAIError)
+from cbatch.entrypoints.openai.serving_completion import (merge, open_streams, sampling_params,
+                                                          sse, unless_disconnected, usage)
+from cbatch.outputs import RequestOutput
+
+
+def load_chat_template(checkpoint_dir: Path | None) -> str | None:
+    """The Jinja chat template a checkpoint ships (``chat_template.jinja``, or the
+    ``chat_template`` field of ``tokenizer_config.json``), else None."""
+    if checkpoint_dir is None:
+        return None
+    if (checkpoint_dir / "chat_template.jinja").is_file():
+        return (checkpoint_dir / "chat_template.jinja").read_text()
+    config = checkpoint_dir / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None):
+        self.engine = engine
+        self.model_name = model_name
+        self._template = None
+        if chat_template is not None:
+            # a sandbox, as transformers renders templates: a template is data, not code
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(chat_template)
+
+    def render(self, req: ChatCompletionRequest) -> str:
+        if self._template is None:
+            raise OpenAIError(400, f"model {self.model_name!r} has no chat template (plain "
+                                   "GPT-2 ships none); use /v1/completions", param="messages")
+        return self._template.render(messages=[m.model_dump() for m in req.messages],
+                                     add_generation_prompt=True, bos_token="", eos_token="")
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request):
+        prompt = self.render(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
+        streams = await open_streams(self.engine, [prompt] * req.n, params)
+        if req.stream:
+            return StreamingResponse(self._stream(req, streams), media_type="text/event-stream")
+        response = await unless_disconnected(raw_request, self._full(req, streams))
+        return JSONResponse(response.model_dump()) if response is not None else None
+
+    async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            if out.finished:
+                finals[i] = out
+        choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content=out.text),
+                              finish_reason=out.finish_reason)
+                   for i, out in sorted(finals.items())]
+        return ChatCompletionResponse(model=self.model_name, choices=choices,
+                                      usage=usage(finals, req.n))
+
+    async def _stream(self, req: ChatCompletionRequest, streams) -> AsyncIterator[str]:
+        head = ChatCompletionResponse(model=self.model_name, choices=[],
+                                      object="chat.completion.chunk")
+        for i in range(len(streams)):  # OpenAI's first chunk of a choice names the role
+            delta = ChatDelta(role="assistant", content="")
+            yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)]}))
+        sent = [""] * len(streams)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            delta = out.text[len(sent[i]):]
+            if not delta and not out.finished:
+                continue
+            sent[i] = out.text
+            if out.finished:
+                finals[i] = out
+            choice = ChatChoice(index=i, delta=ChatDelta(content=delta),
+                                finish_reason=out.finish_reason)
+            yield sse(head.model_copy(update={"choices": [choice]}))
+        if req.include_usage:
+            yield sse(head.model_copy(update={"usage": usage(finals, req.n)}))
+        yield "data: [DONE]\n\n"
