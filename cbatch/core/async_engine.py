@@ -34,8 +34,9 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """The outputs of one request, in order, the last one ``finished``.
 
-    Stopping early (``aclose()``, leaving an ``async for`` by ``break`` or an exception, or
-    dropping the stream) aborts the request and frees its KV blocks.
+    Stopping early (``aclose()``, a cancelled ``await``, or dropping the stream, as a
+    caller does that leaves its ``async for`` and lets go of it) aborts the request and frees
+    its KV blocks.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
