@@ -53,7 +53,8 @@ def available_backends() -> dict[str, BackendStatus]:
     info = _ext.build_info()
     status = {}
     if "cuda" in compiled:
-        status["cuda"] = BackendStatus(True, f"compiled for {info['cuda_archs']}")
+        status["cuda"] = BackendStatus(
+            True, f"compiled by nvcc {info['nvcc']} for {info['cuda_archs']}")
     elif info is None:
         status["cuda"] = BackendStatus(False, _ext.load_error or "extension not loaded")
     else:
@@ -63,7 +64,7 @@ def available_backends() -> dict[str, BackendStatus]:
     if "cpu" in compiled:
         omp = "with OpenMP" if info["openmp"] else "without OpenMP"
         status["cpu"] = BackendStatus(
-            True, f"compiled C++ {omp} against torch {info['torch_version']}")
+            True, f"compiled by {info['compiler']} {omp} against torch {info['torch_version']}")
     else:
         status["cpu"] = BackendStatus(False, _ext.load_error or "extension not loaded")
     status["torch"] = BackendStatus(True, "pure-torch reference")
