@@ -123,3 +123,17 @@ def test_setup_finds_the_toolkit_behind_nvcc():
     assert root is not None
     assert any(os.path.exists(os.path.join(root, lib, "libcudart.so")) for lib in ("lib64", "lib"))
     assert os.path.exists(os.path.join(root, "bin", "nvcc"))
+
+
+def test_gpu_check_script_parses():
+    """scripts/gpu_check.sh is run only on a GPU machine: check here at least that bash
+    parses it (and shellcheck passes, where installed) and that it refuses unknown stages."""
+    script = ROOT / "scripts" / "gpu_check.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    result = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "usage:" in result.stderr
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
