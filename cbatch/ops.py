@@ -460,7 +460,8 @@ def warmup(dtype: torch.dtype, head_dim: int, block_size: int, device: torch.dev
         raise ValueError(f"head_dim, block_size and num_heads must be >= 1, got {head_dim}, "
                          f"{block_size}, {num_heads}")
     num_blocks = 4
-    kc = torch.zeros(num_blocks, block_size, num_heads, head_dim, dtype=dtype, device=device)
+    kc = torch.zeros(num_blocks, block_size, num_heads, head_dim, dtype=dtype,
+                     device=device)
     vc = torch.zeros_like(kc)
     new = torch.randn(2, num_heads, head_dim, device=device).to(dtype)
     slots = torch.tensor([0, 1], device=device)
