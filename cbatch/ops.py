@@ -53,7 +53,8 @@ def available_backends() -> dict[str, BackendStatus]:
     info = _ext.build_info()
     status = {}
     if "cuda" in compiled:
-        status["cuda"] = BackendStatus(True, f"compiled for {info['cuda_archs']}")
+        status["cuda"] = BackendStatus(
+            True, f"compiled by nvcc {info['nvcc']} for {info['cuda_archs']}")
     elif info is None:
         status["cuda"] = BackendStatus(False, _ext.load_error or "extension not loaded")
     else:
@@ -63,7 +64,7 @@ def available_backends() -> dict[str, BackendStatus]:
     if "cpu" in compiled:
         omp = "with OpenMP" if info["openmp"] else "without OpenMP"
         status["cpu"] = BackendStatus(
-            True, f"compiled C++ {omp} against torch {info['torch_version']}")
+            True, f"compiled by {info['compiler']} {omp} against torch {info['torch_version']}")
     else:
         status["cpu"] = BackendStatus(False, _ext.load_error or "extension not loaded")
     status["torch"] = BackendStatus(True, "pure-torch reference")
@@ -485,3 +486,48 @@ def bind_kernels(device: torch.device | str, head_dim: int,
             return prefill_impl(query, key_cache, value_cache, block_tables, cu_seqlens_q,
                                 seq_lens, scale)
     return BoundKernels(impl("write_kv_cache"), impl("paged_decode_attention"), prefill, names)
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+def warmup(dtype: torch.dtype, head_dim: int, block_size: int, device: torch.device | str,
+           backend: str | None = None, num_heads: int = 1) -> dict[str, str]:
+    """Run every kernel a model of this shape class will call, once, on tiny inputs, so
+    that compilation (Triton's JIT; its autotuning under CBATCH_TRITON_AUTOTUNE=1) happens
+    at start-up and not in the first request's step.
+
+    Covers ``write_kv_cache``, ``paged_decode_attention`` (with the Triton backend on CUDA:
+    the single-pass and the split-KV variants) and ``paged_prefill_attention``, each for
+    block tables of a width divisible by 16 and of one that is not (Triton specializes on
+    that).  Returns ``{op: backend}``, the backend each op resolved to.
+    """
+    device = torch.device(device)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if head_dim < 1 or block_size < 1 or num_heads < 1:
+        raise ValueError(f"head_dim, block_size and num_heads must be >= 1, got {head_dim}, "
+                         f"{block_size}, {num_heads}")
+    num_blocks = 4
+    kc = torch.zeros(num_blocks, block_size, num_heads, head_dim, dtype=dtype,
+                     device=device)
+    vc = torch.zeros_like(kc)
+    new = torch.randn(2, num_heads, head_dim, device=device).to(dtype)
+    slots = torch.tensor([0, 1], device=device)
+    cu_seqlens_q = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    for width in (3, 32):  # max blocks per sequence: one not divisible by 16, one that is
+        tables = (torch.arange(2 * width, device=device) % num_blocks).to(torch.int32)
+        tables = tables.view(2, width)
+        seq_lens = torch.tensor([1, width * block_size], dtype=torch.int32, device=device)
+        write_kv_cache(new, new, kc, vc, slots, backend=backend)
+        paged_decode_attention(new, kc, vc, tables, seq_lens, backend=backend)
+        paged_prefill_attention(new, kc, vc, tables, cu_seqlens_q, seq_lens, backend=backend,
+                                max_query_len=1)
+        decode = resolve_backend("paged_decode_attention", device, backend, head_dim)
+        if decode == "triton" and device.type == "cuda":  # split-KV is chosen per batch
+            from cbatch.kernels import decode_attention
+
+            decode_attention.paged_decode_attention(new, kc, vc, tables, seq_lens, 1.0,
+                                                    partition_size=128)
+    return {op: resolve_backend(op, device, backend, head_dim)
+            for op in ("write_kv_cache", "paged_decode_attention", "paged_prefill_attention")}

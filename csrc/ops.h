@@ -3,7 +3,18 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace cbatch {
+
+// What this build used (compiler, libstdc++, CUDA archs, nvcc, torch, OpenMP) as a JSON
+// object; registered as torch.ops.cbatch.build_info.  module.cpp.
+std::string build_info();
+
+#ifdef CBATCH_WITH_CUDA
+// The nvcc that compiled the CUDA kernels, "major.minor.build".  cuda/cache_kernels.cu.
+std::string nvcc_version();
+#endif
 
 // key, value: [T, H, D]; key_cache, value_cache: [num_blocks, block_size, H, D];
 // slot_mapping: int64 [T], -1 = skip.

@@ -6,6 +6,7 @@
 #include "ops.h"
 
 TORCH_LIBRARY(cbatch, m) {
+  m.def("build_info() -> str", &cbatch::build_info);  // no tensors: one kernel for all devices
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

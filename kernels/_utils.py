@@ -15,11 +15,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def configs(space: list[dict], num_warps: list[int], default: dict) -> list[triton.Config]:
-    """Autotune configs: the whole explicit space on a GPU, one default config under the
-    interpreter (where benchmarking them is meaningless and slow)."""
-    if interpreting():
-        return [triton.Config(default, num_warps=4)]
+def autotuning() -> bool:
+    """True under CBATCH_TRITON_AUTOTUNE=1 (and not in the interpreter): the launchers then
+    benchmark every config of their space on each new key, which compiles 9-12 variants per
+    (dtype, head_dim, page size, split) and made first calls take minutes on the H100.
+    Otherwise each launch takes the one config its shape class's heuristic picks."""
+    return os.environ.get("CBATCH_TRITON_AUTOTUNE", "0") == "1" and not interpreting()
+
+
+def configs(space: list[dict], num_warps: list[int]) -> list[triton.Config]:
+    """The autotune space (CBATCH_TRITON_AUTOTUNE=1): every tile in ``space`` x warps."""
     return [triton.Config(kw, num_warps=w) for kw in space for w in num_warps]
 
 

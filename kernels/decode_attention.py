@@ -13,16 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import configs, interpreting, num_sms, paged_offsets
+from cbatch.kernels._utils import autotuning, configs, interpreting, num_sms, paged_offsets
 
 TILE_N_SPACE = [32, 64, 128]
 
 
-def _decode_configs():
-    return configs([{"TILE_N": n} for n in TILE_N_SPACE], [2, 4, 8], {"TILE_N": 32})
 
-
-@triton.autotune(configs=_decode_configs(), key=["HEAD_DIM", "PAGE_SIZE", "SPLIT"])
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -76,6 +72,36 @@ def _paged_decode_kernel(
     else:
         o = out_ptr + seq * stride_o_t + head * stride_o_h + offs_d
         tl.store(o, (acc / l_i).to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+# Opt-in (CBATCH_TRITON_AUTOTUNE=1): the same kernel, tuned per key.
+_paged_decode_autotuned = triton.autotune(
+    configs=configs([{"TILE_N": n} for n in TILE_N_SPACE], [2, 4, 8]),
+    key=["HEAD_DIM", "PAGE_SIZE", "SPLIT"])(_paged_decode_kernel)
+
+
+def decode_config(head_dim: int) -> dict:
+    """The decode kernel's tile and warps for a shape class, chosen without tuning.
+
+    Each iteration loads a [TILE_N, head_dim] tile of K and one of V and reduces it in fp32
+    registers; about 4096 elements per tile (TILE_N 64 at D=64, 32 at D=128) keeps 64-80
+    registers per thread at 4 warps without spills (benchmarks/NOTES.md, ptxas) and gives
+    every thread 16-byte loads.  The rest of the shape class does not enter: not the dtype
+    (the maths is fp32 after the load), not the page size (each token's block is looked up
+    on its own, so tiles need not align with pages), not split-KV (partitions are >= 256
+    tokens, several tiles each).  A prediction, not a measurement: benchmarks/NOTES.md.
+    """
+    tile_n = max(16, min(128, 4096 // triton.next_power_of_2(head_dim)))
+    return {"TILE_N": tile_n, "num_warps": 4}
+
+
+def decode_launch(head_dim: int):
+    """The decode kernel to launch and its meta-parameters: the autotuner under
+    CBATCH_TRITON_AUTOTUNE=1 (it picks them), else the plain kernel and
+    :func:`decode_config`."""
+    if autotuning():
+        return _paged_decode_autotuned, {}
+    return _paged_decode_kernel, decode_config(head_dim)
 
 
 @triton.jit
@@ -152,14 +178,15 @@ def paged_decode_attention(
     else:
         partial_out = partial_lse = out  # unused
     block_d = triton.next_power_of_2(D)
-    _paged_decode_kernel[(S, H, num_splits)](
+    kernel, meta = decode_launch(D)
+    kernel[(S, H, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, partial_out, partial_lse,
         scale, num_splits, partition,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_D=block_d, PAGE_SIZE=page, SPLIT=split,
+        HEAD_DIM=D, BLOCK_D=block_d, PAGE_SIZE=page, SPLIT=split, **meta,
     )
     if split:
         _merge_kernel[(S, H)](

@@ -11,15 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import configs, paged_offsets, upcast
+from cbatch.kernels._utils import autotuning, configs, paged_offsets, upcast
 
 
-def _prefill_configs():
-    space = [{"BLOCK_M": m, "BLOCK_N": n} for m in (16, 32, 64) for n in (32, 64)]
-    return configs(space, [4, 8], {"BLOCK_M": 16, "BLOCK_N": 16})
 
-
-@triton.autotune(configs=_prefill_configs(), key=["HEAD_DIM", "PAGE_SIZE", "UPCAST"])
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
@@ -83,6 +78,34 @@ def _paged_prefill_kernel(
              mask=mask_m[:, None] & mask_d[None, :])
 
 
+# Opt-in (CBATCH_TRITON_AUTOTUNE=1): the same kernel, tuned per key.
+_paged_prefill_autotuned = triton.autotune(
+    configs=configs([{"BLOCK_M": m, "BLOCK_N": n} for m in (16, 32, 64) for n in (32, 64)],
+                    [4, 8]),
+    key=["HEAD_DIM", "PAGE_SIZE", "UPCAST"])(_paged_prefill_kernel)
+
+
+def prefill_config(dtype: torch.dtype, head_dim: int) -> dict:
+    """The prefill kernel's tiles and warps for a shape class, chosen without tuning.
+
+    BLOCK_M 64 query rows x BLOCK_N 64 keys (the Triton flash-attention tutorial's tiles,
+    rows halved because chunks are often short); fp32 inputs (ieee dots, twice the bytes
+    per operand) take BLOCK_N 32.  head_dim >= 128 takes 8 warps: at 4 warps ptxas gives
+    196 registers per thread against 140 at 8 (benchmarks/NOTES.md).  The page size does
+    not enter (tokens are looked up one by one).  A prediction, not a measurement: see
+    benchmarks/NOTES.md.
+    """
+    block_n = 32 if dtype == torch.float32 else 64
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "num_warps": 8 if head_dim >= 128 else 4}
+
+
+def prefill_launch(dtype: torch.dtype, head_dim: int):
+    """The prefill kernel to launch and its meta-parameters (see ``decode_launch``)."""
+    if autotuning():
+        return _paged_prefill_autotuned, {}
+    return _paged_prefill_kernel, prefill_config(dtype, head_dim)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -105,7 +128,8 @@ def paged_prefill_attention(
         return out
     rows = T if max_query_len is None else max_query_len
     grid = lambda meta: (S, H, triton.cdiv(rows, meta["BLOCK_M"]))  # noqa: E731
-    _paged_prefill_kernel[grid](
+    kernel, meta = prefill_launch(query.dtype, D)
+    kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale,
         query.stride(0), query.stride(1),
@@ -113,5 +137,6 @@ def paged_prefill_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PAGE_SIZE=key_cache.shape[1],
         UPCAST=upcast(query.dtype), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **meta,
     )
     return out

@@ -1,8 +1,11 @@
 """A small CUDA workload for compute-sanitizer: every cbatch GPU kernel once on a ragged
-batch, then a short engine run.
+batch, then a short engine run (skipped with --kernels-only, for the slower tools).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_run.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_run.py --kernels-only
 """
+
+import sys
 
 import torch
 
@@ -43,6 +46,9 @@ def main():
     for backend in ("cuda", "triton"):
         if status[backend].available:
             ops.write_kv_cache(k, k, kc, vc, slots, backend=backend)
+    torch.cuda.synchronize()
+    if "--kernels-only" in sys.argv[1:]:
+        return
     llm = LLM("random:tiny", device="cuda", dtype="float16", max_num_seqs=4,
               max_num_batched_tokens=32, block_size=16, num_blocks=16)
     outs = llm.generate([[1, 2, 3], list(range(50)), [7] * 20], SamplingParams(

@@ -2,7 +2,65 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = "from tests import triton_probe; triton_probe.run()"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run cbatch's kernels in this environment (the
+    installed triton and numpy), or None when it can.  Runs a tiny probe kernel in a fresh
+    process when the interpreter is not on already (TRITON_INTERPRET acts when triton.jit
+    decorates); see tests/triton_probe.py."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if os.environ.get("TRITON_INTERPRET") == "1":  # on already: probe in this process
+        try:
+            from tests import triton_probe
+
+            triton_probe.run()
+            return None
+        except Exception as e:  # what the interpreter raised is the reason
+            last = repr(e)
+    else:
+        result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                                cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                                timeout=300)
+        if result.returncode == 0:
+            return None
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    import numpy
+    import triton
+
+    return (f"Triton {triton.__version__}'s interpreter fails under numpy {numpy.__version__} "
+            f"({last[-200:]})")
+
+
+def triton_device() -> str | None:
+    """Where Triton kernels run in this process: CUDA tensors on a GPU; CPU tensors only
+    while Triton's interpreter is on (TRITON_INTERPRET=1, which conftest sets when there is
+    no GPU) and works; otherwise nowhere (see :func:`triton_skip_reason`)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton_interpreter_problem() is None:
+        return "cpu"
+    return None
+
+
+def triton_skip_reason() -> str:
+    """Why :func:`triton_device` is None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton needs a GPU, or TRITON_INTERPRET=1 for CPU tensors"
+    return triton_interpreter_problem() or "Triton can run here"
 
 
 def shuffled_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,

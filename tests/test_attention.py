@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from cbatch import ops
-from tests.helpers import assert_attention_close, paged_inputs
+from tests.helpers import (assert_attention_close, paged_inputs, triton_device,
+                           triton_skip_reason)
 
 HAS_CUDA = torch.cuda.is_available()
+TRITON_DEVICE = triton_device() if ops.available_backends()["triton"].available else None
 STATUS = ops.available_backends()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -20,8 +22,8 @@ def _backends(op):
     pairs = []
     if STATUS["cpu"].available:
         pairs.append(("cpu", "cpu"))
-    if STATUS["triton"].available:
-        pairs.append(("triton", "cuda" if HAS_CUDA else "cpu"))
+    if TRITON_DEVICE is not None:  # the GPU, or CPU tensors in a working interpreter
+        pairs.append(("triton", TRITON_DEVICE))
     if STATUS["cuda"].available and HAS_CUDA and op == "paged_decode_attention":
         pairs.append(("cuda", "cuda"))
     return pairs
@@ -89,13 +91,13 @@ def test_cpu_kernels_any_thread_count(threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not STATUS["triton"].available, reason="triton not installed")
+@pytest.mark.skipif(TRITON_DEVICE is None, reason=triton_skip_reason())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_split_kv_path(dtype):
     """Force split-KV (partitions of 128 tokens): sequences spanning 1..4 partitions."""
     from cbatch.kernels import decode_attention
 
-    device = "cuda" if HAS_CUDA else "cpu"
+    device = TRITON_DEVICE
     lens = [1, 127, 128, 129, 300, 512]
     args = paged_inputs(lens, [1] * len(lens), 2, 64, B, dtype, device, 7)
     q, kc, vc, tables, _, seq_lens = args
@@ -217,11 +219,11 @@ def test_opcheck_compiled_ops(dtype):
                           (qp, kc, vc, tables, cu, lens, 0.1))
 
 
-@pytest.mark.skipif(not STATUS["triton"].available, reason="triton not installed")
+@pytest.mark.skipif(TRITON_DEVICE is None, reason=triton_skip_reason())
 def test_opcheck_triton_ops():
     from cbatch import triton_ops  # noqa: F401  (registers the cbatch_triton ops)
 
-    device = "cuda" if HAS_CUDA else "cpu"
+    device = TRITON_DEVICE
     q, kc, vc, tables, cu, lens = paged_inputs([3, 20], [1, 1], 2, 64, B, torch.float32,
                                                device, 1)
     torch.library.opcheck(torch.ops.cbatch_triton.paged_decode_attention,

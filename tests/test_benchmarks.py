@@ -6,12 +6,30 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from cbatch import ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (  # noqa: E402
     bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
     bench_throughput)
+
+
+# The benchmarks run on the GPU when there is one (their --device default), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STATUS = ops.available_backends()
+
+
+def _expected_kernels(op: str) -> set[str]:
+    """The rows of cbatch's own kernels a --quick run on DEVICE must time."""
+    if DEVICE == "cpu":
+        return {"cbatch-cpu"} if STATUS["cpu"].available else set()
+    names = {"cbatch-triton"} if STATUS["triton"].available else set()
+    if op == "decode_attention" and STATUS["cuda"].available:
+        names.add("cbatch-cuda")
+    return names
 
 
 def _rows(out: Path, name: str) -> list[dict]:
@@ -27,7 +45,8 @@ def _rows(out: Path, name: str) -> list[dict]:
 def test_attention_benchmarks(tmp_path, module, name):
     rows = _rows(module.main(["--quick", "--out", str(tmp_path), "--no-progress"]), name)
     ok = [r for r in rows if r["status"] == "ok"]
-    assert {"cbatch-cpu", "sdpa-padded", "torch-reference"} <= {r["impl"] for r in ok}
+    expected = _expected_kernels(name) | {"sdpa-padded", "torch-reference"}
+    assert expected <= {r["impl"] for r in ok}
     if name == "decode_attention":  # FlexAttention over the paged cache (torch >= 2.5)
         assert "flex-paged" in {r["impl"] for r in ok}
     assert not [r for r in rows if r["status"].startswith(("WRONG", "error"))]
@@ -37,8 +56,10 @@ def test_attention_benchmarks(tmp_path, module, name):
 def test_mixed_step_benchmark(tmp_path):
     rows = _rows(bench_mixed_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "mixed_step")
-    assert {r["impl"] for r in rows} == {"cpu-unified", "cpu-split", "torch-unified",
-                                         "torch-split"}
+    # CPU: the C++ kernels and the reference; CUDA: GPT-2's own choice, Triton, the reference
+    backends = ["auto", "triton", "torch"] if DEVICE == "cuda" else ["cpu", "torch"]
+    assert {r["impl"] for r in rows} == {f"{b}-{s}" for b in backends
+                                         for s in ("unified", "split")}
     assert all(r["status"] == "ok" and r["us"] > 0 for r in rows)
     for r in rows:  # each split row carries unified time / split time for its backend
         assert (r.get("speedup", 0) > 0) == r["impl"].endswith("-split")

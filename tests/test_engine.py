@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cbatch import LLM, Engine, SamplingParams
+from tests.helpers import triton_device, triton_skip_reason
 
 PROMPT_LENS = [3, 17, 40, 1, 9, 25]
 MAX_TOKENS = [12, 5, 9, 16, 1, 7]
@@ -229,7 +230,12 @@ def test_every_attention_backend_serves_the_engine(tiny_hf_dir, prompts, hf_gree
 
     if not ops.available_backends()[backend].available:
         pytest.skip(ops.available_backends()[backend].detail)
-    llm = LLM(str(tiny_hf_dir), attention_backend=backend, max_num_seqs=6,
+    device = "cpu"
+    if backend == "triton":  # on the GPU, or on CPU tensors in Triton's interpreter
+        device = triton_device()
+        if device is None:
+            pytest.skip(triton_skip_reason())
+    llm = LLM(str(tiny_hf_dir), device=device, attention_backend=backend, max_num_seqs=6,
               max_num_batched_tokens=9, block_size=4, num_blocks=20)
     outs = llm.generate(prompts, _params(), use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy

@@ -5,7 +5,7 @@ import torch
 
 from cbatch import GPT2LMHeadModel, KVCache
 from cbatch.batch import make_step_batch
-from tests.helpers import shuffled_block_tables
+from tests.helpers import shuffled_block_tables, triton_device, triton_skip_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -19,21 +19,27 @@ def _hf_logits(hf_model, tokens):
 @pytest.mark.parametrize("backend", [None, "torch", "triton"])
 def test_packed_prefill_then_decode_matches_transformers(tiny_hf_dir, tiny_hf_model,
                                                          block_size, backend):
-    model = GPT2LMHeadModel.from_pretrained(str(tiny_hf_dir), attention_backend=backend)
+    device = "cpu"
+    if backend == "triton":  # on the GPU, or on CPU tensors in Triton's interpreter
+        device = triton_device()
+        if device is None:
+            pytest.skip(triton_skip_reason())
+    model = GPT2LMHeadModel.from_pretrained(str(tiny_hf_dir), device=device,
+                                            attention_backend=backend)
     gen = torch.Generator().manual_seed(1)
     prompt_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
     decode_steps = 4
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in prompt_lens]
     final_lens = [n + decode_steps for n in prompt_lens]
     num_blocks = sum(-(-n // block_size) for n in final_lens) + 7  # spare blocks: garbage
-    cache = KVCache(model.config, num_blocks, block_size)
+    cache = KVCache(model.config, num_blocks, block_size, device=device)
     cache.data.fill_(float("nan"))  # any read of an unwritten slot poisons the output
     tables = shuffled_block_tables(final_lens, block_size, num_blocks, gen).tolist()
 
     # One packed prefill step of all prompts, all-token logits.
-    batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
+    batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size, device)
     with torch.no_grad():
-        logits = model.compute_logits(model(batch, cache))
+        logits = model.compute_logits(model(batch, cache)).cpu()
     for s, prompt in enumerate(prompts):
         ours = logits[batch.cu_seqlens_q[s]:batch.cu_seqlens_q[s + 1]]
         torch.testing.assert_close(ours, _hf_logits(tiny_hf_model, prompt), atol=1e-4, rtol=1e-4)
@@ -42,10 +48,10 @@ def test_packed_prefill_then_decode_matches_transformers(tiny_hf_dir, tiny_hf_mo
     seqs = [list(p) for p in prompts]
     for _ in range(decode_steps):
         new = [[int(torch.randint(0, 512, (1,), generator=gen))] for _ in seqs]
-        batch = make_step_batch(new, [len(s) for s in seqs], tables, block_size)
+        batch = make_step_batch(new, [len(s) for s in seqs], tables, block_size, device)
         assert batch.is_decode
         with torch.no_grad():
-            logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+            logits = model.compute_logits(model(batch, cache)[batch.logits_indices]).cpu()
         for s, tok in enumerate(new):
             seqs[s] += tok
             torch.testing.assert_close(logits[s], _hf_logits(tiny_hf_model, seqs[s])[-1],

@@ -19,6 +19,8 @@ DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 def _cases():
     """(name, kernel, pointer types, constexprs) for every kernel variant the GPU can run."""
+    import torch
+
     from cbatch.kernels import cache, decode_attention, prefill_attention
 
     def ptrs(dtype, **extra):
@@ -32,15 +34,17 @@ def _cases():
                 yield (f"decode {dtype} D={head_dim} split={split}",
                        decode_attention._paged_decode_kernel, ptrs(dtype),
                        {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "PAGE_SIZE": 16,
-                        "SPLIT": split, "TILE_N": 64})
+                        "SPLIT": split, **decode_attention.decode_config(head_dim)})
         yield (f"merge {dtype}", decode_attention._merge_kernel, ptrs(dtype),
                {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SPLITS": 16})
         for head_dim, block_d in ((64, 64), (128, 128), (80, 128)):
             fp32 = dtype == "fp32"
+            torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
             yield (f"prefill {dtype} D={head_dim}", prefill_attention._paged_prefill_kernel,
                    ptrs(dtype), {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "PAGE_SIZE": 16,
                                  "UPCAST": fp32, "PRECISION": "ieee" if fp32 else "tf32",
-                                 "BLOCK_M": 64, "BLOCK_N": 64})
+                                 **prefill_attention.prefill_config(torch_dtype[dtype],
+                                                                    head_dim)})
     yield ("write_kv_cache fp16", cache._write_kv_cache_kernel, ptrs("fp16"),
            {"ROW": 768, "BLOCK": 1024})
 
@@ -57,9 +61,7 @@ def _compile(kernel, pointer_types: dict, constexprs: dict) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton.runtime.autotuner import Autotuner
-
-    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel  # the JITFunction
+    fn = kernel  # the JITFunction (the launchers pick its config; autotuning is opt-in)
     signature, attrs = {}, {}
     for i, name in enumerate(inspect.signature(fn.fn).parameters):
         if name in constexprs:
@@ -71,8 +73,10 @@ def _compile(kernel, pointer_types: dict, constexprs: dict) -> str:
             signature[name] = "fp32" if name == "scale" else "i32"
         if name.endswith("_ptr") or name in ALIGNED_INTS:  # torch allocations: 16-B aligned
             attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = dict(constexprs)
+    options = {"num_warps": constexprs.pop("num_warps", 4)}  # the launch's, not the kernel's
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def main() -> None:

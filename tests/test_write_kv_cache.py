@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from cbatch import ops, reference
+from tests.helpers import triton_device
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HAS_CUDA = torch.cuda.is_available()
 # Triton runs on CPU tensors only in its interpreter (conftest sets it when there is no GPU).
-CPU_BACKENDS = [b for b in ("cpu", "torch") + (() if HAS_CUDA else ("triton",))
-                if ops.available_backends()[b].available]
+CPU_BACKENDS = [b for b in ("cpu", "torch", "triton") if ops.available_backends()[b].available
+                and (b != "triton" or triton_device() == "cpu")]
 CUDA_BACKENDS = [b for b in ("cuda", "triton")
                  if HAS_CUDA and ops.available_backends()[b].available]
 

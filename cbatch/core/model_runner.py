@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from cbatch import ops
 from cbatch.batch import StepBatch, StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, sample
 from cbatch.core.scheduler import ScheduledSequence
@@ -42,8 +43,12 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_capture_s = 0.0
         self.graph_memory_bytes = 0
-        if cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs()
+        if self.device.type == "cuda":  # compile every kernel now, not in the first request
+            cfg = model.config
+            ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
+                       model.attention_backend, cfg.n_head)
+            if cuda_graphs:
+                self.capture_graphs()
 
     # -------------------------------------------------------------- batches
 

@@ -305,7 +305,8 @@ void work(const Job<T>& job, Scratch& scratch) {
 // The item loop with everything it calls inlined, compiled twice on x86-64: for x86-64-v3
 // (AVX2, FMA, F16C) and for the baseline; the loader picks one for this CPU.  (15-25% on
 // the 2-core EPYC; the extension itself targets the baseline, so the wheel runs anywhere.)
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// (GCC 12 added the run-time dispatch on "arch=x86-64-v3"; GCC 11 rejects the attribute.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define CBATCH_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
 #else
 #define CBATCH_CPU_CLONES __attribute__((flatten))

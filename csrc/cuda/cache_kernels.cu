@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -69,6 +70,11 @@ void write_kv_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Ten
                      key.scalar_type());
     launch<uint16_t>(key, value, key_cache, value_cache, slot_mapping, stream);
   }
+}
+
+std::string nvcc_version() {
+  return std::to_string(__CUDACC_VER_MAJOR__) + "." + std::to_string(__CUDACC_VER_MINOR__) +
+         "." + std::to_string(__CUDACC_VER_BUILD__);
 }
 
 }  // namespace cbatch
