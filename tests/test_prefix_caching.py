@@ -267,3 +267,14 @@ def test_outputs_identical_with_caching_on_and_off(requests, prefix_lens, suffix
             assert on.token_ids[:n] == off.token_ids[:n]
         else:
             assert on.token_ids == off.token_ids
+
+
+def test_reset_prefix_cache_forgets_idle_blocks_and_refuses_while_held():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    table = _cached_table(bm, list(range(9)))
+    with pytest.raises(RuntimeError, match="every block returned"):
+        bm.reset_prefix_cache()
+    bm.free(table)
+    bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0 and bm.match_prefix(list(range(9))).blocks == []
+    bm.check_whole()

@@ -138,6 +138,17 @@ class BlockManager:
 
     # -------------------------------------------------------------- prefix caching
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (a benchmark's cold start); no block may be held."""
+        if any(self._ref_counts):
+            raise RuntimeError("reset_prefix_cache needs every block returned first")
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._tokens_of.clear()
+        self._children.clear()
+
     def _hash(self, parent: bytes, token_ids: list[int]) -> bytes:
         return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
