@@ -1,11 +1,13 @@
 """End-to-end throughput on the standard workloads, cbatch beside transformers, one run.
 
     python benchmarks/bench_throughput.py                       # seed, longtail, uniform
+    python benchmarks/bench_throughput.py --workload sharedprefix --scale 0.25
     python benchmarks/bench_throughput.py --workload seed --scale 0.5 --max-len 256
     python benchmarks/bench_throughput.py --quick               # tiny model and workloads
 
 Engines, all on the same weights with greedy decoding:
-  cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache)
+  cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache, prefix caching)
+  cbatch-no-prefix-cache  the same with enable_prefix_caching=False
   cbatch-static       cbatch.LLM(scheduling_policy="static") (fixed left-padded batches)
   hf-generate         transformers generate() on fixed left-padded batches
   hf-continuous       transformers continuous batching (init_continuous_batching), when the
@@ -13,7 +15,8 @@ Engines, all on the same weights with greedy decoding:
 Each reports wall time, output tokens/s, TTFT and TPOT p50/p99 (every request arrives at the
 start), its wall-time ratio to cbatch-continuous, and the share of requests whose tokens equal
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
-outside the model (scheduling, building the step tensors, bookkeeping).  Results in
+outside the model (scheduling, building the step tensors, bookkeeping) and the share of
+prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  Results in
 benchmarks/results/<device>/throughput.*.
 """
 
@@ -36,7 +39,7 @@ from cbatch.models.gpt2 import _CONV1D  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
-           "same_tokens_as_continuous", "host_overhead", "status"]
+           "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate", "status"]
 
 
 def _pct(values, q):
@@ -65,11 +68,16 @@ def _settle() -> None:
     gc.freeze()
 
 
-def run_cbatch(args, wl, policy) -> tuple[dict, list]:
+def run_cbatch(args, wl, policy, prefix_caching=True) -> tuple[dict, list]:
     kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
               wl.batch_size)
+    if policy != "static":
+        kw["enable_prefix_caching"] = prefix_caching
     llm = LLM(args.model, scheduling_policy=policy, **kw)
     llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
+    if policy != "static":
+        llm.engine.block_manager.reset_prefix_cache()  # the timed run finds nothing cached
+        before = llm.engine.stats()
     _settle()
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, wl.params, use_tqdm=not args.no_progress)
@@ -78,7 +86,11 @@ def run_cbatch(args, wl, policy) -> tuple[dict, list]:
             "finish": o.metrics.finished_time - start} for o in outs]
     summary = _summary(per, wall)
     if policy != "static":
-        summary["host_overhead"] = llm.engine.stats().host_overhead
+        stats = llm.engine.stats()
+        summary["host_overhead"] = stats.host_overhead
+        queried = stats.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
+        hits = stats.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+        summary["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
     return summary, [o.token_ids for o in outs]
 
 
@@ -188,7 +200,8 @@ def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
 def make_workload(name, tokenizer, vocab, args):
     if name == "seed":
         return workloads.seed(tokenizer, args.scale)
-    fn = workloads.longtail if name == "longtail" else workloads.uniform
+    fn = {"longtail": workloads.longtail, "uniform": workloads.uniform,
+          "sharedprefix": workloads.sharedprefix}[name]
     return fn(vocab=vocab, scale=args.scale, max_len=args.max_len)
 
 
@@ -209,6 +222,8 @@ def run(args) -> Path:
                 if engine == "cbatch-continuous":
                     summary, tokens = run_cbatch(args, wl, "fcfs")
                     reference_tokens = tokens
+                elif engine == "cbatch-no-prefix-cache":
+                    summary, tokens = run_cbatch(args, wl, "fcfs", prefix_caching=False)
                 elif engine == "cbatch-static":
                     summary, tokens = run_cbatch(args, wl, "static")
                 else:
@@ -262,7 +277,8 @@ def plot(rows, path, meta):
     save_figure(fig, path)
 
 
-ENGINES = ["cbatch-continuous", "cbatch-static", "hf-generate", "hf-continuous"]
+ENGINES = ["cbatch-continuous", "cbatch-no-prefix-cache", "cbatch-static", "hf-generate",
+           "hf-continuous"]
 
 
 def main(argv=None):
@@ -271,11 +287,12 @@ def main(argv=None):
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--workload", nargs="+", default=["seed", "longtail", "uniform"],
-                        choices=["seed", "longtail", "uniform"])
+                        choices=["seed", "longtail", "uniform", "sharedprefix"])
     parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the requests")
     parser.add_argument("--max-len", type=int, default=512,
-                        help="cap on prompt and output lengths of longtail/uniform")
+                        help="cap on prompt and output lengths of longtail/uniform/"
+                             "sharedprefix")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--hf-timeout", type=float, default=3600)
     args = parser.parse_args(argv)

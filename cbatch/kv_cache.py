@@ -41,3 +41,9 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``source -> destination`` in every layer, K and V (all sources
+        are read before any destination is written)."""
+        src, dst = (torch.tensor(ids, device=self.data.device) for ids in zip(*pairs))
+        self.data[:, :, dst] = self.data[:, :, src]

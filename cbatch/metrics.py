@@ -59,8 +59,17 @@ class EngineStats:
     # sampling, device included), postprocess (token bookkeeping, outputs)
     kv_cache_usage: float  # fraction of blocks in use now
     mean_batch_occupancy: float  # mean scheduled sequences / max_num_seqs over steps
+    prefix_cache_queried_tokens: int  # tokens of admitted requests (re-admissions too)
+    prefix_cache_hit_tokens: int  # of which were found in the prefix cache
     graph_capture_s: float = 0.0  # start-up time spent capturing decode CUDA graphs
     graph_memory_bytes: int = 0  # device memory their pool holds
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of admitted tokens whose K/V came from the prefix cache."""
+        if self.prefix_cache_queried_tokens == 0:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
 
     @property
     def host_overhead(self) -> float:

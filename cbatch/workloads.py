@@ -55,3 +55,21 @@ def uniform(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> Workl
     out_lens = rng.integers(lo, max_len + 1, n)
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in out_lens]
     return Workload("uniform", _random_prompts(rng, prompt_lens, vocab), params, batch_size=64)
+
+
+def sharedprefix(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> Workload:
+    """256 requests = 8 system prompts of 400 tokens x 32 questions of 20-60 tokens, 64 output
+    tokens each, in shuffled order (prefix caching).  ``scale`` scales the number of system
+    prompts (each keeps its 32 questions, so the share of cached tokens stays that of the full
+    run); ``max_len`` caps the system prompt, question and output lengths."""
+    rng = np.random.default_rng(0)
+    num_systems, per_system = max(1, round(8 * scale)), 32
+    systems = _random_prompts(rng, [min(400, max_len)] * num_systems, vocab)
+    question_lens = rng.integers(min(20, max_len), min(60, max_len) + 1,
+                                 num_systems * per_system)
+    questions = _random_prompts(rng, question_lens, vocab)
+    prompts = [systems[i // per_system] + q for i, q in enumerate(questions)]
+    order = rng.permutation(len(prompts))
+    params = SamplingParams(max_tokens=min(64, max_len), ignore_eos=True)
+    return Workload("sharedprefix", [prompts[i] for i in order], [params] * len(prompts),
+                    batch_size=64)

@@ -82,3 +82,14 @@ def test_throughput_benchmark(tmp_path):
     assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
     for r in rows:  # same weights, greedy: every engine produces the same tokens
         assert r["same_tokens_as_continuous"] == f"{r['requests']}/{r['requests']}"
+
+
+def test_throughput_benchmark_sharedprefix(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "sharedprefix",
+                                 "--engines", "cbatch-continuous", "cbatch-no-prefix-cache"])
+    rows = {r["engine"]: r for r in _rows(out, "throughput")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    off, on = rows["cbatch-no-prefix-cache"], rows["cbatch-continuous"]
+    assert off["same_tokens_as_continuous"] == f"{off['requests']}/{off['requests']}"
+    assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0

@@ -45,15 +45,20 @@ def _advance(sched_out):
 
 
 def test_block_manager_grow_share_free():
-    bm = BlockManager(num_blocks=6, block_size=4)
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     table: list[int] = []
+    tokens = list(range(13))
     bm.grow(table, 9)
     assert len(table) == 3 and bm.num_free_blocks == 3 and bm.usage == 0.5
     bm.grow(table, 12)  # still fits in 3 blocks
     assert len(table) == 3
-    shared = bm.share(table)
+    bm.cache_computed(table, [], tokens, 12)
+    match = bm.match_prefix(tokens)  # all 3 full blocks (the 13th token is computed)
+    shared: list[int] = []
+    bm.take_prefix(shared, match, 13)
+    assert shared[:3] == table and bm.num_free_blocks == 2
     bm.free(table)
-    assert table == [] and bm.num_free_blocks == 3  # still held by `shared`
+    assert table == [] and bm.num_free_blocks == 2  # still held by `shared`
     bm.free(shared)
     bm.check_whole()
     with pytest.raises(RuntimeError, match="out of KV blocks"):

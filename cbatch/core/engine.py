@@ -69,6 +69,14 @@ def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
     return mem // per_block
 
 
+def model_identity(config: EngineConfig) -> str:
+    """What decides the K/V of a token sequence besides its tokens: the weights (a random
+    model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
+    weights = f"{config.model}@seed={config.seed}" if config.model.startswith("random:") \
+        else config.model
+    return f"{weights}|{config.dtype}"
+
+
 def freeze_long_lived_objects() -> None:
     """Move every object alive now (the model, the tokenizer, the modules of torch and
     transformers) out of the garbage collector's sight, as vLLM does after start-up: a full
@@ -124,7 +132,9 @@ class Engine:
         num_blocks = kv_cache_blocks(config, self.model)
         self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size,
                                 config.torch_dtype, config.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching,
+                                          cache_salt=model_identity(config))
         max_tokens = config.max_num_batched_tokens
         if config.scheduling_policy == "static":
             max_tokens = config.max_num_seqs * self.model.config.n_positions
@@ -258,6 +268,8 @@ class Engine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return [request_output(s, self.tokenizer) for s in changed]
+        if schedule.block_copies:
+            self.kv_cache.copy_blocks(schedule.block_copies)
         scheduled_at = time.perf_counter()
         for item in schedule.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -311,4 +323,6 @@ class Engine:
             mean_batch_occupancy=self._occupancy_sum / max(1, self._num_steps),
             graph_capture_s=self.runner.graph_capture_s,
             graph_memory_bytes=self.runner.graph_memory_bytes,
+            prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
+            prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
         )

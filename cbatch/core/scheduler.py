@@ -7,6 +7,11 @@ prompt), then waiting requests in policy order.  When a running sequence needs a
 none is free, the lowest-priority running sequence is preempted (recompute: its blocks are
 freed and it waits again).  A waiting request is admitted only when the blocks for all its
 current tokens are free, so a preempted request does not come straight back and thrash.
+
+With prefix caching, a request is admitted with the cached prefix of its tokens already
+computed: it counts only the blocks it really needs, and its first chunk starts at the first
+uncached token.  The blocks a step filled are registered in the cache at the start of the
+next ``schedule()`` (and when a sequence leaves or is preempted), once their K/V exist.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) blocks whose K/V must be copied before this step writes the cache:
+    # cached tokens at the start of a block a new request cannot share (block_manager.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     pad_to: int = 0  # run a decode step with at least this many rows (static batching)
 
     @property
@@ -70,6 +78,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_cache_queried_tokens = 0  # tokens of admitted requests looked up in the cache
+        self.num_cache_hit_tokens = 0  # of which were found there (and not computed)
 
     # -------------------------------------------------------------- membership
 
@@ -83,16 +93,44 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
+        self._release(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     # -------------------------------------------------------------- scheduling
 
+    def _cache_computed(self, seq: Sequence) -> None:
+        self.block_manager.cache_computed(seq.block_table, seq.block_hashes, seq.token_ids,
+                                          seq.num_computed_tokens)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give the sequence's blocks back, caching the ones it computed."""
+        self._cache_computed(seq)
+        self.block_manager.free(seq.block_table)
+        seq.block_hashes.clear()
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Start a waiting sequence from its cached prefix; returns the tokens it computes
+        this step, or None when the blocks for all its tokens are not free."""
+        bm = self.block_manager
+        match = bm.match_prefix(seq.token_ids)
+        if bm.blocks_to_admit(match, seq.num_tokens) > bm.num_free_blocks:
+            return None
+        num_cached = len(match.blocks) * bm.block_size + match.num_copied_tokens
+        n = min(seq.num_tokens - num_cached, budget)
+        copy = bm.take_prefix(seq.block_table, match, num_cached + n)
+        if copy is not None:
+            out.block_copies.append(copy)
+        seq.block_hashes = match.hashes
+        seq.num_computed_tokens = num_cached
+        self.num_cache_queried_tokens += seq.num_tokens
+        self.num_cache_hit_tokens += num_cached
+        return n
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -103,6 +141,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        for seq in self.running:  # the blocks the last step filled join the cache
+            self._cache_computed(seq)
         # Running sequences: decodes first, then prefill chunks, each group in policy order.
         order = sorted(self.running, key=lambda s: (not s.is_decoding, self._key(s)))
         scheduled: dict[int, ScheduledSequence] = {}
@@ -135,10 +175,9 @@ class Scheduler:
             for seq in sorted(self.waiting, key=self._key):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
-                if bm.blocks_for(seq.num_tokens) > bm.num_free_blocks:
+                n = self._admit(seq, budget, out)
+                if n is None:
                     break  # admit in order: a big request is not overtaken forever
-                n = min(seq.num_tokens, budget)
-                bm.grow(seq.block_table, n)
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)

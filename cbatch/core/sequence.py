@@ -1,8 +1,9 @@
 """A request as the scheduler sees it: tokens, progress through the cache, and lifecycle.
 
 No torch here.  Lifecycle: WAITING → RUNNING (prefilling, then decoding) → FINISHED; a
-preempted sequence goes back to WAITING and is recomputed (its cache is dropped, the tokens
-it already produced are kept and prefilled again).
+preempted sequence goes back to WAITING and is recomputed (its blocks are released, the
+tokens it already produced are kept and prefilled again, from the cache where it still holds
+them).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its first cached blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
