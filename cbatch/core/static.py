@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cbatch.config import EngineConfig
-from cbatch.core.engine import load_model_and_tokenizer, request_output
+from cbatch.core.engine import load_model_and_tokenizer, prompt_token_ids, request_output
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.outputs import RequestOutput
 from cbatch.core.sampler import SamplingBatch, sample
@@ -65,13 +65,7 @@ class StaticBatchEngine:
         self._order = itertools.count()
 
     def _make_seq(self, prompt, params: SamplingParams) -> Sequence:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        n_pos = self.model.config.n_positions
-        if len(ids) + params.max_tokens > n_pos:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's n_positions ({n_pos})")
+        ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config)
         order = next(self._order)
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
         return Sequence(str(order), ids, params, order, seed=seed)
