@@ -97,3 +97,74 @@ def test_one_prompt_or_a_list_of_prompts(llm):
                                             "or a list of those"):
             llm.generate(bad, PARAMS, use_tqdm=False)
     assert_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """One tokenizer trained offline, saved both ways ``tokenizers`` reads it."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                            vocab_size=300, min_frequency=1)
+    json_dir = tmp_path_factory.mktemp("tokenizer-json")
+    tok.save(str(json_dir / "tokenizer.json"))
+    bpe_dir = tmp_path_factory.mktemp("tokenizer-bpe")
+    tok.save_model(str(bpe_dir))  # vocab.json + merges.txt
+    return json_dir, bpe_dir
+
+
+def test_a_checkpoint_without_tokenizer_files_warns(tiny_hf_dir):
+    with pytest.warns(UserWarning, match="has no tokenizer \\(tokenizer.json, vocab.json, "
+                                         "merges.txt missing\\).*pass tokenizer="):
+        llm = LLM(str(tiny_hf_dir))
+    assert type(llm.tokenizer).__name__ == "ByteTokenizer"
+
+
+@pytest.mark.parametrize("model", ["random:tiny", "checkpoint"])
+@pytest.mark.parametrize("form", ["tokenizer.json", "vocab.json+merges.txt"])
+def test_tokenizer_option_picks_the_tokenizer(tiny_hf_dir, tokenizer_dirs, recwarn, model, form):
+    tok_dir = tokenizer_dirs[form != "tokenizer.json"]
+    model = str(tiny_hf_dir) if model == "checkpoint" else model
+    llm = LLM(model, tokenizer=str(tok_dir))
+    assert not [w for w in recwarn if "tokenizer" in str(w.message)]
+    ids = llm.tokenizer.encode("the quick fox")
+    assert llm.tokenizer.decode(ids) == "the quick fox" and len(ids) < len("the quick fox")
+    out = llm.generate("the quick fox", PARAMS, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_a_tokenizer_that_is_not_there_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing: tokenizer.json, vocab.json, merges.txt"):
+        LLM("random:tiny", tokenizer=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        LLM("random:tiny", tokenizer=str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a reachable "
+                                                "Hugging Face hub id"):
+        LLM("random:tiny", tokenizer="no-such-user/no-such-tokenizer")  # offline in tests
+    with pytest.raises(ValueError, match="tokenizer must be a directory or hub id"):
+        LLM("random:tiny", tokenizer="")
+
+
+def _has_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device,match", [
+    ("banana", r"device must be 'cpu', 'cuda' or 'cuda:<index>', got 'banana'; "
+               r"available here: cpu"),
+    ("mps", r"cbatch runs on 'cpu' or 'cuda', got device='mps'; available here: cpu"),
+    pytest.param("cuda", r"device='cuda' but .*; available here: cpu$",
+                 marks=pytest.mark.skipif(_has_cuda(), reason="CUDA is available")),
+    pytest.param("cuda:64", r"device='cuda:64' but there are only \d+ CUDA devices",
+                 marks=pytest.mark.skipif(not _has_cuda(), reason="needs CUDA")),
+])
+def test_a_device_this_machine_lacks_is_one_clear_error(device, match):
+    from cbatch.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(device=device)
+    with pytest.raises(ValueError, match=match):
+        LLM("random:tiny", device=device)

@@ -14,12 +14,12 @@ from cbatch.config import EngineConfig, GPT2Config
 from cbatch.kv_cache import KVCache, bytes_per_token
 from cbatch.metrics import EngineStats, RequestMetrics
 from cbatch.core.model_runner import ModelRunner
-from cbatch.models.gpt2 import GPT2LMHeadModel, load_model, resolve_checkpoint_dir
+from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
-from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from cbatch.tokenizer import Tokenizer, load_tokenizer
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -27,10 +27,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
     model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                        config.attention_backend)
-    eos = model.config.eos_token_id
-    if config.model.startswith("random:"):
-        return model, ByteTokenizer(eos)
-    return model, load_tokenizer(resolve_checkpoint_dir(config.model), eos)
+    return model, load_tokenizer(config.model, config.tokenizer, model.config.eos_token_id)
 
 
 def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
