@@ -1,4 +1,4 @@
-"""The flat, unpadded step batch that one model forward pass consumes (DESIGN.md)."""
+"""The flat, unpadded step batch that one model forward pass consumes (docs/design.md)."""
 
 from __future__ import annotations
 
