@@ -13,7 +13,6 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "cbatch.entrypoints.llm",
     "Engine": "cbatch.core.engine",
-    "StaticBatchEngine": "cbatch.core.static",
     "EngineConfig": "cbatch.config",
     "GPT2Config": "cbatch.config",
     "MODEL_CONFIGS": "cbatch.config",

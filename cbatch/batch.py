@@ -1,10 +1,12 @@
-"""The flat, unpadded step batch that one model forward pass consumes (docs/design.md)."""
+"""The flat, unpadded step batch that one model forward pass consumes (docs/design.md), and
+the one builder that makes it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -21,6 +23,8 @@ class StepBatch:
     logits_indices int64 [S]  the row of each sequence's last new token (the one to sample from)
     is_decode     every sequence has exactly one new token (host-side flag: picks the kernel)
     max_query_len the longest run of new tokens (host int: sizes the prefill kernel's grid)
+    num_padded_seqs  trailing rows that only fill a batch-size bucket: one token each at
+                  position 0, slot -1 (they write nothing), a one-token context in block 0
     """
 
     input_ids: torch.Tensor
@@ -32,14 +36,112 @@ class StepBatch:
     logits_indices: torch.Tensor
     is_decode: bool
     max_query_len: int
+    num_padded_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:
+        """Rows of the batch, padded ones included."""
         return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+class StepBatchBuilder:
+    """Fills persistent step buffers in place and hands out :class:`StepBatch` views of them.
+
+    Every field has a fixed offset in one int64 and one int32 buffer (pinned host memory and
+    a device copy on CUDA; one buffer on the CPU), sized for ``max_num_seqs`` rows,
+    ``max_num_tokens`` new tokens and ``max_blocks_per_seq`` table entries per row.  A step
+    costs two host-to-device copies and no tensor allocation, and a decode batch of a given
+    padded size always lands at the same addresses: what a CUDA graph replays.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device | str = "cpu"):
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
+        self.device = torch.device(device)
+        S, T = max_num_seqs, max_num_tokens
+        # int64: ids [T] | positions [T] | slots [T] | logits rows [S]
+        # int32: cu_seqlens [S+1] | seq_lens [S] | block tables [S * max_blocks_per_seq]
+        self._i64 = {"ids": 0, "pos": T, "slots": 2 * T, "rows": 3 * T}
+        self._i32 = {"cu": 0, "lens": S + 1, "tables": 2 * S + 1}
+        on_gpu = self.device.type == "cuda"
+        host64 = torch.zeros(3 * T + S, dtype=torch.int64, pin_memory=on_gpu)
+        host32 = torch.zeros(2 * S + 1 + S * max_blocks_per_seq, dtype=torch.int32,
+                             pin_memory=on_gpu)
+        self._host = (host64, host32)
+        self._np64, self._np32 = host64.numpy(), host32.numpy()
+        if on_gpu:
+            self._dev = (host64.to(self.device), host32.to(self.device))
+            self._copied = torch.cuda.Event()  # the host buffers may be refilled after it
+        else:
+            self._dev, self._copied = self._host, None
+
+    def build(self, runs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+              pad_to: int | None = None, full_width: bool = False) -> StepBatch:
+        """``runs[s] = (new_tokens, num_cached, block_table)`` of each sequence, in batch order.
+
+        ``pad_to`` adds rows up to that many sequences (a batch-size bucket); ``full_width``
+        lays the block tables out ``max_blocks_per_seq`` wide instead of as wide as this step
+        needs (both fix the shapes a CUDA graph was captured with).  The caller guarantees
+        that every table covers its sequence (:func:`make_step_batch` checks it).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu, lens = [0], []
+        for tokens, start, table in runs:
+            end = start + len(tokens)
+            ids += tokens
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu.append(len(ids))
+            lens.append(end)
+        S, T_real = len(runs), len(ids)
+        n = max(S, pad_to or 0)
+        pad = n - S
+        T = T_real + pad
+        width = self.max_blocks_per_seq if full_width else max(len(r[2]) for r in runs)
+        if n > self.max_num_seqs or T > self.max_num_tokens or width > self.max_blocks_per_seq:
+            raise ValueError(f"step of {n} sequences, {T} tokens and {width} blocks per "
+                             f"sequence exceeds the builder's {self.max_num_seqs}, "
+                             f"{self.max_num_tokens}, {self.max_blocks_per_seq}")
+        tables: list[int] = []
+        for _, _, table in runs:
+            tables += table
+            tables += [0] * (width - len(table))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffers
+        o64, o32, h64, h32 = self._i64, self._i32, self._np64, self._np32
+        rows_of_pads = range(T_real, T)
+        h64[o64["ids"]:o64["ids"] + T] = ids + [0] * pad
+        h64[o64["pos"]:o64["pos"] + T] = positions + [0] * pad
+        h64[o64["slots"]:o64["slots"] + T] = slots + [-1] * pad
+        h64[o64["rows"]:o64["rows"] + n] = [c - 1 for c in cu[1:]] + list(rows_of_pads)
+        h32[o32["cu"]:o32["cu"] + n + 1] = cu + [r + 1 for r in rows_of_pads]
+        h32[o32["lens"]:o32["lens"] + n] = lens + [1] * pad
+        h32[o32["tables"]:o32["tables"] + n * width] = tables + [0] * (pad * width)
+        if self._copied is not None:
+            for dev, host in zip(self._dev, self._host):
+                dev.copy_(host, non_blocking=True)
+            self._copied.record()
+        d64, d32 = self._dev
+        return StepBatch(
+            input_ids=d64[o64["ids"]:o64["ids"] + T],
+            positions=d64[o64["pos"]:o64["pos"] + T],
+            slot_mapping=d64[o64["slots"]:o64["slots"] + T],
+            logits_indices=d64[o64["rows"]:o64["rows"] + n],
+            cu_seqlens_q=d32[o32["cu"]:o32["cu"] + n + 1],
+            seq_lens=d32[o32["lens"]:o32["lens"] + n],
+            block_tables=d32[o32["tables"]:o32["tables"] + n * width].view(n, width),
+            is_decode=T == n,
+            max_query_len=max((len(r[0]) for r in runs), default=1),
+            num_padded_seqs=pad,
+        )
 
 
 def make_step_batch(
@@ -50,7 +152,8 @@ def make_step_batch(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
 ) -> StepBatch:
-    """Build a :class:`StepBatch` from plain Python lists (one host→device copy per tensor).
+    """One :class:`StepBatch` from plain Python lists, checked, through a one-off
+    :class:`StepBatchBuilder` (the engine keeps a persistent one).
 
     ``new_tokens[s]`` are sequence s's tokens for this step, placed after its
     ``num_cached[s]`` cached ones; ``block_tables[s]`` must cover all of them.
@@ -61,7 +164,6 @@ def make_step_batch(
         raise ValueError("new_tokens, num_cached and block_tables must have one entry per "
                          f"sequence, got {len(new_tokens)}, {len(num_cached)}, "
                          f"{len(block_tables)}")
-    input_ids, positions, slots, cu, seq_lens = [], [], [], [0], []
     for s, (tokens, cached, table) in enumerate(zip(new_tokens, num_cached, block_tables)):
         if not tokens:
             raise ValueError(f"sequence {s} has no new tokens")
@@ -72,26 +174,7 @@ def make_step_batch(
         if len(table) * block_size < seq_len:
             raise ValueError(f"sequence {s} needs {-(-seq_len // block_size)} blocks for "
                              f"{seq_len} tokens but its block table has {len(table)}")
-        pos = range(cached, seq_len)
-        input_ids += tokens
-        positions += pos
-        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-        cu.append(len(input_ids))
-        seq_lens.append(seq_len)
-    max_blocks = max(len(t) for t in block_tables)
-    padded_tables = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
-
-    def tensor(data, dtype):
-        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
-    return StepBatch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        cu_seqlens_q=tensor(cu, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(padded_tables, torch.int32),
-        slot_mapping=tensor(slots, torch.int64),
-        logits_indices=tensor([c - 1 for c in cu[1:]], torch.int64),
-        is_decode=all(len(t) == 1 for t in new_tokens),
-        max_query_len=max(len(t) for t in new_tokens),
-    )
+    builder = StepBatchBuilder(len(new_tokens), sum(map(len, new_tokens)),
+                               max(map(len, block_tables)), block_size, device)
+    return builder.build([(list(t), c, list(b)) for t, c, b in
+                          zip(new_tokens, num_cached, block_tables)])

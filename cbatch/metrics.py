@@ -59,6 +59,8 @@ class EngineStats:
     # sampling, device included), postprocess (token bookkeeping, outputs)
     kv_cache_usage: float  # fraction of blocks in use now
     mean_batch_occupancy: float  # mean scheduled sequences / max_num_seqs over steps
+    graph_capture_s: float = 0.0  # start-up time spent capturing decode CUDA graphs
+    graph_memory_bytes: int = 0  # device memory their pool holds
 
     @property
     def host_overhead(self) -> float:

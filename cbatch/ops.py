@@ -436,3 +436,52 @@ def paged_prefill_attention(
         return result
     out.copy_(result)
     return out
+
+
+# ----------------------------------------------------------------------------- hot path
+
+
+@dataclass(frozen=True)
+class BoundKernels:
+    """The three kernels for one device, head_dim and backend choice, looked up once.
+
+    A model calls these on its hot path instead of the checked public functions above: no
+    backend search and no argument checks per call (its step batches are valid by
+    construction; the public ops remain the checked entry for everyone else).
+
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> [S, H, D]
+    prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+            max_query_len) -> [T, H, D]
+    """
+
+    write_kv_cache: Callable
+    decode: Callable
+    prefill: Callable
+    backends: dict[str, str]  # op name -> the backend it resolved to
+
+
+def bind_kernels(device: torch.device | str, head_dim: int,
+                 backend: str | None = None) -> BoundKernels:
+    """Resolve each op's backend for ``device`` and ``head_dim`` (as the public ops would)
+    and return its implementation."""
+    device = torch.device(device)
+    names = {op: resolve_backend(op, device, backend, None if op == "write_kv_cache" else
+                                 head_dim) for op in _IMPLS}
+
+    def impl(op: str) -> Callable:
+        if names[op] == "triton":
+            from cbatch import triton_ops
+
+            return getattr(triton_ops, op)
+        return _IMPLS[op][names[op]]
+
+    prefill_impl = impl("paged_prefill_attention")
+    if names["paged_prefill_attention"] == "triton":
+        prefill = prefill_impl  # its grid depends on max_query_len
+    else:
+        def prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                    scale, max_query_len):
+            return prefill_impl(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                seq_lens, scale)
+    return BoundKernels(impl("write_kv_cache"), impl("paged_decode_attention"), prefill, names)

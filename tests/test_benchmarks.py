@@ -47,7 +47,8 @@ def test_mixed_step_benchmark(tmp_path):
 def test_decode_step_benchmark(tmp_path):
     rows = _rows(bench_decode_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "decode_step")
-    assert [r["batch"] for r in rows] == [1, 4]
+    assert [(r["mode"], r["batch"]) for r in rows] == [
+        ("eager", 1), ("eager", 4), ("graphs", 1), ("graphs", 4)]
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
 
 

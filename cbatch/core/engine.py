@@ -19,7 +19,8 @@ from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
-from cbatch.tokenizer import Tokenizer, load_tokenizer
+from cbatch.core.static import StaticScheduler
+from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -28,6 +29,17 @@ def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tok
     model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                        config.attention_backend)
     return model, load_tokenizer(config.model, config.tokenizer, model.config.eos_token_id)
+
+
+def config_for_model(model: GPT2LMHeadModel, **kwargs) -> EngineConfig:
+    """The engine config of an engine around an already built model (its device, dtype and
+    attention backend)."""
+    for name in ("device", "dtype", "attention_backend"):
+        if name in kwargs:
+            raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
+    return EngineConfig(model="<model object>", device=str(model.device),
+                        dtype=str(model.dtype).removeprefix("torch."),
+                        attention_backend=model.attention_backend, **kwargs)
 
 
 def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
@@ -122,21 +134,31 @@ class Engine:
     'length'
     """
 
-    def __init__(self, model: str = "random:gpt2", **kwargs):
-        self.config = EngineConfig(model=model, **kwargs)
-        if self.config.scheduling_policy == "static":
-            raise ValueError("Engine schedules continuously; for the static-batching baseline "
-                             "use cbatch.LLM(scheduling_policy='static') or StaticBatchEngine")
-        torch.manual_seed(self.config.seed)
-        self.model, self.tokenizer = load_model_and_tokenizer(self.config)
-        num_blocks = kv_cache_blocks(self.config, self.model)
-        self.kv_cache = KVCache(self.model.config, num_blocks, self.config.block_size,
-                                self.config.torch_dtype, self.config.device)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens,
-                                   self.config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+    def __init__(self, model: str | GPT2LMHeadModel = "random:gpt2", **kwargs):
+        if isinstance(model, GPT2LMHeadModel):  # an engine around a model already built
+            self.config = config_for_model(model, **kwargs)
+            self.model, self.tokenizer = model, ByteTokenizer(model.config.eos_token_id)
+        else:
+            self.config = EngineConfig(model=model, **kwargs)
+            torch.manual_seed(self.config.seed)
+            self.model, self.tokenizer = load_model_and_tokenizer(self.config)
+        config = self.config
+        num_blocks = kv_cache_blocks(config, self.model)
+        self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size,
+                                config.torch_dtype, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        max_tokens = config.max_num_batched_tokens
+        if config.scheduling_policy == "static":
+            max_tokens = config.max_num_seqs * self.model.config.n_positions
+            self.scheduler = StaticScheduler(self.block_manager, config.max_num_seqs,
+                                             max_tokens)
+        else:
+            self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
+                                       config.scheduling_policy)
+        cuda_graphs = (config.cuda_graphs if config.cuda_graphs is not None
+                       else torch.device(config.device).type == "cuda")
+        self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, max_tokens,
+                                  cuda_graphs)
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
         self._order = itertools.count()
@@ -191,6 +213,41 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
 
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
+                 priorities: list[int] | None = None, progress=None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (the one generation loop: ``LLM.generate`` and
+        ``GPT2LMHeadModel.generate`` come here); outputs in prompt order.
+
+        All or nothing: every prompt and parameter is checked before any request is queued,
+        and if anything fails mid-way (an error in a step, KeyboardInterrupt), every request
+        of this call is aborted and the exception propagates, leaving the engine as it was.
+        ``progress(1)`` is called per finished request.
+        """
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priorities is None else list(priorities)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        token_ids = [self.validate_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for prompt_ids, sp, prio in zip(token_ids, params_list, priorities):
+                ids.append(self.add_request(prompt_ids, sp, prio))
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id not in done:
+                        done[out.request_id] = out
+                        if progress is not None:
+                            progress(1)
+        except BaseException:
+            for rid in ids:
+                if rid in self._requests:
+                    self.abort(rid, report=False)
+            raise
+        return [done[i] for i in ids]
+
     # -------------------------------------------------------------- stepping
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -220,7 +277,7 @@ class Engine:
         for item in schedule.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = scheduled_at
-        batch = self.runner.build_batch(schedule.scheduled)
+        batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
         prepared_at = time.perf_counter()
         tokens = self.runner.execute(batch, schedule.scheduled)
         now = time.perf_counter()
@@ -267,4 +324,6 @@ class Engine:
             phase_s=dict(self._phase_s),
             kv_cache_usage=self.block_manager.usage,
             mean_batch_occupancy=self._occupancy_sum / max(1, self._num_steps),
+            graph_capture_s=self.runner.graph_capture_s,
+            graph_memory_bytes=self.runner.graph_memory_bytes,
         )

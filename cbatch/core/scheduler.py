@@ -45,6 +45,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    pad_to: int = 0  # run a decode step with at least this many rows (static batching)
 
     @property
     def num_tokens(self) -> int:

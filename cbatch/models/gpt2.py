@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch import ops
-from cbatch.batch import StepBatch, make_step_batch
+from cbatch.batch import StepBatch
 from cbatch.config import GPT2Config
 from cbatch.kv_cache import KVCache
 
@@ -32,23 +32,24 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
-                backend: str | None) -> torch.Tensor:
+                kernels: ops.BoundKernels) -> torch.Tensor:
         T = x.shape[0]
         # q, k, v: [T, H, D] views of the fused projection (dense rows, token stride 3C)
         q, k, v = self.c_attn(x).view(T, 3, self.n_head, self.head_dim).unbind(1)
         key_cache, value_cache = kv_cache.layer(self.layer_idx)
-        ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping, backend=backend)
+        kernels.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
         if batch.is_decode:
-            o = ops.paged_decode_attention(q, key_cache, value_cache, batch.block_tables,
-                                           batch.seq_lens, backend=backend)
+            o = kernels.decode(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                               self.scale)
         else:
-            o = ops.paged_prefill_attention(q, key_cache, value_cache, batch.block_tables,
-                                            batch.cu_seqlens_q, batch.seq_lens, backend=backend,
-                                            max_query_len=batch.max_query_len)
+            o = kernels.prefill(q, key_cache, value_cache, batch.block_tables,
+                                batch.cu_seqlens_q, batch.seq_lens, self.scale,
+                                batch.max_query_len)
         return self.c_proj(o.reshape(T, -1))
 
 
@@ -71,8 +72,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x, batch, kv_cache, backend):
-        x = x + self.attn(self.ln_1(x), batch, kv_cache, backend)
+    def forward(self, x, batch, kv_cache, kernels):
+        x = x + self.attn(self.ln_1(x), batch, kv_cache, kernels)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -100,14 +101,24 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+        self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
+
+    def kernels(self, device: torch.device) -> ops.BoundKernels:
+        """The attention kernels for ``device``, resolved once (``attention_backend``, else
+        ``$CBATCH_ATTENTION_BACKEND``, else the fastest available), not at every op call."""
+        if self._kernels is None or self._kernels[0] != device:
+            self._kernels = device, ops.bind_kernels(device, self.config.head_dim,
+                                                     self.attention_backend)
+        return self._kernels[1]
 
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into ``kv_cache`` and return the final
         hidden states ``[T, n_embd]`` (after ``ln_f``)."""
         t = self.transformer
+        kernels = self.kernels(batch.input_ids.device)
         x = t.wte(batch.input_ids) + t.wpe(batch.positions)  # [T, C]
         for block in t.h:
-            x = block(x, batch, kv_cache, self.attention_backend)
+            x = block(x, batch, kv_cache, kernels)
         return t.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,49 +140,27 @@ class GPT2LMHeadModel(nn.Module):
         """See :func:`load_model`."""
         return load_model(name_or_path, device, dtype, seed, attention_backend)
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
                  stop_at_eos: bool = False) -> list[list[int]]:
-        """Greedy continuation of several token-id prompts at once, through a paged cache.
-
-        A convenience for using the model without the engine: all prompts are prefilled
-        in one packed step, then decoded together; ``stop_at_eos`` drops a sequence once it
-        emits ``config.eos_token_id``.  Returns the new tokens of each prompt.
+        """Greedy continuation of several token-id prompts at once: a convenience for using
+        the model without building an engine yourself.  It runs the engine's own loop
+        (:class:`cbatch.Engine` around this model, a KV pool just big enough, every prompt
+        admitted in the first step); ``stop_at_eos`` ends a sequence at
+        ``config.eos_token_id``.  Returns the new tokens of each prompt.
         """
+        from cbatch.core.engine import Engine
+        from cbatch.sampling_params import SamplingParams
+
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no empty prompt")
-        limit = self.config.n_positions
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > limit:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens "
-                                 f"{max_new_tokens} > n_positions {limit}")
-        blocks_per_seq = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
-        cache = KVCache(self.config, sum(blocks_per_seq), block_size, self.dtype, self.device)
-        starts = [sum(blocks_per_seq[:i]) for i in range(len(prompts))]
-        tables = [list(range(s, s + n)) for s, n in zip(starts, blocks_per_seq)]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        new_tokens = [list(p) for p in prompts]
-        num_cached = [0] * len(prompts)
-        while active:
-            batch = make_step_batch([new_tokens[i] for i in active],
-                                    [num_cached[i] for i in active],
-                                    [tables[i] for i in active], block_size, self.device, limit)
-            hidden = self(batch, cache)
-            next_ids = self.compute_logits(hidden[batch.logits_indices]).argmax(-1).tolist()
-            still = []
-            for i, tok in zip(active, next_ids):
-                num_cached[i] += len(new_tokens[i])
-                outputs[i].append(tok)
-                new_tokens[i] = [tok]
-                done = len(outputs[i]) == max_new_tokens or (
-                    stop_at_eos and tok == self.config.eos_token_id)
-                if not done:
-                    still.append(i)
-            active = still
-        return outputs
+        lengths = [len(p) + max_new_tokens for p in prompts]
+        engine = Engine(self, block_size=block_size, max_num_seqs=len(prompts),
+                        max_num_batched_tokens=sum(map(len, prompts)),
+                        num_blocks=sum(-(-n // block_size) for n in lengths))
+        params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
+        return [out.token_ids for out in engine.generate(prompts, params)]
 
 
 # ----------------------------------------------------------------------------- loading
