@@ -1,4 +1,4 @@
-"""Paged decode attention: every available implementation over DESIGN.md's kernel shapes.
+"""Paged decode attention: every available implementation over docs/design.md's kernel shapes.
 
     python benchmarks/bench_decode_attention.py            # full grid for this device
     python benchmarks/bench_decode_attention.py --quick    # tiny grid, under two minutes on a CPU

@@ -1,4 +1,4 @@
-"""The flat, unpadded step batch that one model forward pass consumes (docs: DESIGN.md), and
+"""The flat, unpadded step batch that one model forward pass consumes (docs/design.md), and
 the one builder that makes it."""
 
 from __future__ import annotations

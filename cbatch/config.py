@@ -87,7 +87,7 @@ MODEL_CONFIGS: dict[str, GPT2Config] = {
 
 @dataclass
 class EngineConfig:
-    """Keywords shared by :class:`cbatch.LLM` and :class:`cbatch.Engine` (DESIGN.md)."""
+    """Keywords shared by :class:`cbatch.LLM` and :class:`cbatch.Engine` (docs/design.md)."""
 
     model: str = "random:gpt2"
     device: str = "cpu"
@@ -106,13 +106,11 @@ class EngineConfig:
     batch_invariant: bool = False  # a request's logits never depend on its batch-mates
 
     def __post_init__(self) -> None:
-        import torch
-
         if not isinstance(self.dtype, str):
             self.dtype = str(self.dtype).removeprefix("torch.")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        self.device = str(torch.device(self.device))
+        self.device = check_device(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -127,9 +125,46 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
                              f"{self.scheduling_policy!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer):
+            raise ValueError("tokenizer must be a directory or hub id (a non-empty string), "
+                             f"got {self.tokenizer!r}")
 
     @property
     def torch_dtype(self):
         import torch
 
         return getattr(torch, self.dtype)
+
+
+def available_devices() -> list[str]:
+    """The devices cbatch can run on here: ``cpu``, then each CUDA device."""
+    import torch
+
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def check_device(device) -> str:
+    """``device`` (a string or torch.device) as a string, if this machine has it; otherwise a
+    ValueError naming what it has (rather than torch's error from deep inside the model)."""
+    import torch
+
+    here = ", ".join(available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}; "
+                         f"available here: {here}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"cbatch runs on 'cpu' or 'cuda', got device={device!r}; available "
+                         f"here: {here}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if torch.version.cuda is None
+                   else "torch sees no CUDA device")
+            raise ValueError(f"device={device!r} but {why} (torch {torch.__version__}); "
+                             f"available here: {here}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but there are only "
+                             f"{torch.cuda.device_count()} CUDA devices; available here: {here}")
+    return str(dev)

@@ -1,6 +1,6 @@
 """Pure-torch definitions of cbatch's ops: slow, obvious, and the ground truth for tests.
 
-Shapes follow DESIGN.md: T new tokens, S sequences, H heads, D head dim; caches are
+Shapes follow docs/design.md: T new tokens, S sequences, H heads, D head dim; caches are
 ``[num_blocks, block_size, H, D]``.  Attention accumulates in fp32.
 """
 

@@ -1,4 +1,5 @@
-"""Tokenizers: the checkpoint's own (Hugging Face ``tokenizers`` files) or a byte-level one.
+"""Tokenizers: the checkpoint's own (Hugging Face ``tokenizers`` files), one named by
+``EngineConfig.tokenizer``, or a byte-level one.
 
 A ``random:`` model has no vocabulary of its own, so it gets :class:`ByteTokenizer`: token
 id b < 256 is byte b, and every other id decodes as ``<|id|>``.
@@ -6,6 +7,7 @@ id b < 256 is byte b, and every other id decodes as ``<|id|>``.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -61,11 +63,41 @@ class HFTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
 
-def load_tokenizer(checkpoint_dir: Path | None, eos_token_id: int) -> Tokenizer:
-    """The checkpoint's tokenizer when its files are there, else :class:`ByteTokenizer`."""
-    if checkpoint_dir is not None and (
-        (checkpoint_dir / "tokenizer.json").is_file()
-        or ((checkpoint_dir / "vocab.json").is_file() and (checkpoint_dir / "merges.txt").is_file())
-    ):
-        return HFTokenizer(checkpoint_dir, eos_token_id)
-    return ByteTokenizer(eos_token_id)
+def missing_tokenizer_files(path: Path) -> list[str]:
+    """The files ``path`` lacks for a tokenizer: none when it has tokenizer.json, or
+    vocab.json and merges.txt."""
+    missing = [name for name in ("tokenizer.json", "vocab.json", "merges.txt")
+               if not (path / name).is_file()]
+    complete = "tokenizer.json" not in missing or missing == ["tokenizer.json"]
+    return [] if complete else missing
+
+
+def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Tokenizer:
+    """The tokenizer for ``model`` (``EngineConfig.model``).
+
+    ``tokenizer`` (a directory or hub id) wins when given; otherwise a checkpoint's own files,
+    and a ``random:`` model's byte-level tokenizer.  A checkpoint without tokenizer files falls
+    back to the byte-level tokenizer with a warning that names the missing files: its text
+    would otherwise be silently wrong.
+    """
+    from cbatch.models.gpt2 import TOKENIZER_FILES, resolve_checkpoint_dir
+
+    if tokenizer is not None:
+        path = resolve_checkpoint_dir(tokenizer, TOKENIZER_FILES)
+        missing = missing_tokenizer_files(path)
+        if missing:
+            raise FileNotFoundError(f"tokenizer={tokenizer!r}: {path} has no tokenizer.json "
+                                    "(or vocab.json and merges.txt); missing: "
+                                    f"{', '.join(missing)}")
+        return HFTokenizer(path, eos_token_id)
+    if model.startswith("random:"):
+        return ByteTokenizer(eos_token_id)
+    path = resolve_checkpoint_dir(model)
+    missing = missing_tokenizer_files(path)
+    if missing:
+        warnings.warn(f"{path} has no tokenizer ({', '.join(missing)} missing): prompts and "
+                      "outputs go through a byte-level tokenizer, so the text will not be the "
+                      "model's; pass tokenizer=<directory or hub id> (cbatch --tokenizer)",
+                      stacklevel=2)
+        return ByteTokenizer(eos_token_id)
+    return HFTokenizer(path, eos_token_id)

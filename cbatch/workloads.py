@@ -1,4 +1,4 @@
-"""The standard workloads of DESIGN.md, shared by the demo and the benchmarks."""
+"""The standard workloads of docs/design.md, shared by the demo and the benchmarks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Set up a fresh machine (idempotent) and run the demo or the test suite:
+# Set up a fresh machine (idempotent, incremental) and run the demo or the test suite:
 #
 #   bash scripts/run.sh demo     # virtualenv + build + `cbatch demo`
 #   bash scripts/run.sh test     # virtualenv + build + pytest
 #
 # CBATCH_TORCH picks the torch requirement (default torch==2.13.0); PYTHON the interpreter
 # that makes the virtualenv (default python3); VENV its folder (default .venv).
+#
+# The pip installs (torch, requirements-dev.txt, the C++ build of cbatch) run only when what
+# they depend on changed: a stamp in the virtualenv holds the hash of csrc/, setup.py,
+# pyproject.toml, requirements-dev.txt, the torch requirement and this checkout's path.
+# Python files need no reinstall (cbatch is installed in editable mode).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,15 +22,35 @@ esac
 shift
 
 VENV=${VENV:-.venv}
+TORCH_REQUIREMENT=${CBATCH_TORCH:-torch==2.13.0}
 if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q "${CBATCH_TORCH:-torch==2.13.0}"
-"$VENV/bin/pip" install -q -r requirements-dev.txt
-"$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
+py="$VENV/bin/python"  # `python -m pip`, not bin/pip: a copied venv's scripts point elsewhere
+
+stamp_file="$VENV/.cbatch-install-stamp"
+stamp=$(TORCH_REQUIREMENT="$TORCH_REQUIREMENT" "$py" - <<'PY'
+import hashlib, os, pathlib
+h = hashlib.sha256(f"{os.environ['TORCH_REQUIREMENT']}\n{os.getcwd()}\n".encode())
+files = sorted(p for p in pathlib.Path("csrc").rglob("*") if p.is_file())
+for p in files + [pathlib.Path(n) for n in ("setup.py", "pyproject.toml", "requirements-dev.txt")]:
+    h.update(f"{p}\n".encode() + p.read_bytes())
+print(h.hexdigest())
+PY
+)
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
+  echo "run.sh: $VENV is up to date (csrc/, setup.py, pyproject.toml, requirements-dev.txt," \
+       "$TORCH_REQUIREMENT unchanged); skipping pip. Delete $stamp_file to reinstall."
+else
+  rm -f "$stamp_file"
+  "$py" -m pip install -q "$TORCH_REQUIREMENT"
+  "$py" -m pip install -q -r requirements-dev.txt
+  "$py" -m pip install -q --no-build-isolation --no-deps -e .
+  echo "$stamp" > "$stamp_file"
+fi
 
 if [ "$what" = demo ]; then
-  exec "$VENV/bin/cbatch" demo "$@"
+  exec "$py" -m cbatch.entrypoints.cli demo "$@"
 else
-  exec "$VENV/bin/python" -m pytest -q "$@"
+  exec "$py" -m pytest -q "$@"
 fi

@@ -10,12 +10,12 @@ import time
 import torch
 
 from cbatch.core.block_manager import BlockManager
-from cbatch.config import EngineConfig
+from cbatch.config import EngineConfig, GPT2Config
 from cbatch.detokenizer import detokenizer_for
 from cbatch.kv_cache import KVCache, bytes_per_token
 from cbatch.metrics import EngineStats, RequestMetrics
 from cbatch.core.model_runner import ModelRunner
-from cbatch.models.gpt2 import GPT2LMHeadModel, load_model, resolve_checkpoint_dir
+from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.core.scheduler import Scheduler
@@ -29,10 +29,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
     model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                        config.attention_backend)
-    eos = model.config.eos_token_id
-    if config.model.startswith("random:"):
-        return model, ByteTokenizer(eos)
-    return model, load_tokenizer(resolve_checkpoint_dir(config.model), eos)
+    return model, load_tokenizer(config.model, config.tokenizer, model.config.eos_token_id)
 
 
 def config_for_model(model: GPT2LMHeadModel, **kwargs) -> EngineConfig:
@@ -92,6 +89,32 @@ def freeze_long_lived_objects() -> None:
 
 
 _unfreeze_registered = False
+
+
+def prompt_token_ids(prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer,
+                     config: GPT2Config) -> list[int]:
+    """A prompt (a string or a list of token ids) as token ids that fit the model with
+    ``params.max_tokens`` more; the one check of a prompt that every engine runs."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise TypeError("a prompt is a string or a list of token ids, got "
+                        f"{type(prompt).__name__} {prompt!r:.40}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {config.vocab_size}), "
+                         f"got {bad[:5]}")
+    if len(ids) + params.max_tokens > config.n_positions:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                         f"= {len(ids) + params.max_tokens} exceeds the model's "
+                         f"n_positions ({config.n_positions})")
+    return ids
 
 
 def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
@@ -159,33 +182,24 @@ class Engine:
 
     # -------------------------------------------------------------- requests
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return ids
-
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, request_id: str | None = None) -> str:
-        """Queue a request (a string, or token ids); returns its id."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._token_ids(prompt)
-        n_pos = self.model.config.n_positions
-        if len(ids) + params.max_tokens > n_pos:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {len(ids) + params.max_tokens} exceeds the model's "
-                             f"n_positions ({n_pos})")
+    def validate_request(self, prompt: str | list[int], params: SamplingParams | None = None
+                         ) -> list[int]:
+        """The prompt's token ids if the request can run here, else a ValueError/TypeError
+        naming the problem; queues nothing (``LLM.generate`` checks a whole call first)."""
+        params = SamplingParams() if params is None else params
+        ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config)
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
                              f"{self.block_manager.num_blocks}; raise num_blocks or "
                              "kv_cache_memory, or lower max_tokens")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, request_id: str | None = None) -> str:
+        """Queue a request (a string, or token ids); returns its id."""
+        params = SamplingParams() if params is None else params
+        ids = self.validate_request(prompt, params)
         order = next(self._order)
         request_id = str(order) if request_id is None else str(request_id)
         if request_id in self._requests:
@@ -196,39 +210,49 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop an unfinished request; its output (reason "abort") comes from the next step."""
+    def abort(self, request_id: str, report: bool = True) -> None:
+        """Stop an unfinished request; its output (reason "abort") comes from the next step
+        (``report=False``: no output, e.g. for a caller cleaning up after an error)."""
         seq = self._requests.pop(str(request_id), None)
         if seq is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self.scheduler.remove(seq)
         self._finish(seq, "abort")
-        self._aborted.append(seq)
+        if report:
+            self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
-                 priorities: list[int] | None = None, progress=None) -> list[RequestOutput]:
+                 priorities: list[int] | None = None, progress=None, on_output=None
+                 ) -> list[RequestOutput]:
         """Run ``prompts`` to completion (the one generation loop: ``LLM.generate`` and
         ``GPT2LMHeadModel.generate`` come here); outputs in prompt order.
 
-        All or nothing: if a prompt is refused or anything fails mid-way (an error in a
-        step, KeyboardInterrupt), every request of this call is aborted and the exception
-        propagates, leaving the engine as it was.  ``progress(1)`` is called per finished
-        request.
+        All or nothing: every prompt and parameter is checked before any request is queued,
+        and if anything fails mid-way (an error in a step, KeyboardInterrupt), every request
+        of this call is aborted and the exception propagates, leaving the engine as it was.
+        ``progress(1)`` is called per finished request, ``on_output(output)`` for every
+        output of this call's requests as it streams (each step's snapshot).
         """
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        priorities = [0] * len(prompts) if priorities is None else priorities
+        priorities = [0] * len(prompts) if priorities is None else list(priorities)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        token_ids = [self.validate_request(p, sp) for p, sp in zip(prompts, params_list)]
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
-            for prompt, sp, prio in zip(prompts, params_list, priorities):
-                ids.append(self.add_request(prompt, sp, prio))
+            for prompt_ids, sp, prio in zip(token_ids, params_list, priorities):
+                ids.append(self.add_request(prompt_ids, sp, prio))
+            mine = set(ids)
             while len(done) < len(ids):
                 for out in self.step():
+                    if on_output is not None and out.request_id in mine:
+                        on_output(out)
                     if out.finished and out.request_id not in done:
                         done[out.request_id] = out
                         if progress is not None:
@@ -236,8 +260,7 @@ class Engine:
         except BaseException:
             for rid in ids:
                 if rid in self._requests:
-                    self.abort(rid)
-            self._aborted = [s for s in self._aborted if s.request_id not in set(ids)]
+                    self.abort(rid, report=False)
             raise
         return [done[i] for i in ids]
 

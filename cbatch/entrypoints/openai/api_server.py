@@ -105,33 +105,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Server and engine options of ``cbatch serve`` (besides --model/--device/--dtype)."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: --model)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-waiting", type=int, default=1024,
-                        help="requests waiting beyond this are refused with 503")
-    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
-                        help="seconds running requests get to finish at shutdown")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--num-replicas", type=int, default=1,
-                        help="> 1: that many engines behind one route with Ray Serve")
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                 block_size=args.block_size, scheduling_policy=args.scheduling_policy,
-                attention_backend=args.attention_backend, seed=args.seed)
+                attention_backend=args.attention_backend, seed=args.seed,
+                tokenizer=args.tokenizer)
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -153,18 +132,3 @@ def run_server(args: argparse.Namespace) -> None:
     engine, metrics = build_engine(args.model, args.max_waiting, name, **engine_kwargs(args))
     app = build_app(engine, metrics, name, args.shutdown_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cbatch.entrypoints.openai.api_server",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random:gpt2")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    add_server_args(parser)
-    run_server(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()
