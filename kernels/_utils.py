@@ -23,11 +23,6 @@ def configs(space: list[dict], num_warps: list[int], default: dict) -> list[trit
     return [triton.Config(kw, num_warps=w) for kw in space for w in num_warps]
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def upcast(dtype: torch.dtype) -> bool:
     """Do the dots in fp32: for fp32 inputs, and always under the interpreter (its bf16
     arithmetic is wrong)."""
