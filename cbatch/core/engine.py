@@ -27,6 +27,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
     model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                        config.attention_backend)
+    model.set_batch_invariant(config.batch_invariant)
     eos = model.config.eos_token_id
     if config.model.startswith("random:"):
         return model, ByteTokenizer(eos)
@@ -84,6 +85,7 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
         metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                seq.first_token_time, seq.finished_time, len(out),
                                seq.num_preemptions),
+        logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
         detokenize=tokenizer.decode,
     )
 
@@ -206,9 +208,9 @@ class Engine:
                 item.seq.first_scheduled_time = scheduled_at
         batch = self.runner.build_batch(schedule.scheduled)
         prepared_at = time.perf_counter()
-        tokens = self.runner.execute(batch, schedule.scheduled)
+        tokens, logprobs = self.runner.execute(batch, schedule.scheduled)
         now = time.perf_counter()
-        for item, token in zip(schedule.scheduled, tokens):
+        for i, (item, token) in enumerate(zip(schedule.scheduled, tokens)):
             seq = item.seq
             samples = item.samples
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
@@ -217,6 +219,8 @@ class Engine:
             if not samples:
                 continue
             seq.token_ids.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.output_logprobs.append(logprobs[i])
             self._num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -8,7 +8,7 @@ import torch
 from cbatch.batch import StepBatch
 from cbatch.kv_cache import KVCache
 from cbatch.models.gpt2 import GPT2LMHeadModel
-from cbatch.core.sampler import SamplingBatch, sample
+from cbatch.core.sampler import SamplingBatch, compute_logprobs, sample
 from cbatch.core.scheduler import ScheduledSequence
 
 
@@ -60,15 +60,18 @@ class ModelRunner:
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
 
-    def step(self, scheduled: list[ScheduledSequence]) -> list[int]:
+    def step(self, scheduled: list[ScheduledSequence]
+             ) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Run one step; returns the sampled token of every scheduled sequence (entries for
-        sequences still mid-prefill are meaningless and ignored by the engine)."""
+        sequences still mid-prefill are meaningless and ignored by the engine) and their
+        logprobs (see :func:`compute_logprobs`)."""
         return self.execute(self.build_batch(scheduled), scheduled)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> list[int]:
+    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]
+                ) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Forward pass and sampling for a batch from :meth:`build_batch` (waits for the
-        device: the sampled tokens come back to the host)."""
+        device: the sampled tokens come back to the host); returns what :meth:`step` does."""
         hidden = self.model(batch, self.kv_cache)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         params = [item.seq.params for item in scheduled]
@@ -79,4 +82,6 @@ class ModelRunner:
             seeds=[item.seq.seed for item in scheduled],
             positions=[item.seq.num_output_tokens for item in scheduled],
         )
-        return sample(logits, sampling).tolist()
+        tokens = sample(logits, sampling)
+        logprobs = compute_logprobs(logits, tokens, [p.logprobs for p in params])
+        return tokens.tolist(), logprobs

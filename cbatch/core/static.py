@@ -18,7 +18,7 @@ from cbatch.config import EngineConfig
 from cbatch.core.engine import load_model_and_tokenizer, request_output
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.outputs import RequestOutput
-from cbatch.core.sampler import SamplingBatch, sample
+from cbatch.core.sampler import SamplingBatch, compute_logprobs, sample
 from cbatch.sampling_params import SamplingParams
 from cbatch.core.sequence import Sequence, SequenceStatus
 
@@ -59,6 +59,9 @@ class StaticBatchEngine:
     def __init__(self, model: str = "random:gpt2", **kwargs):
         kwargs.pop("scheduling_policy", None)
         self.config = EngineConfig(model=model, scheduling_policy="static", **kwargs)
+        if self.config.batch_invariant:
+            raise ValueError("batch_invariant needs the continuous engine: the static baseline "
+                             "pads batches and runs torch's SDPA")
         torch.manual_seed(self.config.seed)
         self.model, self.tokenizer = load_model_and_tokenizer(self.config)
         self.occupancy_trace: list[int] = []  # unfinished rows per step
@@ -93,16 +96,20 @@ class StaticBatchEngine:
             s.status = SequenceStatus.RUNNING
         while True:
             logits = dense_forward(self.model, ids, positions, key_mask, past)
-            tokens = sample(logits, SamplingBatch(
+            sampled = sample(logits, SamplingBatch(
                 [s.params.temperature for s in batch], [s.params.top_k for s in batch],
                 [s.params.top_p for s in batch], [s.seed for s in batch],
-                [s.num_output_tokens for s in batch])).tolist()
+                [s.num_output_tokens for s in batch]))
+            logprobs = compute_logprobs(logits, sampled, [s.params.logprobs for s in batch])
+            tokens = sampled.tolist()
             now = time.perf_counter()
             self.occupancy_trace.append(sum(not s.is_finished for s in batch))
-            for s, tok in zip(batch, tokens):
+            for i, (s, tok) in enumerate(zip(batch, tokens)):
                 if s.is_finished:
                     continue  # a padded row: computed, thrown away
                 s.token_ids.append(tok)
+                if logprobs is not None and logprobs[i] is not None:
+                    s.output_logprobs.append(logprobs[i])
                 s.first_token_time = s.first_token_time or now
                 p = s.params
                 if tok in p.stop_token_ids or (not p.ignore_eos and tok == eos):
