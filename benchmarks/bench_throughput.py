@@ -3,9 +3,12 @@
     python benchmarks/bench_throughput.py                       # seed, longtail, uniform
     python benchmarks/bench_throughput.py --workload seed --scale 0.5 --max-len 256
     python benchmarks/bench_throughput.py --quick               # tiny model and workloads
+    python benchmarks/bench_throughput.py --workload longtail --engines cbatch-continuous \
+        --batch-invariant                                       # the cost of the mode
 
 Engines, all on the same weights with greedy decoding:
   cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache)
+  cbatch-invariant    cbatch.LLM(batch_invariant=True), with --batch-invariant
   cbatch-static       cbatch.LLM(scheduling_policy="static") (fixed left-padded batches)
   hf-generate         transformers generate() on fixed left-padded batches
   hf-continuous       transformers continuous batching (init_continuous_batching), when the
@@ -14,7 +17,7 @@ Each reports wall time, output tokens/s, TTFT and TPOT p50/p99 (every request ar
 start), its wall-time ratio to cbatch-continuous, and the share of requests whose tokens equal
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
 outside the model (scheduling, building the step tensors, bookkeeping).  Results in
-benchmarks/results/<device>/throughput.*.
+benchmarks/results/<device>/throughput.* (throughput-batch-invariant.* with --batch-invariant).
 """
 
 from __future__ import annotations
@@ -65,9 +68,9 @@ def _settle() -> None:
     gc.freeze()
 
 
-def run_cbatch(args, wl, policy) -> tuple[dict, list]:
+def run_cbatch(args, wl, policy, batch_invariant=False) -> tuple[dict, list]:
     kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
-              wl.batch_size)
+              wl.batch_size, batch_invariant=batch_invariant)
     llm = LLM(args.model, scheduling_policy=policy, **kw)
     llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
     _settle()
@@ -209,6 +212,8 @@ def run(args) -> Path:
                 if engine == "cbatch-continuous":
                     summary, tokens = run_cbatch(args, wl, "fcfs")
                     reference_tokens = tokens
+                elif engine == "cbatch-invariant":
+                    summary, tokens = run_cbatch(args, wl, "fcfs", batch_invariant=True)
                 elif engine == "cbatch-static":
                     summary, tokens = run_cbatch(args, wl, "static")
                 else:
@@ -238,7 +243,8 @@ def run(args) -> Path:
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
             "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
                       "each timed run, whichever the engine"}
-    return publish("throughput", device, rows, meta, COLUMNS, args.out,
+    name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
+    return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 
 
@@ -272,13 +278,21 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--workload", nargs="+", default=["seed", "longtail", "uniform"],
                         choices=["seed", "longtail", "uniform"])
-    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES),
+                        choices=ENGINES + ["cbatch-invariant"])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the requests")
     parser.add_argument("--max-len", type=int, default=512,
                         help="cap on prompt and output lengths of longtail/uniform")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--hf-timeout", type=float, default=3600)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also run cbatch-invariant (batch_invariant=True) after "
+                             "cbatch-continuous")
     args = parser.parse_args(argv)
+    if args.batch_invariant and "cbatch-invariant" not in args.engines:
+        at = args.engines.index("cbatch-continuous") + 1 if (
+            "cbatch-continuous" in args.engines) else 0
+        args.engines.insert(at, "cbatch-invariant")
     if args.quick:
         args.model = "random:tiny" if args.model == "random:gpt2" else args.model
         args.scale, args.max_len = min(args.scale, 0.05), min(args.max_len, 48)

@@ -214,3 +214,28 @@ def test_triton_decode_split_is_fixed_in_tokens():
             q[s:s + 1], kc, vc, tables[s:s + 1, :n_blocks].contiguous(), seq_lens[s:s + 1],
             0.125)
         assert torch.equal(alone[0], batch[s]), f"sequence of {lens[s]} tokens"
+
+
+def test_transformers_backend_attention_rows_do_not_depend_on_the_batch():
+    """cbatch.hf (attn_implementation="cbatch"): a row's attention is bitwise the same alone
+    and in a left-padded batch, as a prompt and as a decode step.  Only the attention is
+    cbatch's there: the model's own matmuls are transformers', outside this guarantee."""
+    pytest.importorskip("transformers")
+    import cbatch.hf
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, Lk, D, n = 3, 4, 20, 32, 13  # the probe (row 0) has n real tokens, left-padded
+    q, k, v = (torch.randn(B, H, Lk, D, generator=gen) for _ in range(3))
+    mask = torch.ones(B, Lk, dtype=torch.long)
+    mask[0, :Lk - n] = 0
+    mask[2, :Lk - 5] = 0
+    module = torch.nn.Module()
+    batched, _ = cbatch.hf.attention_forward(module, q, k, v, mask.bool())
+    alone, _ = cbatch.hf.attention_forward(module, q[:1, :, -n:], k[:1, :, -n:], v[:1, :, -n:],
+                                           None)
+    assert torch.equal(batched[0, -n:], alone[0])
+    step, _ = cbatch.hf.attention_forward(module, q[:, :, -1:], k, v, mask.bool())
+    step_alone, _ = cbatch.hf.attention_forward(module, q[:1, :, -1:], k[:1, :, -n:],
+                                                v[:1, :, -n:], None)
+    assert torch.equal(step[0, 0], step_alone[0, 0])
+    assert torch.equal(step[0, 0], alone[0, -1])

@@ -60,3 +60,12 @@ def test_throughput_benchmark(tmp_path):
     assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
     for r in rows:  # same weights, greedy: every engine produces the same tokens
         assert r["same_tokens_as_continuous"] == f"{r['requests']}/{r['requests']}"
+
+
+def test_throughput_benchmark_batch_invariant(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "longtail", "--engines", "cbatch-continuous",
+                                 "--batch-invariant"])
+    rows = _rows(out, "throughput-batch-invariant")
+    assert [r["engine"] for r in rows] == ["cbatch-continuous", "cbatch-invariant"]
+    assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)
