@@ -239,3 +239,15 @@ def test_transformers_backend_attention_rows_do_not_depend_on_the_batch():
                                                 v[:1, :, -n:], None)
     assert torch.equal(step[0, 0], step_alone[0, 0])
     assert torch.equal(step[0, 0], alone[0, -1])
+
+
+def test_static_baseline_logprobs_and_no_invariant_mode():
+    from cbatch.core.static import StaticBatchEngine
+
+    static = StaticBatchEngine("random:tiny", max_num_seqs=2)
+    outs = static.generate([PROBE, PROBE[:4]], [SamplingParams(max_tokens=3, logprobs=2),
+                                                SamplingParams(max_tokens=3)])
+    assert [len(e) for e in outs[0].logprobs] == [2, 2, 2] and outs[1].logprobs is None
+    assert all(next(iter(e)) == t for e, t in zip(outs[0].logprobs, outs[0].token_ids))
+    with pytest.raises(ValueError, match="batch_invariant"):
+        StaticBatchEngine("random:tiny", batch_invariant=True)
