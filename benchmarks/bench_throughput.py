@@ -4,10 +4,13 @@
     python benchmarks/bench_throughput.py --workload sharedprefix --scale 0.25
     python benchmarks/bench_throughput.py --workload seed --scale 0.5 --max-len 256
     python benchmarks/bench_throughput.py --quick               # tiny model and workloads
+    python benchmarks/bench_throughput.py --workload longtail --engines cbatch-continuous \
+        --batch-invariant                                       # the cost of the mode
 
 Engines, all on the same weights with greedy decoding:
   cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache, prefix caching)
   cbatch-no-prefix-cache  the same with enable_prefix_caching=False
+  cbatch-invariant    cbatch.LLM(batch_invariant=True), with --batch-invariant
   cbatch-static       cbatch.LLM(scheduling_policy="static") (fixed left-padded batches)
   hf-generate         transformers generate() on fixed left-padded batches
   hf-continuous       transformers continuous batching (init_continuous_batching), when the
@@ -17,7 +20,8 @@ start), its wall-time ratio to cbatch-continuous, and the share of requests whos
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
 outside the model (scheduling, building the step tensors, bookkeeping) and the share of
 prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  Results in
-benchmarks/results/<device>/throughput.*.
+benchmarks/results/<device>/throughput.* (throughput-batch-invariant.* with
+--batch-invariant).
 """
 
 from __future__ import annotations
@@ -68,9 +72,10 @@ def _settle() -> None:
     gc.freeze()
 
 
-def run_cbatch(args, wl, policy, prefix_caching=True) -> tuple[dict, list]:
+def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
+               ) -> tuple[dict, list]:
     kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
-              wl.batch_size)
+              wl.batch_size, batch_invariant=batch_invariant)
     if policy != "static":
         kw["enable_prefix_caching"] = prefix_caching
     llm = LLM(args.model, scheduling_policy=policy, **kw)
@@ -224,6 +229,8 @@ def run(args) -> Path:
                     reference_tokens = tokens
                 elif engine == "cbatch-no-prefix-cache":
                     summary, tokens = run_cbatch(args, wl, "fcfs", prefix_caching=False)
+                elif engine == "cbatch-invariant":
+                    summary, tokens = run_cbatch(args, wl, "fcfs", batch_invariant=True)
                 elif engine == "cbatch-static":
                     summary, tokens = run_cbatch(args, wl, "static")
                 else:
@@ -253,7 +260,8 @@ def run(args) -> Path:
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
             "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
                       "each timed run, whichever the engine"}
-    return publish("throughput", device, rows, meta, COLUMNS, args.out,
+    name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
+    return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 
 
@@ -288,14 +296,22 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--workload", nargs="+", default=["seed", "longtail", "uniform"],
                         choices=["seed", "longtail", "uniform", "sharedprefix"])
-    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES),
+                        choices=ENGINES + ["cbatch-invariant"])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the requests")
     parser.add_argument("--max-len", type=int, default=512,
                         help="cap on prompt and output lengths of longtail/uniform/"
                              "sharedprefix")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--hf-timeout", type=float, default=3600)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also run cbatch-invariant (batch_invariant=True) after "
+                             "cbatch-continuous")
     args = parser.parse_args(argv)
+    if args.batch_invariant and "cbatch-invariant" not in args.engines:
+        at = args.engines.index("cbatch-continuous") + 1 if (
+            "cbatch-continuous" in args.engines) else 0
+        args.engines.insert(at, "cbatch-invariant")
     if args.quick:
         args.model = "random:tiny" if args.model == "random:gpt2" else args.model
         args.scale, args.max_len = min(args.scale, 0.05), min(args.max_len, 48)

@@ -104,6 +104,16 @@ def _layout(mask: torch.Tensor | None, B: int, L: int, Lk: int, device) -> _Layo
     return layout
 
 
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[B, L, H, D]`` → ``[B * L, H, D]`` with each token's ``[H, D]`` dense, as the ops want:
+    a view when the layout allows (the fused qkv projection's), else a copy (for B = 1 a
+    plain reshape of a transposed ``[1, H, L, D]`` is a view whose rows are not dense)."""
+    tokens = x.reshape(-1, *x.shape[2:])
+    if tokens.stride(2) == 1 and tokens.stride(1) == x.shape[3]:
+        return tokens
+    return tokens.contiguous()
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs
@@ -130,13 +140,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     scale = D ** -0.5 if scaling is None else scaling
     lay = _layout(attention_mask, B, L, Lk, query.device)
     # The paged cache of this call: each row's real keys, block-aligned.
-    k_tok = key.transpose(1, 2).reshape(B * Lk, H, D)
-    v_tok = value.transpose(1, 2).reshape(B * Lk, H, D)
+    k_tok = _tokens(key.transpose(1, 2))
+    v_tok = _tokens(value.transpose(1, 2))
     key_cache = key.new_empty(lay.num_blocks, BLOCK_SIZE, H, D)
     value_cache = value.new_empty(lay.num_blocks, BLOCK_SIZE, H, D)
     ops.write_kv_cache(k_tok, v_tok, key_cache, value_cache, lay.slot_mapping, backend=_backend)
     q = query.transpose(1, 2)  # [B, L, H, D]
-    q_packed = q.reshape(B * L, H, D) if lay.query_valid is None else q[lay.query_valid]
+    q_packed = _tokens(q) if lay.query_valid is None else q[lay.query_valid]
     if lay.is_decode:
         o = ops.paged_decode_attention(q_packed, key_cache, value_cache, lay.block_tables,
                                        lay.seq_lens, scale, backend=_backend)

@@ -335,9 +335,11 @@ def paged_decode_attention(
         Written in place and returned when given.
     backend : {None, "cuda", "triton", "cpu", "torch"}
         "cuda": head_dim 64 and 128 (None falls back to "triton" for others), split-KV
-        when sequences x heads cannot fill the GPU, no host sync (CUDA-graph safe).
-        "triton": any head_dim, split-KV likewise.  "cpu": any head_dim, checks lengths
-        and block ids itself.  "torch": the reference, a Python loop over sequences.
+        in partitions of 256 tokens, no host sync (CUDA-graph safe).  "triton": any
+        head_dim, split-KV likewise.  "cpu": any head_dim, checks lengths and block ids
+        itself.  "torch": the reference, a Python loop over sequences.  The "cuda",
+        "triton" and "cpu" kernels sum each (sequence, head) in an order fixed by that
+        sequence's length alone: its output is bitwise the same whatever the batch.
     check_bounds : bool
         Also check on the host that every sequence fits its block table and that block
         ids are in range (a device sync; off on the hot path).

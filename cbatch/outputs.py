@@ -20,6 +20,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics
+    # SamplingParams(logprobs=k): per generated token, {token id: log-probability} of the k
+    # most likely tokens (most likely first) and the sampled one; the log-softmax of the raw
+    # logits, before temperature, top-k and top-p.  None when not asked for.
+    logprobs: list[dict[int, float]] | None = None
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False, compare=False)
 
     @cached_property

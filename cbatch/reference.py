@@ -35,13 +35,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             compute_dtype: torch.dtype) -> torch.Tensor:
     # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H, D].
+    # One query row at a time, over exactly the keys it sees: a token's result is then the
+    # same computation whatever chunk (or decode step) it comes in, so the reference is
+    # batch-invariant too (one matmul over n rows sums a row differently for different n).
     n, L = q.shape[0], k.shape[0]
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
-    query_pos = torch.arange(L - n, L, device=q.device)[:, None]
-    causal = torch.arange(L, device=q.device)[None, :] <= query_pos  # [n, L]
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), v)
+    rows = []
+    for i in range(n):
+        visible = L - n + i + 1
+        scores = torch.einsum("hd,lhd->hl", q[i], k[:visible]) * scale
+        rows.append(torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[:visible]))
+    return torch.stack(rows)
 
 
 def paged_prefill_attention(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -26,11 +25,6 @@ def autotuning() -> bool:
 def configs(space: list[dict], num_warps: list[int]) -> list[triton.Config]:
     """The autotune space (CBATCH_TRITON_AUTOTUNE=1): every tile in ``space`` x warps."""
     return [triton.Config(kw, num_warps=w) for kw in space for w in num_warps]
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def upcast(dtype: torch.dtype) -> bool:

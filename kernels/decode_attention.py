@@ -1,10 +1,13 @@
 """Paged decode attention in Triton: one query token per sequence, ragged contexts.
 
-One program handles one (sequence, head, KV partition).  With ``partition_size`` set
-(split-KV, for batches whose sequences × heads cannot fill the GPU), each sequence's
-context is cut into partitions of that many tokens, each program writes its partial output
-and log-sum-exp, and ``_merge_kernel`` combines them; programs past a sequence's real
-length exit at once, so short sequences cost nothing extra.
+One program handles one (sequence, head, KV partition).  Each sequence's context is cut
+into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens (never derived from
+the batch), so a sequence's reduction order depends on its own length only and its output
+is bitwise the same whatever it is batched with.  Each program writes its partial output and
+log-sum-exp and ``_merge_kernel`` combines them in partition order; programs past a
+sequence's real length exit at once, so short sequences cost nothing extra.  When no block
+table can hold more than one partition the merge is skipped: merging a single partition is
+exact (its weight is exp(0) = 1), so that changes no bit either.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import autotuning, configs, interpreting, num_sms, paged_offsets
+from cbatch.kernels._utils import autotuning, configs, paged_offsets
 
 TILE_N_SPACE = [32, 64, 128]
+PARTITION_SIZE = 256  # tokens; a multiple of every TILE_N, so tiles never straddle partitions
 
 
 
@@ -74,10 +78,11 @@ def _paged_decode_kernel(
         tl.store(o, (acc / l_i).to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-# Opt-in (CBATCH_TRITON_AUTOTUNE=1): the same kernel, tuned per key.
+# Opt-in (CBATCH_TRITON_AUTOTUNE=1): the same kernel, tuned per key.  SPLIT is not in the
+# key: the split and unsplit variants must share TILE_N (the same summation order).
 _paged_decode_autotuned = triton.autotune(
     configs=configs([{"TILE_N": n} for n in TILE_N_SPACE], [2, 4, 8]),
-    key=["HEAD_DIM", "PAGE_SIZE", "SPLIT"])(_paged_decode_kernel)
+    key=["HEAD_DIM", "PAGE_SIZE"])(_paged_decode_kernel)
 
 
 def decode_config(head_dim: int) -> dict:
@@ -108,43 +113,28 @@ def decode_launch(head_dim: int):
 def _merge_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
     num_splits, partition, stride_o_t, stride_o_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # One partition at a time, in order: a tree reduction over a block of partitions would
+    # pair them differently for different block widths, i.e. for different batches.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     used = tl.cdiv(seq_len, partition)
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    mask_s = offs_s < used
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     base = (seq * tl.num_programs(1) + head) * num_splits
-    lse = tl.load(partial_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = tl.where(mask_s, w, 0.0)
-    parts = tl.load(partial_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    o = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    max_lse = tl.load(partial_lse_ptr + base)
+    for s in range(1, used):
+        max_lse = tl.maximum(max_lse, tl.load(partial_lse_ptr + base + s))
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    sum_w = tl.zeros([], dtype=tl.float32)
+    for s in range(0, used):
+        w = tl.exp(tl.load(partial_lse_ptr + base + s) - max_lse)
+        o += w * tl.load(partial_out_ptr + (base + s) * HEAD_DIM + offs_d, mask=mask_d, other=0.0)
+        sum_w += w
     tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
-def choose_partition_size(num_seqs: int, num_heads: int, max_context: int,
-                          device: torch.device) -> int | None:
-    """Tokens per KV partition for split-KV, or None when sequences × heads fill the GPU.
-
-    Decided on the host without a device sync: from the batch shape and the block tables'
-    capacity; the real lengths then decide inside the kernel how many partitions each
-    sequence actually uses.
-    """
-    if device.type != "cuda" or interpreting():
-        return None
-    sms = num_sms(device.index or 0)
-    programs = num_seqs * num_heads
-    if programs >= 2 * sms or max_context <= 256:
-        return None
-    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, 256), 64)
-    return max(256, triton.cdiv(triton.cdiv(max_context, splits), 128) * 128)
+             (o / sum_w).to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode_attention(
@@ -154,22 +144,20 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    partition_size: int | None = -1,
+    partition_size: int | None = PARTITION_SIZE,
 ) -> torch.Tensor:
     """``query [S, H, D]`` over the paged cache → ``[S, H, D]``; see ``cbatch.ops``.
 
-    ``partition_size``: -1 chooses (:func:`choose_partition_size`), None disables split-KV,
-    an int forces that many tokens per partition (a multiple of 128).
+    ``partition_size``: tokens per KV partition (a multiple of 128; tests vary it), None for
+    one pass over the whole context.
     """
     S, H, D = query.shape
     page = key_cache.shape[1]
     max_context = block_tables.shape[1] * page
-    if partition_size == -1:
-        partition_size = choose_partition_size(S, H, max_context, query.device)
     if partition_size is not None and partition_size % 128:
         raise ValueError(f"partition_size must be a multiple of 128, got {partition_size}")
     out = torch.empty((S, H, D), dtype=query.dtype, device=query.device)
-    split = partition_size is not None
+    split = partition_size is not None and max_context > partition_size
     partition = partition_size if split else max_context
     num_splits = triton.cdiv(max_context, partition)
     if split:
@@ -192,6 +180,6 @@ def paged_decode_attention(
         _merge_kernel[(S, H)](
             partial_out, partial_lse, seq_lens, out,
             num_splits, partition, out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            HEAD_DIM=D, BLOCK_D=block_d,
         )
     return out

@@ -93,3 +93,12 @@ def test_throughput_benchmark_sharedprefix(tmp_path):
     off, on = rows["cbatch-no-prefix-cache"], rows["cbatch-continuous"]
     assert off["same_tokens_as_continuous"] == f"{off['requests']}/{off['requests']}"
     assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0
+
+
+def test_throughput_benchmark_batch_invariant(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "longtail", "--engines", "cbatch-continuous",
+                                 "--batch-invariant"])
+    rows = _rows(out, "throughput-batch-invariant")
+    assert [r["engine"] for r in rows] == ["cbatch-continuous", "cbatch-invariant"]
+    assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)

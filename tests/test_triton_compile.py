@@ -21,7 +21,7 @@ def _cases():
     """(name, kernel, pointer types, constexprs) for every kernel variant the GPU can run."""
     import torch
 
-    from cbatch.kernels import cache, decode_attention, prefill_attention
+    from cbatch.kernels import cache, decode_attention, matmul, prefill_attention
 
     def ptrs(dtype, **extra):
         return {"*": DTYPES[dtype], "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -36,7 +36,14 @@ def _cases():
                        {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "PAGE_SIZE": 16,
                         "SPLIT": split, **decode_attention.decode_config(head_dim)})
         yield (f"merge {dtype}", decode_attention._merge_kernel, ptrs(dtype),
-               {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SPLITS": 16})
+               {"HEAD_DIM": 64, "BLOCK_D": 64})
+        fp32 = dtype == "fp32"
+        for has_bias in (False, True):
+            yield (f"batch-invariant matmul {dtype} bias={has_bias}", matmul._matmul_kernel,
+                   ptrs(dtype), {"HAS_BIAS": has_bias, "UPCAST": fp32,
+                                 "PRECISION": "ieee" if fp32 else "tf32",
+                                 "BLOCK_M": matmul.BLOCK_M, "BLOCK_N": matmul.BLOCK_N,
+                                 "BLOCK_K": matmul.BLOCK_K})
         for head_dim, block_d in ((64, 64), (128, 128), (80, 128)):
             fp32 = dtype == "fp32"
             torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -53,7 +60,8 @@ def _cases():
 # B*H*D, H*D, D; a fused-qkv view's token stride 3*H*D and head stride D): at run time Triton
 # specializes on that (16-byte vector loads), so the variant compiled here does too.
 ALIGNED_INTS = {"stride_c_block", "stride_c_tok", "stride_c_head", "stride_q_t", "stride_q_h",
-                "stride_o_t", "stride_o_h", "stride_k_t", "stride_v_t"}
+                "stride_o_t", "stride_o_h", "stride_k_t", "stride_v_t",
+                "N", "K", "stride_x_m", "stride_w_n", "stride_o_m"}  # (matmul: GPT-2 widths)
 
 
 def _compile(kernel, pointer_types: dict, constexprs: dict) -> str:
@@ -99,7 +107,7 @@ def test_triton_kernels_compile_for_sm90():
                             env=env, cwd=Path(__file__).resolve().parents[1], timeout=900)
     report = result.stdout + result.stderr[-3000:]
     assert result.returncode == 0, report
-    assert report.count("ok      ") >= 25, report
+    assert report.count("ok      ") >= 31, report
 
 
 if __name__ == "__main__":

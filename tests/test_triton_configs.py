@@ -43,7 +43,7 @@ def test_autotune_is_opt_in(monkeypatch, on_gpu_path):
     kernel, meta = decode_attention.decode_launch(64)
     assert isinstance(kernel, Autotuner) and meta == {}
     assert kernel.fn is decode_attention._paged_decode_kernel
-    assert len(kernel.configs) == 9 and kernel.keys == ["HEAD_DIM", "PAGE_SIZE", "SPLIT"]
+    assert len(kernel.configs) == 9 and kernel.keys == ["HEAD_DIM", "PAGE_SIZE"]
     kernel, meta = prefill_attention.prefill_launch(torch.float16, 64)
     assert isinstance(kernel, Autotuner) and meta == {}
     assert kernel.fn is prefill_attention._paged_prefill_kernel and len(kernel.configs) == 12

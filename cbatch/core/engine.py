@@ -38,6 +38,7 @@ def config_for_model(model: GPT2LMHeadModel, **kwargs) -> EngineConfig:
     for name in ("device", "dtype", "attention_backend"):
         if name in kwargs:
             raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
+    kwargs.setdefault("batch_invariant", model.batch_invariant)
     return EngineConfig(model="<model object>", device=str(model.device),
                         dtype=str(model.dtype).removeprefix("torch."),
                         attention_backend=model.attention_backend, **kwargs)
@@ -128,6 +129,7 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
         metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                seq.first_token_time, seq.finished_time, len(out),
                                seq.num_preemptions),
+        logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
         detokenizer=detokenizer_for(seq, tokenizer),
     )
 
@@ -152,6 +154,7 @@ class Engine:
             torch.manual_seed(self.config.seed)
             self.model, self.tokenizer = load_model_and_tokenizer(self.config)
         config = self.config
+        self.model.set_batch_invariant(config.batch_invariant)
         num_blocks = kv_cache_blocks(config, self.model)
         self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size,
                                 config.torch_dtype, config.device)
@@ -299,9 +302,9 @@ class Engine:
                 item.seq.first_scheduled_time = scheduled_at
         batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
         prepared_at = time.perf_counter()
-        tokens = self.runner.execute(batch, schedule.scheduled)
+        tokens, logprobs = self.runner.execute(batch, schedule.scheduled)
         now = time.perf_counter()
-        for item, token in zip(schedule.scheduled, tokens):
+        for i, (item, token) in enumerate(zip(schedule.scheduled, tokens)):
             seq = item.seq
             samples = item.samples
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
@@ -310,6 +313,8 @@ class Engine:
             if not samples:
                 continue
             seq.token_ids.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.output_logprobs.append(logprobs[i])
             self._num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now

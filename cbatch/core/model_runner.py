@@ -16,7 +16,7 @@ import torch
 
 from cbatch import ops
 from cbatch.batch import StepBatch, StepBatchBuilder
-from cbatch.core.sampler import SamplingBatch, sample
+from cbatch.core.sampler import SamplingBatch, compute_logprobs, sample
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.kv_cache import KVCache
 from cbatch.models.gpt2 import GPT2LMHeadModel
@@ -91,10 +91,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices[:num_real]])
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> list[int]:
+    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]
+                ) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Forward pass and sampling for a batch from :meth:`prepare` (waits for the device:
-        the sampled tokens come back to the host).  Entries of sequences still mid-prefill
-        are meaningless and ignored by the engine."""
+        the sampled tokens come back to the host).  Returns the sampled token of every
+        scheduled sequence (entries of sequences still mid-prefill are meaningless and
+        ignored by the engine) and their logprobs (see :func:`compute_logprobs`)."""
         params = [item.seq.params for item in scheduled]
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
@@ -103,7 +105,10 @@ class ModelRunner:
             seeds=[item.seq.seed for item in scheduled],
             positions=[item.seq.num_output_tokens for item in scheduled],
         )
-        return sample(self.logits(batch), sampling).tolist()
+        logits = self.logits(batch)
+        tokens = sample(logits, sampling)
+        logprobs = compute_logprobs(logits, tokens, [p.logprobs for p in params])
+        return tokens.tolist(), logprobs
 
     # -------------------------------------------------------------- CUDA graphs
 

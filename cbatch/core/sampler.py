@@ -70,3 +70,33 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = scaled.softmax(dim=-1)
     tokens[idx] = (probs / _noise(batch, rows, logits.shape[-1], dev)).argmax(dim=-1)
     return tokens
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+                     ) -> list[dict[int, float] | None] | None:
+    """Log-probabilities of the sampled tokens and the most likely alternatives.
+
+    ``logits: [S, V]`` are the rows :func:`sample` drew ``tokens: [S]`` from; row s asks for
+    ``num_logprobs[s]`` alternatives (None: nothing).  The log-probabilities are the
+    log-softmax of the model's raw logits in fp32, before temperature, top-k and top-p (what
+    vLLM returns by default), so they do not depend on how a request is sampled.  Returns, per
+    row, ``{token id: logprob}`` holding the k most likely tokens, most likely first, then the
+    sampled token if it is not among them; None for rows that asked for nothing, and None for
+    the whole step when no row asked (nothing is computed then).
+    """
+    rows = [s for s, k in enumerate(num_logprobs) if k]
+    if not rows:
+        return None
+    idx = torch.tensor(rows, device=logits.device)
+    logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
+    top_values, top_ids = logprobs.topk(max(num_logprobs[s] for s in rows), dim=-1)
+    sampled_ids = tokens[idx]
+    sampled = logprobs.gather(-1, sampled_ids[:, None])[:, 0]
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[dict[int, float] | None] = [None] * len(num_logprobs)
+    for i, (s, token, value) in enumerate(zip(rows, sampled_ids.tolist(), sampled.tolist())):
+        k = num_logprobs[s]
+        entry = dict(zip(top_ids[i][:k], top_values[i][:k]))
+        entry.setdefault(token, value)
+        out[s] = entry
+    return out

@@ -30,6 +30,7 @@ class Sequence:
     priority: int = 0
     seed: int = 0  # effective sampling seed (params.seed, or one the engine derived)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of its first cached blocks

@@ -17,6 +17,7 @@ from torch import nn
 from cbatch import ops
 from cbatch.batch import StepBatch
 from cbatch.config import GPT2Config
+from cbatch.invariant import Linear
 from cbatch.kv_cache import KVCache
 
 _ACT = {
@@ -28,13 +29,15 @@ _ACT = {
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # set by GPT2LMHeadModel.set_batch_invariant
+
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
                 kernels: ops.BoundKernels) -> torch.Tensor:
@@ -56,8 +59,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.mlp_dim)
-        self.c_proj = nn.Linear(config.mlp_dim, config.n_embd)
+        self.c_fc = Linear(config.n_embd, config.mlp_dim)
+        self.c_proj = Linear(config.mlp_dim, config.n_embd)
         self.act = _ACT[config.activation_function]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,9 +102,10 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.attention_backend = attention_backend
         self.transformer = GPT2Model(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
         self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
+        self.batch_invariant = False  # see set_batch_invariant
 
     def kernels(self, device: torch.device) -> ops.BoundKernels:
         """The attention kernels for ``device``, resolved once (``attention_backend``, else
@@ -120,6 +124,16 @@ class GPT2LMHeadModel(nn.Module):
         for block in t.h:
             x = block(x, batch, kv_cache, kernels)
         return t.ln_f(x)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Batch-invariant mode: each token's hidden states and logits are bitwise the same
+        whatever else is in the step.  The linear layers run :func:`cbatch.invariant.linear`,
+        and every step's attention runs the prefill kernel, so that a token's attention does
+        not switch kernels (and summation order) with its batch-mates' chunk lengths."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, (Linear, Attention)):
+                module.batch_invariant = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, n_embd]`` hidden states → ``[N, vocab_size]`` logits."""

@@ -7,12 +7,16 @@
 // context with no buffer that grows with it — and the groups are merged through shared
 // memory at the end.
 //
-// Split-KV: when sequences × heads cannot fill the GPU, the host picks a partition size and
-// the grid gets one z-slice per partition of the widest block table; each CTA serves the
-// tokens [split * partition, (split + 1) * partition) of its sequence and exits at once if
-// that starts past the sequence's real length.  Partial outputs and log-sum-exps go to a
-// workspace that merge_kernel combines.  Nothing here reads device memory on the host, so
-// the op can be captured in a CUDA graph.
+// Split-KV: each sequence's context is cut into partitions of kPartitionSize tokens, a size
+// fixed in tokens and never derived from the batch, so a sequence's summation order depends on
+// its own length only: its output is bitwise the same whatever it is batched with.  The grid
+// gets one z-slice per partition of the widest block table; each CTA serves the tokens
+// [split * partition, (split + 1) * partition) of its sequence and exits at once if that
+// starts past the sequence's real length.  Partial outputs and log-sum-exps go to a workspace
+// that merge_kernel combines in partition order.  When no block table holds more than one
+// partition the merge is skipped, which changes no bit: merging one partition multiplies it
+// by exp(0) = 1 and divides by 1.  Nothing here reads device memory on the host, so the op
+// can be captured in a CUDA graph.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -31,7 +35,7 @@ namespace cbatch {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kMaxSplits = 64;
+constexpr int kPartitionSize = 256;  // tokens
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -192,25 +196,6 @@ __global__ void merge_kernel(const float* __restrict__ partial_out,
   out[cell * HEAD_DIM + d] = from_float<T>(o / sum_w);
 }
 
-int num_sms(int device) {
-  static int cached[64] = {};
-  if (cached[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device));
-  }
-  return cached[device];
-}
-
-// Tokens per partition for split-KV, or 0 when sequences × heads already fill the GPU.
-// Decided from shapes only (no device sync); real lengths decide per sequence in-kernel.
-int choose_partition(int num_seqs, int num_heads, int max_context, int device) {
-  const int sms = num_sms(device);
-  const int ctas = num_seqs * num_heads;
-  if (ctas >= 2 * sms || max_context <= 256) return 0;
-  int splits = std::min({(2 * sms + ctas - 1) / ctas, (max_context + 255) / 256, kMaxSplits});
-  const int per_split = (max_context + splits - 1) / splits;
-  return std::max(256, (per_split + 127) / 128 * 128);
-}
-
 template <typename T, int HEAD_DIM>
 void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
@@ -219,8 +204,7 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   const int S = query.size(0), H = query.size(1);
   const int block_size = key_cache.size(1), max_blocks = block_tables.size(1);
   const int max_context = max_blocks * block_size;
-  const int device = query.get_device();
-  const int partition = choose_partition(S, H, max_context, device);
+  const int partition = max_context > kPartitionSize ? kPartitionSize : 0;  // 0: one pass
   const int num_splits = partition ? (max_context + partition - 1) / partition : 1;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
