@@ -91,9 +91,15 @@ def test_batch_of_prompts_n_choices_stop_and_echo(client, offline):
     assert got.choices[0].text == free.text[:free.text.find(stop)]
 
 
-def test_logprobs_field_is_accepted(client):
-    got = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2)
-    assert len(got.choices) == 1  # per-token logprobs arrive with the engine's support
+def test_logprobs_of_the_sampled_tokens(client, offline):
+    got = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2,
+                                    temperature=1.0, seed=4, extra_body={"ignore_eos": True})
+    ref = _offline(offline, "hi", max_tokens=3, temperature=1.0, seed=4, ignore_eos=True,
+                   logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == [e[t] for e, t in zip(ref.logprobs, ref.token_ids)]
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)  # ids may share a text
+    assert all(max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 @pytest.mark.parametrize("body, status, match", [
@@ -196,7 +202,8 @@ def test_chat_template_of_a_checkpoint(tiny_hf_dir, tmp_path):
 def test_cbatch_serve_command(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli", "serve",
-                             "--model", "random:tiny", "--port", str(port), "--threads", "1"],
+                             "--model", "random:tiny", "--port", str(port), "--threads", "1",
+                             "--batch-invariant"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -230,6 +230,10 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="seconds running requests get to finish at shutdown")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's output never depends on what it is batched with")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="recompute every prompt from its first token")
     parser.add_argument("--num-replicas", type=int, default=1,
                         help="> 1: that many engines behind one route with Ray Serve")
     parser.set_defaults(run=run_serve)

@@ -110,7 +110,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                 block_size=args.block_size, scheduling_policy=args.scheduling_policy,
                 attention_backend=args.attention_backend, seed=args.seed,
-                tokenizer=args.tokenizer)
+                tokenizer=args.tokenizer, batch_invariant=args.batch_invariant,
+                enable_prefix_caching=not args.no_prefix_caching)
 
 
 def run_server(args: argparse.Namespace) -> None:

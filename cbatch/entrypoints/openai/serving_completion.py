@@ -115,12 +115,9 @@ def error_chunk(exc: OpenAIError) -> str:
 def completion_logprobs(out: RequestOutput, k: int, detokenize: Callable[[list[int]], str],
                         text_offset: int) -> CompletionLogprobs | None:
     """OpenAI's logprobs block from ``out.logprobs`` (one ``{token_id: logprob}`` per output
-    token, the sampled one included), or None while the engine does not provide them."""
-    per_token = getattr(out, "logprobs", None)
-    if per_token is None:
-        return None  # the engine computes no logprobs yet: the field stays empty
+    token: the k most likely and the sampled one)."""
     result = CompletionLogprobs()
-    for token, alternatives in zip(out.token_ids, per_token):
+    for token, alternatives in zip(out.token_ids, out.logprobs):
         text = detokenize([token])
         result.tokens.append(text)
         result.token_logprobs.append(alternatives.get(token))
