@@ -80,7 +80,7 @@ def run(args) -> Path:
         stats = engine.stats()
         print(f"{mode}: graph capture {stats.graph_capture_s:.2f} s, "
               f"{stats.graph_memory_bytes / 1e6:.1f} MB", flush=True)
-        del engine
+        engine = None  # its cache and graph pool go before the next mode builds its own
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "copy_bandwidth_GBps": bw / 1e9,
             "attention_backend": args.backend or "auto",

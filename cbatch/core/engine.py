@@ -9,18 +9,18 @@ import time
 
 import torch
 
-from cbatch.core.block_manager import BlockManager
 from cbatch.config import EngineConfig, GPT2Config
-from cbatch.detokenizer import detokenizer_for
-from cbatch.kv_cache import KVCache, bytes_per_token
-from cbatch.metrics import EngineStats, RequestMetrics
+from cbatch.core.block_manager import BlockManager
 from cbatch.core.model_runner import ModelRunner
-from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
-from cbatch.outputs import RequestOutput
-from cbatch.sampling_params import SamplingParams
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.core.static import StaticScheduler
+from cbatch.detokenizer import detokenizer_for
+from cbatch.kv_cache import KVCache, bytes_per_token
+from cbatch.metrics import EngineStats, RequestMetrics
+from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
+from cbatch.outputs import RequestOutput
+from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
