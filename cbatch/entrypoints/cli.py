@@ -95,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> None:
     print(f"workload 'seed': {len(wl.prompts)} requests, batch size {wl.batch_size}, "
           f"{wl.num_output_tokens} output tokens")
     print(f"static batching: {n_batches} batches of {wl.batch_size}, each decoded until its "
-          "longest request ends (the bar moves once per batch) …", flush=True)
+          "longest request ends …", flush=True)
     results = [_run_workload(static, wl, "static")]
     print("continuous batching: requests join and leave the batch at every step …", flush=True)
     results.append(_run_workload(continuous, wl, "continuous"))
