@@ -11,7 +11,7 @@ Engines, all on the same weights with greedy decoding:
   cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache, prefix caching)
   cbatch-no-prefix-cache  the same with enable_prefix_caching=False
   cbatch-invariant    cbatch.LLM(batch_invariant=True), with --batch-invariant
-  cbatch-static       cbatch.LLM(scheduling_policy="static") (fixed left-padded batches)
+  cbatch-static       cbatch.LLM(scheduling_policy="static"): fixed batches run to the longest
   hf-generate         transformers generate() on fixed left-padded batches
   hf-continuous       transformers continuous batching (init_continuous_batching), when the
                       installed version has it
