@@ -175,6 +175,21 @@ def test_metrics_report_engine_and_latencies(server, client):
     assert float(count.split()[-1]) >= 1
 
 
+def test_metrics_count_prefix_cache_hits(server, client):
+    def metric(name):
+        text = httpx.get(f"{server[0]}/metrics").text
+        return float(next(line for line in text.splitlines() if line.startswith(name)).split()[-1])
+
+    prompt = "a system prompt that many requests share, " * 3  # 126 tokens (byte tokenizer)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    before = metric("cbatch_prefix_cache_hits_total"), metric("cbatch_prefix_cache_queries_total")
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    hits = metric("cbatch_prefix_cache_hits_total") - before[0]
+    queries = metric("cbatch_prefix_cache_queries_total") - before[1]
+    # the same prompt again: every full block but the one holding its last token is a hit
+    assert queries == 126 and hits >= 16 * 7
+
+
 def test_chat_template_of_a_checkpoint(tiny_hf_dir, tmp_path):
     import shutil
 

@@ -63,7 +63,11 @@ class ServerMetrics:
         for name, doc, value in (
                 ("cbatch_num_preemptions", "Preemptions (recompute)", stats.num_preemptions),
                 ("cbatch_prompt_tokens", "Tokens computed in prefill", stats.num_prefill_tokens),
-                ("cbatch_generation_tokens", "Tokens generated", stats.num_output_tokens)):
+                ("cbatch_generation_tokens", "Tokens generated", stats.num_output_tokens),
+                ("cbatch_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 stats.prefix_cache_queried_tokens),
+                ("cbatch_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 stats.prefix_cache_hit_tokens)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
