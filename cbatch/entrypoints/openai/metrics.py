@@ -50,25 +50,25 @@ class ServerMetrics:
         if self.engine is None:
             return
         stats = self.engine.stats
-        for name, doc, value in (
-                ("cbatch_num_requests_running", "Requests in the running batch",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family_type, name, doc, value in (
+                (gauge, "cbatch_num_requests_running", "Requests in the running batch",
                  stats.num_running),
-                ("cbatch_num_requests_waiting", "Requests waiting to be scheduled",
+                (gauge, "cbatch_num_requests_waiting", "Requests waiting to be scheduled",
                  stats.num_waiting),
-                ("cbatch_kv_cache_usage_perc", "Fraction of KV-cache blocks in use",
-                 stats.kv_cache_usage)):
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
-        for name, doc, value in (
-                ("cbatch_num_preemptions", "Preemptions (recompute)", stats.num_preemptions),
-                ("cbatch_prompt_tokens", "Tokens computed in prefill", stats.num_prefill_tokens),
-                ("cbatch_generation_tokens", "Tokens generated", stats.num_output_tokens),
-                ("cbatch_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                 stats.prefix_cache_queried_tokens),
-                ("cbatch_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                (gauge, "cbatch_kv_cache_usage_perc", "Fraction of KV-cache blocks in use",
+                 stats.kv_cache_usage),
+                (counter, "cbatch_num_preemptions", "Preemptions (recompute)",
+                 stats.num_preemptions),
+                (counter, "cbatch_prompt_tokens", "Tokens computed in prefill",
+                 stats.num_prefill_tokens),
+                (counter, "cbatch_generation_tokens", "Tokens generated",
+                 stats.num_output_tokens),
+                (counter, "cbatch_prefix_cache_queries",
+                 "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queried_tokens),
+                (counter, "cbatch_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                  stats.prefix_cache_hit_tokens)):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family = family_type(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
 
