@@ -2,16 +2,26 @@
 
     python benchmarks/bench_decode_step.py [--quick] [--context 512]
 
-Times the model runner's decode step (step buffers filled, embedding, all layers with KV
-write and paged attention, final norm, lm_head, greedy sampling, tokens back on the host),
-eager and with CUDA graphs, and prints the floor beside it: the bytes a decode step
-must read — every weight once plus every sequence's KV cache — divided by the device's
-measured copy bandwidth.  Results in benchmarks/results/<device>/decode_step.*.
+Times the engine's whole decode step, ``Engine.step()`` with every running request
+decoding (schedule, step buffers, embedding, all layers with KV write and paged attention,
+final norm, lm_head, greedy sampling, tokens on the host, outputs), as wall time over
+``--reps`` consecutive steps, in three modes:
+
+- ``eager``: the model run op by op, one step at a time;
+- ``graphs``: decode steps padded to a batch-size bucket and replayed from a CUDA graph (on
+  the CPU the padded batch runs eagerly, which shows the padding's cost);
+- ``async``: graphs, and step n+1 scheduled and launched before step n's tokens are read.
+
+Beside each: ``host_ms``, the step's time outside the model and the wait for the device
+(``Engine.stats().phase_s``), and the floor: the bytes a decode step must read (every weight
+once plus every sequence's KV cache) divided by the device's measured copy bandwidth.
+Results in benchmarks/results/<device>/decode_step.*.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,25 +29,48 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Timer, base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
+    base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
 from cbatch import Engine, GPT2LMHeadModel, SamplingParams, bytes_per_token  # noqa: E402
-from cbatch.core.scheduler import ScheduledSequence  # noqa: E402
-from cbatch.core.sequence import Sequence  # noqa: E402
 
-COLUMNS = ["mode", "batch", "context", "step_ms", "floor_ms", "ratio_to_floor", "weight_MB",
-           "kv_MB", "tokens_per_s"]
+COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
+           "weight_MB", "kv_MB", "tokens_per_s"]
+MODES = {"eager": dict(cuda_graphs=False, async_scheduling=False),
+         "graphs": dict(cuda_graphs=True, async_scheduling=False),
+         "async": dict(cuda_graphs=True, async_scheduling=True)}
 
 
-def decode_items(engine: Engine, batch: int, context: int) -> list[ScheduledSequence]:
-    """``batch`` running sequences of ``context`` cached tokens, each with one token to
-    decode, their blocks taken from the engine's pool."""
-    items = []
-    for s in range(batch):
-        seq = Sequence(str(s), [7] * (context + 1), SamplingParams(), s)
-        engine.block_manager.grow(seq.block_table, seq.num_tokens)
-        seq.num_computed_tokens = context
-        items.append(ScheduledSequence(seq, 1))
-    return items
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
+                      gen: torch.Generator) -> tuple[float, float]:
+    """Seconds per step and host seconds per step of ``reps`` consecutive decode steps of
+    ``batch`` requests with ``context``-token random prompts (prefilled first, untimed)."""
+    vocab = engine.model.config.vocab_size
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=prefill_steps + reps + 8, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(),
+                              params) for _ in range(batch)]
+    running = engine.scheduler.running
+    for _ in range(prefill_steps + 4):  # prefill, then two steps with every request decoding
+        engine.step()
+    if len(running) != batch or not all(seq.is_decoding for seq in running):
+        raise RuntimeError(f"{batch} requests are not all decoding after the prefill steps")
+    sync(engine.model.device)
+    before, start = engine.stats(), time.perf_counter()
+    for _ in range(reps):
+        engine.step()
+    sync(engine.model.device)
+    seconds, after = time.perf_counter() - start, engine.stats()
+    host = (after.elapsed - after.phase_s["execute"]) - (
+        before.elapsed - before.phase_s["execute"])
+    for rid in ids:
+        engine.abort(rid, report=False)
+    while engine.has_unfinished_requests():  # bounded: nothing is left to schedule
+        engine.step()
+    return seconds / reps, host / reps
 
 
 def run(args) -> Path:
@@ -48,43 +81,40 @@ def run(args) -> Path:
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device, (64 << 20) if args.quick else None)
-    timer = Timer(device, warmup=2, reps=3 if args.quick else args.reps)
+    reps = 3 if args.quick else args.reps
     batches = [1, 4] if args.quick else args.batches
     context = 24 if args.quick else args.context
-    blocks = -(-(context + 1) // 16)
-    # eager: the step batch in persistent buffers, the model run op by op; graphs: decode
-    # steps padded to a bucket and replayed from a CUDA graph (on the CPU: the padded
-    # batch run eagerly, which shows the padding's cost)
-    modes = {"eager": False, "graphs": True}
+    budget = 8192
+    longest = context + -(-max(batches) * context // budget) + reps + 8  # see time_decode_steps
+    blocks = max(batches) * -(-longest // 16)
     rows = []
-    for mode, graphs in modes.items():
-        engine = Engine(model, cuda_graphs=graphs, max_num_seqs=max(batches),
-                        num_blocks=max(batches) * blocks, block_size=16)
+    for mode, switches in MODES.items():
+        engine = Engine(model, max_num_seqs=max(batches), max_num_batched_tokens=budget,
+                        num_blocks=blocks, block_size=16, enable_prefix_caching=False,
+                        **switches)
+        gen = torch.Generator().manual_seed(0)
         for batch in tqdm(batches, desc=f"decode step ({mode})", disable=args.no_progress):
-            items = decode_items(engine, batch, context)
-
-            def decode():  # what the engine's step does between scheduling and bookkeeping
-                return engine.runner.execute(engine.runner.prepare(items), items)
-
-            seconds = timer(decode)
-            for item in items:
-                engine.block_manager.free(item.seq.block_table)
+            seconds, host = time_decode_steps(engine, batch, context, reps, gen)
             kv_bytes = batch * (context + 1) * bytes_per_token(cfg, dtype)
             floor = (weight_bytes + kv_bytes) / bw
             rows.append({"mode": mode, "batch": batch, "context": context,
-                         "step_ms": seconds * 1e3, "floor_ms": floor * 1e3,
-                         "ratio_to_floor": seconds / floor, "weight_MB": weight_bytes / 1e6,
-                         "kv_MB": kv_bytes / 1e6, "tokens_per_s": batch / seconds})
-            print(f"{mode:6s} batch {batch:4d}: {seconds * 1e3:8.2f} ms/step, floor "
-                  f"{floor * 1e3:7.2f} ms ({seconds / floor:.1f}x)", flush=True)
+                         "step_ms": seconds * 1e3, "host_ms": host * 1e3,
+                         "floor_ms": floor * 1e3, "ratio_to_floor": seconds / floor,
+                         "weight_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
+                         "tokens_per_s": batch / seconds})
+            print(f"{mode:6s} batch {batch:4d}: {seconds * 1e3:8.2f} ms/step "
+                  f"(host {host * 1e3:6.2f} ms), floor {floor * 1e3:7.2f} ms "
+                  f"({seconds / floor:.1f}x)", flush=True)
         stats = engine.stats()
         print(f"{mode}: graph capture {stats.graph_capture_s:.2f} s, "
               f"{stats.graph_memory_bytes / 1e6:.1f} MB", flush=True)
         engine = None  # its cache and graph pool go before the next mode builds its own
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "copy_bandwidth_GBps": bw / 1e9,
-            "attention_backend": args.backend or "auto",
-            "step": "prepare (step buffers) + forward + greedy sampling + tokens to the host",
+            "attention_backend": args.backend or "auto", "reps": reps,
+            "step": "Engine.step() with every request decoding, wall time over reps "
+                    "consecutive steps",
+            "host_ms": "Engine.stats(): elapsed - phase_s['execute'] per step",
             "floor": "(weight bytes + KV bytes read) / measured copy bandwidth"}
     return publish("decode_step", device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
@@ -114,7 +144,7 @@ def main(argv=None):
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--backend", default=None, help="attention backend (default: auto)")
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512 if cuda else 128)
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16, 64])
     args = parser.parse_args(argv)

@@ -102,6 +102,8 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # a path or hub id; None: the model's own
     cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for CUDA
+    # schedule and build step n+1 while step n runs on the device; None: on for CUDA
+    async_scheduling: bool | None = None
     enable_prefix_caching: bool = True  # requests share the KV blocks of common prefixes
     batch_invariant: bool = False  # a request's logits never depend on its batch-mates
 

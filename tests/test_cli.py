@@ -129,6 +129,19 @@ def test_generate_flags_become_sampling_params():
     assert p.stop == ["\n\n", "END"] and p.stop_token_ids == [13, 198] and p.ignore_eos
 
 
+def test_serve_flags_become_engine_keywords():
+    from cbatch.entrypoints.openai.api_server import engine_kwargs
+
+    parse = cli.build_parser().parse_args
+    auto = engine_kwargs(parse(["serve"]))
+    assert (auto["cuda_graphs"], auto["async_scheduling"], auto["enable_prefix_caching"]) \
+        == (None, None, True)
+    off = engine_kwargs(parse(["serve", "--no-cuda-graphs", "--no-async-scheduling",
+                               "--no-prefix-caching"]))
+    assert (off["cuda_graphs"], off["async_scheduling"], off["enable_prefix_caching"]) \
+        == (False, False, False)
+
+
 def test_stop_token_id_stops_generation(capsys):
     from cbatch import LLM, SamplingParams
 

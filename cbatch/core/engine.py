@@ -1,18 +1,30 @@
-"""The continuous-batching engine: add requests at any time, step, stream outputs."""
+"""The continuous-batching engine: add requests at any time, step, stream outputs.
+
+A step is launched (scheduled, built, sent to the device) and later resolved (its sampled
+tokens read on the host, stop conditions checked, outputs made).  Synchronously, each step
+is resolved as soon as it is launched.  With async scheduling (vLLM v1's), step n+1 is
+launched before step n is resolved, so the host's scheduling and batch building overlap the
+device's work: the tokens step n samples are in flight (``Sequence.num_inflight``) while
+step n+1 is planned, and reach step n+1 on the device.  A request that step n ends has
+already been given a row in step n+1; that row's result is dropped.  The tokens are the
+synchronous engine's, token for token.
+"""
 
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
 from cbatch.config import EngineConfig, GPT2Config
 from cbatch.core.block_manager import BlockManager
-from cbatch.core.model_runner import ModelRunner
-from cbatch.core.scheduler import Scheduler
+from cbatch.core.model_runner import ModelRunner, SampledTokens
+from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.core.static import StaticScheduler
 from cbatch.detokenizer import detokenizer_for
@@ -134,6 +146,15 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
     )
 
 
+@dataclass
+class LaunchedStep:
+    """A step sent to the device whose sampled tokens the host has not read yet."""
+
+    scheduled: list[ScheduledSequence]
+    samples: list[bool]  # per row: whether it reached its sequence's last token
+    tokens: SampledTokens
+
+
 class Engine:
     """Continuous batching over a paged KV cache.
 
@@ -173,6 +194,9 @@ class Engine:
                        else torch.device(config.device).type == "cuda")
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, max_tokens,
                                   cuda_graphs)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else torch.device(config.device).type == "cuda")
+        self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
         self._order = itertools.count()
@@ -180,6 +204,7 @@ class Engine:
         self._num_prefill_tokens = self._num_output_tokens = 0
         self._elapsed = self._occupancy_sum = 0.0
         self._phase_s = dict.fromkeys(("schedule", "prepare", "execute", "postprocess"), 0.0)
+        self._clock = 0.0  # when the phase being timed began (see _tick)
         self.occupancy_trace: list[int] = []  # scheduled sequences per step
         freeze_long_lived_objects()
 
@@ -271,6 +296,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.num_inflight = 0  # a later step's sample for it is dropped
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         self._num_finished += 1
@@ -282,36 +308,75 @@ class Engine:
             return "stop"
         if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests that changed."""
-        changed = self._aborted
-        self._aborted = []
-        start = time.perf_counter()
+        """Run one iteration; returns the outputs of the requests that changed (with async
+        scheduling: in the step launched before this one)."""
+        start = self._clock = time.perf_counter()
+        changed, self._aborted = self._aborted, []
+        launched = self._launch()
+        if launched is not None:
+            self._in_flight.append(launched)
+        keep = 1 if self.async_scheduling and launched is not None else 0
+        # every step older than the newest is resolved, and all of them when nothing is left
+        # to run (their rows then belong to finished requests only)
+        while self._in_flight and (len(self._in_flight) > keep or not self._requests):
+            changed += self._resolve(self._in_flight.popleft())
+        outputs = [request_output(s, self.tokenizer) for s in changed]
+        self._elapsed += self._tick("postprocess") - start
+        return outputs
+
+    def _tick(self, phase: str) -> float:
+        """Charge the time since the last tick to ``phase``; returns the time now."""
+        now = time.perf_counter()
+        self._phase_s[phase] += now - self._clock
+        self._clock = now
+        return now
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule a step and send it to the device; the scheduled sequences advance by
+        their new tokens, and those that sample get an in-flight token."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
-            return [request_output(s, self.tokenizer) for s in changed]
+            self._tick("schedule")
+            return None
         if schedule.block_copies:
             self.kv_cache.copy_blocks(schedule.block_copies)
-        scheduled_at = time.perf_counter()
+        t = self._tick("schedule")
         for item in schedule.scheduled:
             if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = scheduled_at
+                item.seq.first_scheduled_time = t
         batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
-        prepared_at = time.perf_counter()
-        tokens, logprobs = self.runner.execute(batch, schedule.scheduled)
-        now = time.perf_counter()
-        for i, (item, token) in enumerate(zip(schedule.scheduled, tokens)):
+        self._tick("prepare")
+        samples = [item.samples for item in schedule.scheduled]
+        tokens = self.runner.execute(batch, schedule.scheduled)
+        for item, samples_now in zip(schedule.scheduled, samples):
             seq = item.seq
-            samples = item.samples
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
                 self._num_prefill_tokens += item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            if not samples:
-                continue
+            seq.num_inflight += samples_now
+        self._tick("execute")
+        self._num_steps += 1
+        self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
+        self.occupancy_trace.append(len(schedule.scheduled))
+        return LaunchedStep(schedule.scheduled, samples, tokens)
+
+    def _resolve(self, step: LaunchedStep) -> list[Sequence]:
+        """Read a launched step's tokens (waiting for the device) and apply them: append,
+        check stop conditions, finish.  Returns the sequences that changed."""
+        self._tick("postprocess")
+        tokens, logprobs = step.tokens.wait()
+        now = self._tick("execute")
+        changed = []
+        for i, (item, token) in enumerate(zip(step.scheduled, tokens)):
+            seq = item.seq
+            if not step.samples[i] or seq.is_finished:
+                continue  # mid-prefill, or ended (stopped, aborted) since this step began
+            seq.num_inflight -= 1
             seq.token_ids.append(token)
             if logprobs is not None and logprobs[i] is not None:
                 seq.output_logprobs.append(logprobs[i])
@@ -324,17 +389,8 @@ class Engine:
                 del self._requests[seq.request_id]
                 self._finish(seq, reason)
             changed.append(seq)
-        outputs = [request_output(s, self.tokenizer) for s in changed]
-        self._num_steps += 1
-        done = time.perf_counter()
-        self._elapsed += done - start
-        self._phase_s["schedule"] += scheduled_at - start
-        self._phase_s["prepare"] += prepared_at - scheduled_at
-        self._phase_s["execute"] += now - prepared_at
-        self._phase_s["postprocess"] += done - now  # token bookkeeping and the outputs
-        self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
-        self.occupancy_trace.append(len(schedule.scheduled))
-        return outputs
+        self._tick("postprocess")
+        return changed
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -6,6 +6,11 @@ smallest batch-size bucket that holds it replays.  Graph steps are padded to the
 with rows that write nothing (slot -1) and read a one-token context; with
 ``cuda_graphs=True`` on the CPU the same padded batches run eagerly, so the padding logic is
 exercised without a GPU.
+
+:meth:`ModelRunner.execute` only launches: it returns :class:`SampledTokens`, whose copy to
+the host is under way, so the engine can schedule and launch the next step before it reads
+them (async scheduling).  A token of that next step that is still on the device is fed to
+it from the previous step's sampled tokens, on the device.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from cbatch import ops
 from cbatch.batch import StepBatch, StepBatchBuilder
-from cbatch.core.sampler import SamplingBatch, compute_logprobs, sample
+from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.kv_cache import KVCache
 from cbatch.models.gpt2 import GPT2LMHeadModel
@@ -27,6 +32,30 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     16, and ``max_num_seqs`` itself."""
     sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+
+
+class SampledTokens:
+    """One step's sampled tokens (and logprobs), on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None,
+                 num_logprobs: list[int | None]):
+        # on CUDA: non-blocking copies into pinned memory, then an event to wait for
+        self._tokens = tokens.to("cpu", non_blocking=True)
+        self._logprobs = None if logprobs is None else tuple(
+            t.to("cpu", non_blocking=True) for t in logprobs)
+        self._num_logprobs = num_logprobs
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Block until they are on the host: the token of every scheduled sequence (entries
+        of sequences still mid-prefill are meaningless) and the logprobs (see
+        :func:`~cbatch.core.sampler.compute_logprobs`)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._tokens.tolist(), logprobs_lists(self._logprobs, self._num_logprobs)
 
 
 class ModelRunner:
@@ -43,6 +72,10 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_capture_s = 0.0
         self.graph_memory_bytes = 0
+        # the last executed step's sampled tokens [S] on the device, and the row of each
+        # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
+        self._sampled: torch.Tensor | None = None
+        self._sampled_rows: dict[int, int] = {}
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
@@ -63,19 +96,24 @@ class ModelRunner:
                 ) -> StepBatch:
         """The step batch of ``scheduled`` in persistent buffers; a decode step is padded to
         its graph bucket, and to at least ``pad_to`` rows (the static-batching policy keeps
-        the rows of finished requests computing, as a padded batch does)."""
-        runs = []
+        the rows of finished requests computing, as a padded batch does).  A sequence's
+        in-flight token (async scheduling) is read on the device from the last step's
+        samples."""
+        runs, deferred, num_tokens = [], [], 0
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            runs.append((seq.token_ids[start:start + item.num_new_tokens], start,
-                         seq.block_table))
-        if not all(item.num_new_tokens == 1 for item in scheduled):
-            return self.builder.build(runs)
-        rows = max(len(scheduled), pad_to or 0)
-        bucket = self.bucket(rows)
-        if bucket is not None:
-            return self.builder.build(runs, pad_to=bucket, full_width=True)
-        return self.builder.build(runs, pad_to=rows)
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            tokens = seq.token_ids[start:start + n]
+            if len(tokens) < n:  # its last token was sampled by the step still running
+                deferred.append((num_tokens + len(tokens), self._sampled_rows[id(seq)]))
+                tokens.append(0)
+            runs.append((tokens, start, seq.block_table))
+            num_tokens += n
+        shape = {}
+        if all(item.num_new_tokens == 1 for item in scheduled):
+            rows = max(len(scheduled), pad_to or 0)
+            bucket = self.bucket(rows)
+            shape = dict(pad_to=bucket, full_width=True) if bucket else dict(pad_to=rows)
+        return self.builder.build(runs, deferred=deferred, sampled=self._sampled, **shape)
 
     # -------------------------------------------------------------- running
 
@@ -91,12 +129,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices[:num_real]])
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]
-                ) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        """Forward pass and sampling for a batch from :meth:`prepare` (waits for the device:
-        the sampled tokens come back to the host).  Returns the sampled token of every
-        scheduled sequence (entries of sequences still mid-prefill are meaningless and
-        ignored by the engine) and their logprobs (see :func:`compute_logprobs`)."""
+    def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> SampledTokens:
+        """Launch the forward pass and sampling of a batch from :meth:`prepare` (call it
+        before the scheduled sequences advance); :meth:`SampledTokens.wait` gives the
+        tokens."""
         params = [item.seq.params for item in scheduled]
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
@@ -107,8 +143,12 @@ class ModelRunner:
         )
         logits = self.logits(batch)
         tokens = sample(logits, sampling)
-        logprobs = compute_logprobs(logits, tokens, [p.logprobs for p in params])
-        return tokens.tolist(), logprobs
+        num_logprobs = [p.logprobs for p in params]
+        logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+        self._sampled = tokens
+        self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
+                              if item.samples}
+        return SampledTokens(tokens, logprobs, num_logprobs)
 
     # -------------------------------------------------------------- CUDA graphs
 

@@ -28,6 +28,14 @@ class SamplingBatch:
         return all(t == 0.0 for t in self.temperatures)
 
 
+def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """A short host list as a tensor on ``device``, without waiting for the device (pinned
+    memory and an async copy: the engine may have the previous step still running)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                         ) -> torch.Tensor:
     # logits: [S, V] fp32; top_k: int64 [S] (0 = off); top_p: fp32 [S] (1 = off)
@@ -62,10 +70,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return tokens
     rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    temps = torch.tensor([batch.temperatures[r] for r in rows], device=dev)
-    top_k = torch.tensor([batch.top_ks[r] for r in rows], device=dev)
-    top_p = torch.tensor([batch.top_ps[r] for r in rows], device=dev)
+    idx = _to_device(rows, dev)
+    temps = _to_device([batch.temperatures[r] for r in rows], dev, torch.float32)
+    top_k = _to_device([batch.top_ks[r] for r in rows], dev)
+    top_p = _to_device([batch.top_ps[r] for r in rows], dev, torch.float32)
     scaled = _filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
     probs = scaled.softmax(dim=-1)
     tokens[idx] = (probs / _noise(batch, rows, logits.shape[-1], dev)).argmax(dim=-1)
@@ -84,17 +92,34 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: l
     sampled token if it is not among them; None for rows that asked for nothing, and None for
     the whole step when no row asked (nothing is computed then).
     """
+    return logprobs_lists(logprobs_tensors(logits, tokens, num_logprobs), num_logprobs)
+
+
+def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
+                     num_logprobs: list[int | None]) -> tuple[torch.Tensor, ...] | None:
+    """The device half of :func:`compute_logprobs` (no host sync): for the R rows that ask,
+    ``(top values [R, k], top ids [R, k], sampled ids [R], sampled values [R])``, k the most
+    any row asks for; None when no row asks."""
     rows = [s for s, k in enumerate(num_logprobs) if k]
     if not rows:
         return None
-    idx = torch.tensor(rows, device=logits.device)
+    idx = _to_device(rows, logits.device)
     logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
     top_values, top_ids = logprobs.topk(max(num_logprobs[s] for s in rows), dim=-1)
     sampled_ids = tokens[idx]
     sampled = logprobs.gather(-1, sampled_ids[:, None])[:, 0]
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return top_values, top_ids, sampled_ids, sampled
+
+
+def logprobs_lists(tensors: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None]
+                   ) -> list[dict[int, float] | None] | None:
+    """The host half of :func:`compute_logprobs`: :func:`logprobs_tensors`' result as dicts."""
+    if tensors is None:
+        return None
+    top_values, top_ids, sampled_ids, sampled = (t.tolist() for t in tensors)
     out: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    for i, (s, token, value) in enumerate(zip(rows, sampled_ids.tolist(), sampled.tolist())):
+    rows = [s for s, k in enumerate(num_logprobs) if k]
+    for i, (s, token, value) in enumerate(zip(rows, sampled_ids, sampled)):
         k = num_logprobs[s]
         entry = dict(zip(top_ids[i][:k], top_values[i][:k]))
         entry.setdefault(token, value)

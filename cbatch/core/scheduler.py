@@ -11,7 +11,12 @@ current tokens are free, so a preempted request does not come straight back and 
 With prefix caching, a request is admitted with the cached prefix of its tokens already
 computed: it counts only the blocks it really needs, and its first chunk starts at the first
 uncached token.  The blocks a step filled are registered in the cache at the start of the
-next ``schedule()`` (and when a sequence leaves or is preempted), once their K/V exist.
+next ``schedule()`` (and when a sequence leaves or is preempted), once the step writing their
+K/V has been launched: the device runs steps in order, so no later step reads them early.
+
+With async scheduling (the engine schedules step n+1 while step n runs) a sequence's newest
+token may still be in flight: it is scheduled like any known token, except that a sequence
+whose in-flight token is its last (``max_tokens``) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -101,8 +106,9 @@ class Scheduler:
     # -------------------------------------------------------------- scheduling
 
     def _cache_computed(self, seq: Sequence) -> None:
+        # a token still in flight has K/V (or soon will) but no id to hash yet
         self.block_manager.cache_computed(seq.block_table, seq.block_hashes, seq.token_ids,
-                                          seq.num_computed_tokens)
+                                          min(seq.num_computed_tokens, len(seq.token_ids)))
 
     def _release(self, seq: Sequence) -> None:
         """Give the sequence's blocks back, caching the ones it computed."""
@@ -149,6 +155,8 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                continue  # its last token is in flight (async scheduling): it ends with it
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break

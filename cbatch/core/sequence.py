@@ -4,6 +4,11 @@ No torch here.  Lifecycle: WAITING → RUNNING (prefilling, then decoding) → F
 preempted sequence goes back to WAITING and is recomputed (its blocks are released, the
 tokens it already produced are kept and prefilled again, from the cache where it still holds
 them).
+
+With async scheduling a step is scheduled before the previous step's sampled tokens reach the
+host: such a token is *in flight* (``num_inflight``).  It counts in ``num_tokens`` (the
+scheduler plans with it and the runner feeds it from the device) but joins ``token_ids`` only
+when the engine reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ class Sequence:
     arrival_order: int
     priority: int = 0
     seed: int = 0  # effective sampling seed (params.seed, or one the engine derived)
-    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
+    num_inflight: int = 0  # sampled tokens still on the device (async scheduling)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -51,7 +57,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt + output, in-flight tokens included."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,10 +66,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The output tokens known on the host."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens sampled so far, in-flight ones included."""
         return self.num_tokens - self.num_prompt_tokens
 
     @property

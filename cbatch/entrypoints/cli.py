@@ -234,6 +234,11 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
                         help="a request's output never depends on what it is batched with")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="recompute every prompt from its first token")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run decode steps op by op (debugging; graphs are on for CUDA)")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens before scheduling the next (debugging; "
+                             "async is on for CUDA)")
     parser.add_argument("--num-replicas", type=int, default=1,
                         help="> 1: that many engines behind one route with Ray Serve")
     parser.set_defaults(run=run_serve)

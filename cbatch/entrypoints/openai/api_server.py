@@ -111,7 +111,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, scheduling_policy=args.scheduling_policy,
                 attention_backend=args.attention_backend, seed=args.seed,
                 tokenizer=args.tokenizer, batch_invariant=args.batch_invariant,
-                enable_prefix_caching=not args.no_prefix_caching)
+                enable_prefix_caching=not args.no_prefix_caching,
+                cuda_graphs=False if args.no_cuda_graphs else None,
+                async_scheduling=False if args.no_async_scheduling else None)
 
 
 def run_server(args: argparse.Namespace) -> None:
