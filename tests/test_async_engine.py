@@ -45,6 +45,19 @@ def test_concurrent_streams_equal_offline_generate():
         assert outs[-1].finish_reason == "length"
 
 
+def test_a_stream_of_the_final_output_only():
+    async def main():
+        engine = AsyncEngine("random:tiny", **KW)
+        stream = await engine.add_request(_prompt(3), _params(3), stream=False)
+        outs = [out async for out in stream]
+        await asyncio.to_thread(engine.shutdown)
+        return outs
+
+    (final,) = asyncio.run(main())
+    reference = LLM("random:tiny", **KW).generate([_prompt(3)], [_params(3)], use_tqdm=False)
+    assert final.finished and final.token_ids == reference[0].token_ids
+
+
 def test_leaving_a_stream_aborts_its_request():
     finished = {}
 

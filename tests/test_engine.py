@@ -93,6 +93,22 @@ def test_streaming_outputs_and_metrics():
     assert 0 <= stats.host_overhead < 1
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_not_streamed_has_one_output_the_same(async_scheduling):
+    engine = Engine("random:tiny", max_num_seqs=4, async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    streamed = engine.add_request([1, 2, 3], params)
+    quiet = engine.add_request([1, 2, 3], params, stream=False)
+    outs = {streamed: [], quiet: []}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert len(outs[streamed]) == 5 and len(outs[quiet]) == 1 and outs[quiet][0].finished
+    assert outs[quiet][0].token_ids == outs[streamed][-1].token_ids
+
+
 def test_outputs_are_snapshots_and_the_model_is_frozen_for_the_gc():
     import gc
 

@@ -117,8 +117,10 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping and self._error is None
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Admit a request; returns its stream.  Raises what :meth:`Engine.add_request`
+                          request_id: str | None = None, priority: int = 0,
+                          stream: bool = True) -> RequestStream:
+        """Admit a request; returns its stream (``stream=False``: of its final output only).
+        Raises what :meth:`Engine.add_request`
         raises for a bad request, :class:`QueueFullError` when the waiting queue is full and
         :class:`EngineDeadError` when the engine is not running."""
         if not self.is_running:
@@ -126,7 +128,7 @@ class AsyncEngine:
                                   f"the engine loop failed: {self._error!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", request_id, prompt, params, priority,
+        self._post(("add", request_id, prompt, params, priority, stream,
                     asyncio.get_running_loop(), queue))
         try:
             admitted = await queue.get()  # None, or the reason it was refused
@@ -205,14 +207,14 @@ class AsyncEngine:
                 if self._streams.pop(command[1], None) is not None:
                     engine.abort(command[1])
                 continue
-            _, request_id, prompt, params, priority, loop, queue = command
+            _, request_id, prompt, params, priority, stream, loop, queue = command
             try:
                 if self._stopping:
                     raise EngineDeadError("the engine is shutting down")
                 if len(engine.scheduler.waiting) >= self.max_waiting:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} "
                                          "requests waiting); retry later")
-                engine.add_request(prompt, params, priority, request_id)
+                engine.add_request(prompt, params, priority, request_id, stream)
             except Exception as exc:  # refused: the caller raises it
                 pending[loop].append((queue, exc))
                 continue

@@ -83,10 +83,11 @@ class BlockManager:
 
     def blocks_to_grow(self, block_table: list[int], num_tokens: int) -> int:
         """New blocks ``block_table`` needs to hold ``num_tokens`` tokens."""
-        return max(0, self.blocks_for(num_tokens) - len(block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_to_grow(block_table, num_tokens) <= self.num_free_blocks
+        need = self.blocks_to_grow(block_table, num_tokens)
+        return need == 0 or need <= self.num_free_blocks  # a decode mostly needs none
 
     # -------------------------------------------------------------- allocation
 
@@ -110,7 +111,7 @@ class BlockManager:
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append free blocks to ``block_table`` (in place) until it holds ``num_tokens``."""
         need = self.blocks_to_grow(block_table, num_tokens)
-        if need > self.num_free_blocks:
+        if need and need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free_blocks} free")
         for _ in range(need):
             block_table.append(self._allocate())

@@ -224,8 +224,10 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, request_id: str | None = None) -> str:
-        """Queue a request (a string, or token ids); returns its id."""
+                    priority: int = 0, request_id: str | None = None, stream: bool = True
+                    ) -> str:
+        """Queue a request (a string, or token ids); returns its id.  ``stream=False``: the
+        request's output comes only once, when it finishes (no snapshot at every step)."""
         params = SamplingParams() if params is None else params
         ids = self.validate_request(prompt, params)
         order = next(self._order)
@@ -233,7 +235,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
-        seq = Sequence(request_id, ids, params, order, priority, seed)
+        seq = Sequence(request_id, ids, params, order, priority, seed, stream)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -275,7 +277,8 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         try:
             for prompt_ids, sp, prio in zip(token_ids, params_list, priorities):
-                ids.append(self.add_request(prompt_ids, sp, prio))
+                ids.append(self.add_request(prompt_ids, sp, prio,
+                                            stream=on_output is not None))
             mine = set(ids)
             while len(done) < len(ids):
                 for out in self.step():
@@ -325,7 +328,8 @@ class Engine:
         # to run (their rows then belong to finished requests only)
         while self._in_flight and (len(self._in_flight) > keep or not self._requests):
             changed += self._resolve(self._in_flight.popleft())
-        outputs = [request_output(s, self.tokenizer) for s in changed]
+        outputs = [request_output(s, self.tokenizer) for s in changed
+                   if s.stream or s.is_finished]
         self._elapsed += self._tick("postprocess") - start
         return outputs
 

@@ -155,7 +155,7 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_output_tokens >= seq.params.max_tokens:
+            if seq.num_inflight and seq.num_output_tokens >= seq.params.max_tokens:
                 continue  # its last token is in flight (async scheduling): it ends with it
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:

@@ -34,6 +34,7 @@ class Sequence:
     arrival_order: int
     priority: int = 0
     seed: int = 0  # effective sampling seed (params.seed, or one the engine derived)
+    stream: bool = True  # an output at every step it advances; False: only the final one
     token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
     num_inflight: int = 0  # sampled tokens still on the device (async scheduling)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask

@@ -55,7 +55,7 @@ class OpenAIServingChat:
         prompt = self.render(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
-        streams = await open_streams(self.engine, [prompt] * req.n, params)
+        streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream)
         if req.stream:
             return StreamingResponse(self._stream(req, streams), media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))

@@ -35,14 +35,15 @@ def sampling_params(req: _SamplingFields, choice: int, logprobs: int | None = No
         raise OpenAIError(400, str(exc)) from None
 
 
-async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams]
-                       ) -> list[RequestStream]:
+async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams],
+                       stream: bool) -> list[RequestStream]:
     """Admit one request per (prompt, params) pair, all or none: a refusal aborts the ones
-    already admitted and becomes the OpenAI error for the whole call."""
+    already admitted and becomes the OpenAI error for the whole call.  ``stream=False``:
+    each stream carries only its request's final output."""
     streams: list[RequestStream] = []
     try:
         for prompt, p in zip(prompts, params):
-            streams.append(await engine.add_request(prompt, p))
+            streams.append(await engine.add_request(prompt, p, stream=stream))
     except BaseException as exc:
         for s in streams:
             s.abort()
@@ -147,7 +148,7 @@ class OpenAIServingCompletion:
         prompts = self._prompts(req)
         params = [sampling_params(req, c, req.logprobs) for c in range(req.n)]
         streams = await open_streams(self.engine, [p for p in prompts for _ in range(req.n)],
-                                     params * len(prompts))
+                                     params * len(prompts), req.stream)
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:
