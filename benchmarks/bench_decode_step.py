@@ -4,8 +4,8 @@
 
 Times the engine's whole decode step, ``Engine.step()`` with every running request
 decoding (schedule, step buffers, embedding, all layers with KV write and paged attention,
-final norm, lm_head, greedy sampling, tokens on the host, outputs), as wall time over
-``--reps`` consecutive steps, in three modes:
+final norm, lm_head, greedy sampling, tokens on the host; requests not streamed, as in
+``LLM.generate``), as wall time over ``--reps`` consecutive steps, in three modes:
 
 - ``eager``: the model run op by op, one step at a time;
 - ``graphs``: decode steps padded to a batch-size bucket and replayed from a CUDA graph (on
@@ -52,7 +52,7 @@ def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
     params = SamplingParams(max_tokens=prefill_steps + reps + 8, ignore_eos=True)
     ids = [engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(),
-                              params) for _ in range(batch)]
+                              params, stream=False) for _ in range(batch)]  # as generate()
     running = engine.scheduler.running
     for _ in range(prefill_steps + 4):  # prefill, then two steps with every request decoding
         engine.step()
