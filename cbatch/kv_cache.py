@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cbatch.batch import to_device
 from cbatch.config import GPT2Config
 
 
@@ -45,5 +46,5 @@ class KVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``source -> destination`` in every layer, K and V (all sources
         are read before any destination is written)."""
-        src, dst = (torch.tensor(ids, device=self.data.device) for ids in zip(*pairs))
+        src, dst = (to_device(list(ids), self.data.device) for ids in zip(*pairs))
         self.data[:, :, dst] = self.data[:, :, src]

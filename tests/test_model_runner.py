@@ -63,6 +63,29 @@ def test_padded_buckets_and_async_scheduling_give_the_same_tokens(num_requests, 
     assert outs[True, True] == outs[False, False]
 
 
+def test_a_request_whose_last_token_is_in_flight_frees_its_blocks_and_slot_at_once():
+    """As in the synchronous engine, where it has finished by the next schedule: no
+    preemption for want of its blocks, no admission held back for want of its slot."""
+    runs = {}
+    for async_ in (False, True):
+        # 12-token prompt with one token to make, beside one that needs blocks to grow
+        engine, outs = _run([list(range(1, 13)), list(range(100, 108))],
+                            [SamplingParams(max_tokens=1, ignore_eos=True),
+                             SamplingParams(max_tokens=6, ignore_eos=True)],
+                            block_size=4, num_blocks=5, max_num_seqs=4,
+                            async_scheduling=async_)
+        assert engine.stats().num_preemptions == 0
+        engine = Engine("random:tiny", max_num_seqs=2, async_scheduling=async_)
+        for i in range(6):
+            engine.add_request([1 + i] * 5, SamplingParams(max_tokens=2, ignore_eos=True))
+        for _ in range(30):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        runs[async_] = ([o.token_ids for o in outs], engine.occupancy_trace)
+    assert runs[True] == runs[False]
+
+
 def _deferred_counter(engine):
     """Counts the new tokens that reach each step from the device (in-flight tokens)."""
     counts, build = [], engine.runner.builder.build

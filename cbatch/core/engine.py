@@ -5,9 +5,12 @@ tokens read on the host, stop conditions checked, outputs made).  Synchronously,
 is resolved as soon as it is launched.  With async scheduling (vLLM v1's), step n+1 is
 launched before step n is resolved, so the host's scheduling and batch building overlap the
 device's work: the tokens step n samples are in flight (``Sequence.num_inflight``) while
-step n+1 is planned, and reach step n+1 on the device.  A request that step n ends has
-already been given a row in step n+1; that row's result is dropped.  The tokens are the
-synchronous engine's, token for token.
+step n+1 is planned, and reach step n+1 on the device.  A request that step n ends on a stop
+token or string has already been given a row in step n+1; that row's result is dropped (one
+that ends on ``max_tokens`` is known to end and gets none).  So the two modes differ only in
+which rows share a step: a request's tokens are the same whenever its logits do not depend
+on its batch-mates, which ``batch_invariant=True`` guarantees (the tests also find them the
+same without it, greedy and seeded, on the CPU).
 """
 
 from __future__ import annotations

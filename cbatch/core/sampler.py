@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cbatch.batch import to_device
+
 
 @dataclass
 class SamplingBatch:
@@ -26,14 +28,6 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
-
-
-def _to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """A short host list as a tensor on ``device``, without waiting for the device (pinned
-    memory and an async copy: the engine may have the previous step still running)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -70,10 +64,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return tokens
     rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
     dev = logits.device
-    idx = _to_device(rows, dev)
-    temps = _to_device([batch.temperatures[r] for r in rows], dev, torch.float32)
-    top_k = _to_device([batch.top_ks[r] for r in rows], dev)
-    top_p = _to_device([batch.top_ps[r] for r in rows], dev, torch.float32)
+    idx = to_device(rows, dev)
+    temps = to_device([batch.temperatures[r] for r in rows], dev, torch.float32)
+    top_k = to_device([batch.top_ks[r] for r in rows], dev)
+    top_p = to_device([batch.top_ps[r] for r in rows], dev, torch.float32)
     scaled = _filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
     probs = scaled.softmax(dim=-1)
     tokens[idx] = (probs / _noise(batch, rows, logits.shape[-1], dev)).argmax(dim=-1)
@@ -103,7 +97,7 @@ def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
     rows = [s for s, k in enumerate(num_logprobs) if k]
     if not rows:
         return None
-    idx = _to_device(rows, logits.device)
+    idx = to_device(rows, logits.device)
     logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
     top_values, top_ids = logprobs.topk(max(num_logprobs[s] for s in rows), dim=-1)
     sampled_ids = tokens[idx]

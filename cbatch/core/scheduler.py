@@ -16,7 +16,9 @@ K/V has been launched: the device runs steps in order, so no later step reads th
 
 With async scheduling (the engine schedules step n+1 while step n runs) a sequence's newest
 token may still be in flight: it is scheduled like any known token, except that a sequence
-whose in-flight token is its last (``max_tokens``) is not scheduled again.
+whose in-flight token is its last (``max_tokens``) needs nothing more: it leaves ``running``
+and gives its blocks back at once, as it would have finished by now without async
+scheduling (the engine finishes it when the token arrives).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """Give the sequence's blocks back, caching the ones it computed."""
+        if not seq.block_table:
+            return  # it holds none: waiting, or retired by _retire_last_in_flight
         self._cache_computed(seq)
         self.block_manager.free(seq.block_table)
         seq.block_hashes.clear()
@@ -143,10 +147,19 @@ class Scheduler:
         self.add(seq)
         out.preempted.append(seq)
 
+    def _retire_last_in_flight(self) -> None:
+        """Release the running sequences whose last token (``max_tokens``) is in flight."""
+        done = [s for s in self.running
+                if s.num_inflight and s.num_output_tokens >= s.params.max_tokens]
+        for seq in done:
+            self.running.remove(seq)
+            self._release(seq)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        self._retire_last_in_flight()
         for seq in self.running:  # the blocks the last step filled join the cache
             self._cache_computed(seq)
         # Running sequences: decodes first, then prefill chunks, each group in policy order.
@@ -155,8 +168,6 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_inflight and seq.num_output_tokens >= seq.params.max_tokens:
-                continue  # its last token is in flight (async scheduling): it ends with it
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break

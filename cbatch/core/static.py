@@ -20,6 +20,7 @@ class StaticScheduler(Scheduler):
         self.batch_size = 0  # rows of the batch in flight
 
     def schedule(self) -> SchedulerOutput:
+        self._retire_last_in_flight()  # before asking whether the batch has ended
         if not self.running:
             out = super().schedule()
             self.batch_size = len(out.scheduled)
