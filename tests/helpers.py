@@ -124,3 +124,18 @@ def assert_attention_close(out, query, key_cache, value_cache, block_tables, cu,
     base = (plain - truth).abs().max().item()
     assert err <= 2 * base + ERROR_FLOOR[query.dtype], (
         f"max error {err:.3g} vs torch-in-{query.dtype} {base:.3g}")
+
+
+def fail_forward_at(monkeypatch, model, call: int, error: BaseException) -> list[int]:
+    """Make the ``call``-th forward pass of ``model`` raise ``error`` (the earlier ones run
+    as usual); returns the list that grows by one entry per call."""
+    calls: list[int] = []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise error
+        return type(model).forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    return calls

@@ -10,6 +10,7 @@ import pytest
 
 from cbatch.entrypoints import cli
 from cbatch.entrypoints.cli import main
+from tests.helpers import fail_forward_at
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -103,16 +104,7 @@ def test_an_interrupted_stream_leaves_the_engine_empty(monkeypatch):
 
     engine = Engine("random:tiny", num_blocks=32)
     monkeypatch.setattr(sys, "stdout", Writes())
-    model = engine.model
-    calls = []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return type(model).forward(model, *args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", interrupted)
+    calls = fail_forward_at(monkeypatch, engine.model, 2, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         cli.stream(SimpleNamespace(engine=engine), "x", SamplingParams(max_tokens=5))
     assert len(calls) == 2 and not engine.has_unfinished_requests()

@@ -3,6 +3,7 @@
 import pytest
 
 from cbatch import LLM, SamplingParams
+from tests.helpers import fail_forward_at
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -62,16 +63,7 @@ def test_an_error_in_a_step_aborts_the_calls_requests(llm, monkeypatch, error):
     leaves the engine empty with every block free, and the next call is unaffected."""
     prompts = [[1, 2, 3], "hello", [7] * 20, "a longer prompt than the others", [9], "x"]
     expected = llm.generate(prompts, PARAMS, use_tqdm=False)
-    model = llm.engine.model
-    calls = []
-
-    def failing_forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise error
-        return type(model).forward(model, *args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", failing_forward)
+    calls = fail_forward_at(monkeypatch, llm.engine.model, 3, error)
     with pytest.raises(type(error)):
         llm.generate(prompts, PARAMS, use_tqdm=False)
     assert len(calls) == 3

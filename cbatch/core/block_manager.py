@@ -83,7 +83,7 @@ class BlockManager:
 
     def blocks_to_grow(self, block_table: list[int], num_tokens: int) -> int:
         """New blocks ``block_table`` needs to hold ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+        return max(0, self.blocks_for(num_tokens) - len(block_table))
 
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
         need = self.blocks_to_grow(block_table, num_tokens)

@@ -154,7 +154,6 @@ class LaunchedStep:
     """A step sent to the device whose sampled tokens the host has not read yet."""
 
     scheduled: list[ScheduledSequence]
-    samples: list[bool]  # per row: whether it reached its sequence's last token
     tokens: SampledTokens
 
 
@@ -193,12 +192,11 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        cuda_graphs = (config.cuda_graphs if config.cuda_graphs is not None
-                       else torch.device(config.device).type == "cuda")
+        on_cuda = torch.device(config.device).type == "cuda"  # what None means for a switch
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                  cuda_graphs)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else torch.device(config.device).type == "cuda")
+                                  on_cuda if config.cuda_graphs is None else config.cuda_graphs)
+        self.async_scheduling = (on_cuda if config.async_scheduling is None
+                                 else config.async_scheduling)
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
@@ -358,9 +356,8 @@ class Engine:
                 item.seq.first_scheduled_time = t
         batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
         self._tick("prepare")
-        samples = [item.samples for item in schedule.scheduled]
         tokens = self.runner.execute(batch, schedule.scheduled)
-        for item, samples_now in zip(schedule.scheduled, samples):
+        for item, samples_now in zip(schedule.scheduled, tokens.samples):
             seq = item.seq
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
                 self._num_prefill_tokens += item.num_new_tokens
@@ -370,7 +367,7 @@ class Engine:
         self._num_steps += 1
         self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         self.occupancy_trace.append(len(schedule.scheduled))
-        return LaunchedStep(schedule.scheduled, samples, tokens)
+        return LaunchedStep(schedule.scheduled, tokens)
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
@@ -381,7 +378,7 @@ class Engine:
         changed = []
         for i, (item, token) in enumerate(zip(step.scheduled, tokens)):
             seq = item.seq
-            if not step.samples[i] or seq.is_finished:
+            if not step.tokens.samples[i] or seq.is_finished:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
             seq.num_inflight -= 1
             seq.token_ids.append(token)

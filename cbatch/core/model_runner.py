@@ -37,8 +37,9 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class SampledTokens:
     """One step's sampled tokens (and logprobs), on their way to the host."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None,
-                 num_logprobs: list[int | None]):
+    def __init__(self, tokens: torch.Tensor, samples: list[bool],
+                 logprobs: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None]):
+        self.samples = samples  # per row: whether it reached its sequence's last token
         # on CUDA: non-blocking copies into pinned memory, then an event to wait for
         self._tokens = tokens.to("cpu", non_blocking=True)
         self._logprobs = None if logprobs is None else tuple(
@@ -145,10 +146,11 @@ class ModelRunner:
         tokens = sample(logits, sampling)
         num_logprobs = [p.logprobs for p in params]
         logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+        samples = [item.samples for item in scheduled]
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
-                              if item.samples}
-        return SampledTokens(tokens, logprobs, num_logprobs)
+                              if samples[row]}
+        return SampledTokens(tokens, samples, logprobs, num_logprobs)
 
     # -------------------------------------------------------------- CUDA graphs
 
