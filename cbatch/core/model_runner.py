@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cbatch import ops
+from cbatch import cpu_linear, ops
 from cbatch.batch import StepBatch, StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
@@ -77,6 +77,8 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
+        if self.device.type == "cpu" and not model.batch_invariant:
+            cpu_linear.pack_linears(model)  # oneDNN on packed weights where it is faster
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,

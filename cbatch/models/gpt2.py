@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cbatch import ops
+from cbatch import cpu_linear, ops
 from cbatch.batch import StepBatch
 from cbatch.config import GPT2Config
 from cbatch.invariant import Linear
@@ -131,6 +131,8 @@ class GPT2LMHeadModel(nn.Module):
         and every step's attention runs the prefill kernel, so that a token's attention does
         not switch kernels (and summation order) with its batch-mates' chunk lengths."""
         self.batch_invariant = enabled
+        if enabled:  # the invariant linear pads rows on the dense weights
+            cpu_linear.unpack_linears(self)
         for module in self.modules():
             if isinstance(module, (Linear, Attention)):
                 module.batch_invariant = enabled
