@@ -110,9 +110,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
             self.dtype = str(self.dtype).removeprefix("torch.")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError("dtype must be auto, float32, float16 or bfloat16, got "
+                             f"{self.dtype!r}")
         self.device = check_device(self.device)
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -137,6 +140,19 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+
+def auto_dtype(device: str) -> str:
+    """What ``dtype="auto"`` means on ``device``: bfloat16 on a CPU that computes in it
+    natively (AVX512-BF16 or AMX; weights, activations and KV cache in bf16, matmuls
+    accumulating in fp32: benchmarks/NOTES.md, "bf16 on the CPU"), float32 on other CPUs
+    and on CUDA."""
+    import torch
+
+    if torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return "bfloat16"
+    return "float32"
 
 
 def available_devices() -> list[str]:

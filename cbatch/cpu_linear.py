@@ -61,7 +61,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     """``act(x @ W.T + bias)`` on a packed weight.
 
     x: ``[M, K]``; packed: from :func:`pack` of ``[N, K]``; bias: ``[N]`` or None;
-    activation: ``"none"`` or ``"gelu"`` (with ``approximate`` ``"tanh"`` or ``""``, exact),
+    activation: ``"none"`` or ``"gelu"`` (with ``approximate`` ``"tanh"`` or ``"none"``, as
+    ``F.gelu``),
     applied inside the matmul's epilogue → ``[M, N]``.
     """
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], approximate)

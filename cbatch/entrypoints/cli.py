@@ -257,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a tokenizer dir or hub id (default: the model's own)")
     model.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when "
                        "available, else cpu)")
-    model.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                       help="default: float16 on CUDA, float32 on the CPU")
+    model.add_argument("--dtype", default=None,
+                       choices=["auto", "float32", "float16", "bfloat16"],
+                       help="default: float16 on CUDA, float32 on the CPU; auto: bfloat16 on "
+                       "a CPU with native bf16 (AVX512-BF16, AMX), else float32")
     model.add_argument("--debug", action="store_true",
                        help="show the Python traceback of an error (or CBATCH_DEBUG=1)")
     add_demo_parser(sub, [model])
