@@ -111,7 +111,7 @@ class EngineConfig:
         if not isinstance(self.dtype, str):
             self.dtype = str(self.dtype).removeprefix("torch.")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("dtype must be auto, float32, float16 or bfloat16, got "
+            raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
                              f"{self.dtype!r}")
         self.device = check_device(self.device)
         if self.dtype == "auto":
