@@ -11,7 +11,7 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on the dense weight;
 - ``onednn-packed``: the same with the weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout (what cbatch's
-  CPU linear layers run, ``cbatch.cpu_linear``).
+  CPU linear layers run, ``cbatch.layers.cpu_linear``).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
 once per round, round-robin, with the last-level cache flushed before each call, so that a

@@ -1,0 +1,65 @@
+"""Batch-invariant linear layers: a row's result never depends on how many rows share the call.
+
+torch's matmuls choose their algorithm from the problem's shape.  On the CPU, MKL's sgemm
+computes one row as a matrix-vector product, and rows that do not fill a whole micro-kernel
+panel (the last ``M % 4`` rows on AVX2, depending on how the rows are shared out among
+threads) with an edge kernel that sums in another order; measured with the commands in
+benchmarks/NOTES.md ("batch invariance").  On the GPU, cuBLAS picks tiles and split-K from M.
+So in batch-invariant mode the model's linear layers run :func:`linear`:
+
+- CPU: the rows are padded with zero rows to a multiple of :data:`ROW_MULTIPLE`, so that every
+  panel is full and every row goes through the same micro-kernel (a multiple of the panel
+  heights of MKL's AVX2 and AVX-512 kernels).  tests/test_batch_invariance.py checks, on the
+  machine that runs it, that each row is bitwise the same for every M.
+- CUDA: a Triton matmul with one fixed configuration and no split-K
+  (``cbatch.kernels.matmul``).
+
+LayerNorm, the activation, the embeddings and the sampler work row by row already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cbatch.layers import cpu_linear
+
+ROW_MULTIPLE = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``F.linear`` whose every output row is bitwise independent of the other rows of ``x``.
+
+    x: ``[M, K]``; weight: ``[N, K]``; bias: ``[N]`` or None → ``[M, N]``.
+    """
+    if x.device.type == "cuda":
+        from cbatch.kernels import matmul
+
+        return matmul.linear(x.contiguous(), weight, bias)
+    M = x.shape[0]
+    pad = -M % ROW_MULTIPLE
+    if pad == 0:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:M]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs),
+    and oneDNN on a packed weight once :func:`cbatch.layers.cpu_linear.pack_linears` packed it."""
+
+    batch_invariant = False
+    packed_weight: torch.Tensor | None = None  # oneDNN's layout: the weight itself, or a copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_linear.linear(x, self.packed_weight, self.bias)
+        if self.batch_invariant:
+            return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_mkldnn:  # checkpoints hold the dense layout
+            destination[prefix + "weight"] = self.weight.to_dense()
