@@ -141,6 +141,9 @@ class EngineConfig:
                                         "prefixes")
     batch_invariant: bool = _knob(False, "a request's output never depends on what it is "
                                   "batched with")
+    threads: int | None = _knob(None, "CPU threads per step (default: the cores this process "
+                                "may run on, fewer while other processes take them)",
+                                cli=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -154,6 +157,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory
