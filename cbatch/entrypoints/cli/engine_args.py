@@ -32,8 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     """One flag per :class:`EngineConfig` field that has one: ``--max-num-seqs`` for
     ``max_num_seqs``; switches as ``--name`` / ``--no-name``."""
     group = parser.add_argument_group("engine (cbatch.EngineConfig)")
+    names = [f.name for f in engine_fields() if f.name not in exclude]
+    parser.set_defaults(engine_fields=names)  # what engine_kwargs reads back
     for f in engine_fields():
-        if f.name in exclude:
+        if f.name not in names:
             continue
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"]
@@ -48,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of ``args`` (and the model's) as :class:`EngineConfig` keywords."""
-    kwargs = {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+    kwargs = {name: getattr(args, name) for name in getattr(args, "engine_fields", ())}
     return dict(kwargs, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
 
 
