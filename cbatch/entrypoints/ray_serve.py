@@ -63,10 +63,35 @@ def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | No
                            engine_kwargs)
 
 
+def check_gpus(num_replicas: int, num_gpus_per_replica: float, device: str | None) -> None:
+    """Raise ValueError unless the Ray cluster (started here if none is) has the GPUs the
+    replicas ask for: Ray Serve would otherwise wait for them forever, saying nothing."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init()
+    have = ray.cluster_resources().get("GPU", 0.0)
+    needed = num_replicas * num_gpus_per_replica
+    problem = None
+    if str(device or "").startswith("cuda") and have == 0:
+        problem = f"device={device!r} but the Ray cluster has no GPU"
+    elif needed > have:
+        problem = (f"{num_replicas} replica(s) x num_gpus_per_replica={num_gpus_per_replica:g} "
+                   f"need {needed:g} GPU(s) but the Ray cluster has {have:g}")
+    if problem is not None:
+        if started_here:
+            ray.shutdown()
+        raise ValueError(f"{problem}; Ray Serve would wait for them forever "
+                         "(use device='cpu', num_gpus_per_replica=0 on a machine without one)")
+
+
 def serve(model: str, num_replicas: int = 1, host: str = "127.0.0.1", port: int = 8000,
-                   blocking: bool = True, **kwargs) -> None:
+          blocking: bool = True, **kwargs) -> None:
     """Start Ray Serve on ``host:port`` with ``num_replicas`` engines (``kwargs``: those of
-    :func:`build_ray_app`).  ``blocking`` serves until interrupted, then shuts Serve down."""
+    :func:`build_ray_app`).  ``blocking`` serves until interrupted, then shuts Serve down.
+    Raises ValueError at once when the cluster lacks the GPUs asked for."""
+    check_gpus(num_replicas, kwargs.get("num_gpus_per_replica", 0.0), kwargs.get("device"))
     ray_serve.start(http_options={"host": host, "port": port})
     ray_serve.run(build_ray_app(model, num_replicas, **kwargs), name="cbatch", route_prefix="/",
-              blocking=blocking)
+                  blocking=blocking)
