@@ -30,9 +30,9 @@ def _why(error: ImportError) -> str:
     """What an ImportError of cbatch._C usually means, in words a user can act on."""
     text = str(error)
     if "undefined symbol" in text or "version `" in text:
-        return (f"it was built against another torch (or C++ ABI) than the torch {torch.__version__}"
-                " that loads it now; a pip build with build isolation compiles against the"
-                " newest torch on the index, not the installed one")
+        return ("it was built against another torch (or C++ ABI) than the torch "
+                f"{torch.__version__} that loads it now; a pip build with build isolation "
+                "compiles against the newest torch on the index, not the installed one")
     if "cannot open shared object file" in text:
         return "a library it was linked against (e.g. the CUDA runtime) is not found here"
     return "the extension does not match this Python, torch or machine"
