@@ -32,7 +32,8 @@ def num_kv_blocks(config: EngineConfig, model_config: GPT2Config) -> int:
             raise ValueError("a fractional kv_cache_memory needs a CUDA device; give bytes")
         mem = int(mem * free)
     if mem is None:
-        want = config.max_num_seqs * model_config.max_model_len // config.block_size + 1
+        max_len = config.max_model_len or model_config.max_model_len
+        want = config.max_num_seqs * max_len // config.block_size + 1
         cap = free // 2 if free is not None else _CPU_DEFAULT_KV_BYTES
         return max(1, min(want, cap // per_block))
     if mem < per_block:

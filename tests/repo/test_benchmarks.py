@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
     bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
-    bench_throughput)
+    bench_throughput, common)
 
 
 # The benchmarks run on the GPU when there is one (their --device default), else the CPU.
@@ -107,3 +107,18 @@ def test_throughput_benchmark_batch_invariant(tmp_path):
     rows = _rows(out, "throughput-batch-invariant")
     assert [r["engine"] for r in rows] == ["cbatch-continuous", "cbatch-invariant"]
     assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)
+
+
+def test_a_run_without_out_writes_a_new_folder_not_the_committed_results(tmp_path, monkeypatch):
+    """Without --out a benchmark writes under benchmarks/runs/<time>-<device>/ (ignored by
+    git); the committed benchmarks/results/ change only when --out names them."""
+    results = Path(common.__file__).parent / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    monkeypatch.setattr(common, "RUNS", tmp_path / "runs")
+    out = bench_mixed_step.main(["--quick", "--no-progress"])
+    assert out.parent == tmp_path / "runs"
+    assert out.name.endswith("-" + common.device_slug(torch.device(DEVICE)))
+    _rows(out, "mixed_step")
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == before
+    gitignore = (Path(common.__file__).parents[1] / ".gitignore").read_text().split()
+    assert "benchmarks/runs/" in gitignore
