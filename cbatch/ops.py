@@ -260,10 +260,11 @@ def write_kv_cache(
 
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     _check_cache(key_cache, value_cache)
-    H, D = key_cache.shape[2:]
-    if not (query.dim() == 3 and query.shape[1:] == (H, D)):
-        raise ValueError(f"query must be [*, {H}, {D}] to match the cache's heads and head_dim, "
-                         f"got {tuple(query.shape)}")
+    H_kv, D = key_cache.shape[2:]
+    # grouped-query attention: each of the cache's H_kv heads serves H / H_kv query heads
+    if not (query.dim() == 3 and query.shape[2] == D and H_kv > 0 and query.shape[1] % H_kv == 0):
+        raise ValueError(f"query must be [*, H, {D}] with H a multiple of {H_kv} to match the "
+                         f"cache's heads and head_dim, got {tuple(query.shape)}")
     if query.dtype != key_cache.dtype:
         raise TypeError(f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -323,7 +324,8 @@ def paged_decode_attention(
     ----------
     query : Tensor, ``[S, H, D]``, float32/float16/bfloat16
         The query of each sequence's newest token (its K/V already written to the cache).
-    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H_kv, D]``, query's dtype
+        H is a multiple of H_kv: query head h reads KV head ``h // (H // H_kv)``.
     block_tables : Tensor, int32 ``[S, max_blocks]``
         Physical block ids; only the first ``ceil(seq_lens[s] / block_size)`` are read.
     seq_lens : Tensor, int32 ``[S]``
@@ -388,7 +390,7 @@ def paged_prefill_attention(
     Parameters
     ----------
     query : Tensor, ``[T, H, D]``, float32/float16/bfloat16
-    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H_kv, D]``, query's dtype
         Must already hold the K/V of every new token.
     block_tables : Tensor, int32 ``[S, max_blocks]``
     cu_seqlens_q : Tensor, int32 ``[S + 1]``
