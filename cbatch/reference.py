@@ -19,7 +19,8 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key[t]``/``value[t]`` (``[T, H_kv, D]``) into slot ``slot_mapping[t]``; -1 skips."""
+    """Scatter ``key[t]``/``value[t]`` (``[T, H_kv, D]``) into slot ``slot_mapping[t]``;
+    -1 skips."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
@@ -65,10 +66,11 @@ def paged_prefill_attention(
     """Causal attention of each sequence's new tokens over its cached context; ``[T, H, D]``.
 
     ``query`` is ``[T, H, D]`` and the caches ``[num_blocks, block_size, H_kv, D]``, H a
-    multiple of H_kv.  The new tokens of sequence s are ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at
-    the last positions of its ``seq_lens[s]`` tokens (whose K/V are already in the cache).
-    The maths runs in ``compute_dtype`` (tests use float64 for the truth and the input dtype
-    for the error a plain implementation makes); the output is in query's dtype.
+    multiple of H_kv.  The new tokens of sequence s are
+    ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at the last positions of its
+    ``seq_lens[s]`` tokens (whose K/V are already in the cache).  The maths runs in
+    ``compute_dtype`` (tests use float64 for the truth and the input dtype for the error a
+    plain implementation makes); the output is in query's dtype.
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -6,11 +6,11 @@ of KV heads); the programs of one KV head's query heads are neighbours in the gr
 but the first read its blocks from L2 (as in vLLM's paged attention).  Each sequence's
 context is cut into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens
 (never derived from the batch), so a sequence's reduction order depends on its own length
-only and its output is bitwise the same whatever it is batched with.  Each program writes its partial output and
-log-sum-exp and ``_merge_kernel`` combines them in partition order; programs past a
-sequence's real length exit at once, so short sequences cost nothing extra.  When no block
-table can hold more than one partition the merge is skipped: merging a single partition is
-exact (its weight is exp(0) = 1), so that changes no bit either.
+only and its output is bitwise the same whatever it is batched with.  Each program writes
+its partial output and log-sum-exp and ``_merge_kernel`` combines them in partition order;
+programs past a sequence's real length exit at once, so short sequences cost nothing extra.
+When no block table can hold more than one partition the merge is skipped: merging a single
+partition is exact (its weight is exp(0) = 1), so that changes no bit either.
 """
 
 from __future__ import annotations
