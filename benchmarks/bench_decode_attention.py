@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
     first_shape_ok_rows, paged_inputs, publish, pyplot, save_figure)
-from cbatch import reference  # noqa: E402
+from cbatch.ops import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
            "max_err", "status"]

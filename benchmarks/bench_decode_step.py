@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
-from cbatch import Engine, GPT2LMHeadModel, SamplingParams, bytes_per_token  # noqa: E402
+from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
            "weight_MB", "kv_MB", "tokens_per_s"]
@@ -76,8 +76,7 @@ def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
 def run(args) -> Path:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = GPT2LMHeadModel.from_pretrained(args.model, device=device, dtype=dtype,
-                                            attention_backend=args.backend)
+    model = load_model(args.model, device=device, dtype=dtype, attention_backend=args.backend)
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device, (64 << 20) if args.quick else None)

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, base_parser, check_and_time, check_backend, environment, first_shape_ok_rows,
     paged_inputs, publish, pyplot, save_figure)
-from cbatch import ops, reference  # noqa: E402
+from cbatch import ops  # noqa: E402
+from cbatch.ops import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "decodes", "context", "prefills", "chunk", "us",
            "speedup", "max_err", "status"]

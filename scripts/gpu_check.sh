@@ -68,7 +68,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 stage build 400 "$OUT/build.log" \
   "$PY" -m pip install --no-build-isolation --no-deps -e . || { tail -40 "$OUT/build.log"; exit 1; }
 "$PY" -c "import cbatch.ops as o; [print(k, v) for k, v in o.available_backends().items()]; \
-print('build', o._ext.build_info())" | tee "$OUT/backends.txt"
+import cbatch.ops.compiled as c; print('build', c.build_info())" | tee "$OUT/backends.txt"
 
 if wants tests; then
   xdist=()  # pytest-xdist only where the image has it (the device has no package registry)

@@ -50,7 +50,7 @@ else
 fi
 
 if [ "$what" = demo ]; then
-  exec "$py" -m cbatch.entrypoints.cli demo "$@"
+  exec "$py" -m cbatch.entrypoints.cli.main demo "$@"
 else
   exec "$py" -m pytest -q "$@"
 fi

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch import ops
-from cbatch.batch import StepBatch
-from cbatch.invariant import Linear
-from cbatch.kv_cache import KVCache
+from cbatch.layers.attention import PagedAttention
+from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.layernorm import RMSNorm
+from cbatch.layers.linear import Linear
 from cbatch.layers.rotary_embedding import RotaryEmbedding, max_positions, rope_parameters
+from cbatch.layers.step_batch import StepBatch
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,15 @@ class LlamaConfig:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         rope_parameters({"rope_parameters": self.rope})  # checks the type
+
+    # The names the engine reads of any model's config (KV cache shape, prompt limits).
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
 
     @property
     def max_model_len(self) -> int:
@@ -105,10 +115,8 @@ class LlamaConfig:
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = D = config.head_dim
-        self.scale = 1.0 / math.sqrt(D)
         self.sizes = [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D]
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.o_proj = Linear(self.num_heads * D, config.hidden_size, bias=config.o_bias)
@@ -116,7 +124,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary = [rotary]  # shared by every layer; a list keeps it out of the state dict
+        self.rotary = [rotary]  # shared by every layer; a list keeps it out of the modules
+        self.attn = PagedAttention(layer_idx, 1.0 / math.sqrt(D))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
                 kernels: ops.BoundKernels) -> torch.Tensor:
@@ -127,15 +136,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](batch.positions, q, k)
-        key_cache, value_cache = kv_cache.layer(self.layer_idx)
-        kernels.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        if batch.is_decode:
-            o = kernels.decode(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                               self.scale)
-        else:
-            o = kernels.prefill(q, key_cache, value_cache, batch.block_tables,
-                                batch.cu_seqlens_q, batch.seq_lens, self.scale,
-                                batch.max_query_len)
+        o = self.attn(q, k, v, batch, kv_cache, kernels)  # [T, H, D]
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -216,9 +217,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def set_batch_invariant(self, enabled: bool) -> None:
+        """As :meth:`GPT2LMHeadModel.set_batch_invariant`: the linear layers and the attention
+        kernel choice; RMSNorm, the rotary embedding and SwiGLU work row by row already."""
         self.batch_invariant = enabled
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, PagedAttention)):
                 module.batch_invariant = enabled
 
     @property

@@ -38,10 +38,10 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               shutdown_timeout: float = 0.0) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``.  When the app shuts
     down it shuts the engine down, giving running requests ``shutdown_timeout`` seconds."""
-    from cbatch.models.gpt2 import resolve_checkpoint_dir
+    from cbatch.models.loader import resolve_checkpoint_dir
 
     config = engine.engine.config
-    max_model_len = engine.engine.model.config.n_positions
+    max_model_len = engine.engine.model.config.max_model_len
     template = None if config.model.startswith("random:") else load_chat_template(
         resolve_checkpoint_dir(config.model))
     completions = OpenAIServingCompletion(engine, served_model_name)
@@ -105,33 +105,14 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                block_size=args.block_size, scheduling_policy=args.scheduling_policy,
-                attention_backend=args.attention_backend, seed=args.seed,
-                tokenizer=args.tokenizer, batch_invariant=args.batch_invariant,
-                enable_prefix_caching=not args.no_prefix_caching,
-                cuda_graphs=False if args.no_cuda_graphs else None,
-                async_scheduling=False if args.no_async_scheduling else None)
-
-
-def run_server(args: argparse.Namespace) -> None:
+def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
     import torch
     import uvicorn
 
-    name = args.served_model_name or args.model
-    if args.num_replicas > 1:
-        from cbatch.entrypoints.ray_serve import serve
-
-        gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
-        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
-              num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
-              **engine_kwargs(args))
-        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine, metrics = build_engine(args.model, args.max_waiting, name, **engine_kwargs(args))
-    app = build_app(engine, metrics, name, args.shutdown_timeout)
+    engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
+                                   **engine_kwargs)
+    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -107,10 +106,6 @@ async def unless_disconnected(raw_request: Request, coro):
 def sse(payload: BaseModel | str) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
-
-
-def error_chunk(exc: OpenAIError) -> str:
-    return sse(json.dumps(exc.body()))
 
 
 def completion_logprobs(out: RequestOutput, k: int, detokenize: Callable[[list[int]], str],

@@ -1,0 +1,48 @@
+"""From sampled tokens to what a caller sees: stop conditions and request outputs."""
+
+from __future__ import annotations
+
+from cbatch.core.detokenizer import detokenizer_for
+from cbatch.core.sequence import Sequence
+from cbatch.outputs import RequestMetrics, RequestOutput
+from cbatch.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    """Decides when a request stops and makes its :class:`RequestOutput` snapshots."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+
+    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` ends now that ``token`` joined it ("stop", "length"), or None."""
+        params = seq.params
+        if token in params.stop_token_ids or (
+                not params.ignore_eos and token == self.eos_token_id):
+            return "stop"
+        if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def outputs(self, changed: list[Sequence]) -> list[RequestOutput]:
+        """Snapshots of the sequences that changed: every streamed one, and the others once
+        they finish."""
+        return [self.request_output(s) for s in changed if s.stream or s.is_finished]
+
+    def request_output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output_token_ids  # a copy: the output is a snapshot
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=out,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
+                                   seq.first_token_time, seq.finished_time, len(out),
+                                   seq.num_preemptions),
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            text_of=detokenizer_for(seq, self.tokenizer).text_at,
+        )
