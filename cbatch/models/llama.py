@@ -185,6 +185,7 @@ STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over the flat step batch (the interface GPT-2 has)."""
 
+    config_class = LlamaConfig
     config_switches: dict = {}  # what the architecture fixes (see Qwen2ForCausalLM)
 
     def __init__(self, config: LlamaConfig, attention_backend: str | None = None):
