@@ -203,6 +203,9 @@ def test_kv_cache_holds_kv_heads_only(checkpoint):
     cache = KVCache(model.config, 3, 16)
     assert cache.data.shape == (c.num_hidden_layers, 2, 3, 16, c.num_key_value_heads,
                                 _head_dim(c))
+    report = cache.memory_report()
+    assert report.startswith("KV cache: 48 tokens (3 blocks of 16;")
+    assert f"x {c.num_key_value_heads} KV heads x head_dim {_head_dim(c)} x 4 bytes" in report
 
 
 # ----------------------------------------------------------------------------- loading
