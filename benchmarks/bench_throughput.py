@@ -22,9 +22,9 @@ outside the model (scheduling, building the step tensors, bookkeeping) and the s
 prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  On the CPU
 cbatch's engines also print the decode step (median at the most common decode batch size)
 beside the weight-streaming floor (every weight read once at the copy bandwidth measured at
-the start of this run), and the share of the step spent in the linear layers (GEMMs).  Results in
-benchmarks/results/<device>/throughput.* (throughput-batch-invariant.* with
---batch-invariant).
+the start of this run), and the share of the step spent in the linear layers (GEMMs).  Results
+in throughput.* (throughput-batch-invariant.* with --batch-invariant), written to a new
+folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ class EngineConfig:
                                    "kv_cache_memory)")
     kv_cache_memory: int | float | None = _knob(
         None, "KV-cache bytes, or a fraction of free device memory", cli=False)
+    max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "
+                                      "the model's context length)")
     max_num_seqs: int = _knob(64, "most sequences in one step")
     max_num_batched_tokens: int = _knob(2048, "most new tokens in one step (longer prompts "
                                         "are prefilled in chunks)")
@@ -157,6 +159,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -221,12 +225,14 @@ def engine_fields(cli_only: bool = True) -> list:
 
 
 def auto_dtype(device: str) -> str:
-    """What ``dtype="auto"`` means on ``device``: bfloat16 on a CPU that computes in it
-    natively (AVX512-BF16 or AMX; weights, activations and KV cache in bf16, matmuls
-    accumulating in fp32: benchmarks/NOTES.md, "bf16 on the CPU"), float32 on other CPUs
-    and on CUDA."""
+    """What ``dtype="auto"`` means on ``device``: float16 on CUDA; bfloat16 on a CPU that
+    computes in it natively (AVX512-BF16 or AMX; weights, activations and KV cache in bf16,
+    matmuls accumulating in fp32: benchmarks/NOTES.md, "bf16 on the CPU"); float32 on other
+    CPUs."""
     import torch
 
+    if torch.device(device).type == "cuda":
+        return "float16"
     if torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
             torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         return "bfloat16"

@@ -60,14 +60,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.batch_invariant:  # on the dense weight (the engine unpacks)
+            y = linear(x, self.weight, self.bias)
+        elif self.packed_weight is not None:
             if residual is not None:
                 return cpu_linear.linear_add(x, self.packed_weight, self.bias, residual)
             if gelu is not None:
                 return cpu_linear.linear(x, self.packed_weight, self.bias, "gelu", gelu)
             return cpu_linear.linear(x, self.packed_weight, self.bias)
-        if self.batch_invariant:
-            y = linear(x, self.weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         if gelu is not None:
