@@ -106,6 +106,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     enable_prefix_caching: bool = True  # requests share the KV blocks of common prefixes
     batch_invariant: bool = False  # a request's logits never depend on its batch-mates
+    max_logprobs: int = 20  # the most logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -116,6 +117,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory

@@ -18,13 +18,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far (all of them once finished)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    # "stop" | "length" | "abort" once finished; "error" when processing this request alone
+    # failed (its text is then empty, ``error`` says why; the engine serves on)
+    finish_reason: str | None
     metrics: RequestMetrics
     # SamplingParams(logprobs=k): per generated token, {token id: log-probability} of the k
     # most likely tokens (most likely first) and the sampled one; the log-softmax of the raw
     # logits, before temperature, top-k and top-p.  None when not asked for.
     logprobs: list[dict[int, float]] | None = None
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False, compare=False)
+    error: str | None = None
 
     @cached_property
     def text(self) -> str:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import gc
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
@@ -122,19 +125,21 @@ def prompt_token_ids(prompt: str | list[int], params: SamplingParams, tokenizer:
                         f"{type(prompt).__name__} {prompt!r:.40}")
     if not ids:
         raise ValueError("prompt is empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {config.vocab_size}), "
-                         f"got {bad[:5]}")
-    if len(ids) + params.max_tokens > config.n_positions:
+    if len(ids) + params.max_tokens > config.n_positions:  # before reading a long list
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                          f"= {len(ids) + params.max_tokens} exceeds the model's "
                          f"n_positions ({config.n_positions})")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {config.vocab_size}), "
+                         f"got {bad[:5]}")
     return ids
 
 
 def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
     out = seq.output_token_ids  # a copy: the output is a snapshot
+    failed = seq.finish_reason == "error"  # its text is not decoded again
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,
@@ -145,7 +150,8 @@ def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
                                seq.first_token_time, seq.finished_time, len(out),
                                seq.num_preemptions),
         logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-        detokenizer=detokenizer_for(seq, tokenizer),
+        detokenizer=None if failed else detokenizer_for(seq, tokenizer),
+        error=seq.error,
     )
 
 
@@ -217,6 +223,10 @@ class Engine:
         naming the problem; queues nothing (``LLM.generate`` checks a whole call first)."""
         params = SamplingParams() if params is None else params
         ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config)
+        max_logprobs = min(self.config.max_logprobs, self.model.config.vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
+                             f"max_logprobs ({max_logprobs})")
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -251,6 +261,19 @@ class Engine:
         self._finish(seq, "abort")
         if report:
             self._aborted.append(seq)
+
+    def fail_output(self, out: RequestOutput, error: Exception) -> RequestOutput:
+        """The final output, reason "error", of the request of ``out`` whose processing raised
+        ``error`` (reading its text, say): the request alone ends (its blocks are freed now if
+        it was running) and the engine serves on."""
+        seq = self._requests.pop(out.request_id, None)
+        if seq is not None:
+            self._fail(seq, error)
+        else:
+            logger.error("request %s failed: %s", out.request_id, _describe(error),
+                         exc_info=error)
+        return dataclasses.replace(out, finished=True, finish_reason="error", detokenizer=None,
+                                   error=_describe(error))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
@@ -304,6 +327,14 @@ class Engine:
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         self._num_finished += 1
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End an unfinished sequence (already out of ``_requests``) whose own processing
+        failed: an error of one request never reaches the step that all of them share."""
+        logger.error("request %s failed: %s", seq.request_id, _describe(error), exc_info=error)
+        self.scheduler.remove(seq)
+        self._finish(seq, "error")
+        seq.error = _describe(error)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -382,12 +413,17 @@ class Engine:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
             seq.num_inflight -= 1
             seq.token_ids.append(token)
-            if logprobs is not None and logprobs[i] is not None:
-                seq.output_logprobs.append(logprobs[i])
             self._num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            try:  # what can fail for this request alone: its logprobs, its stop strings
+                if logprobs is not None and logprobs[i] is not None:
+                    seq.output_logprobs.append(logprobs[i])
+                reason = self._stop_reason(seq, token)
+            except Exception as exc:
+                del self._requests[seq.request_id]
+                self._fail(seq, exc)
+                reason = None
             if reason is not None:
                 self.scheduler.remove(seq)
                 del self._requests[seq.request_id]
@@ -414,3 +450,7 @@ class Engine:
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
         )
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from cbatch.core.scheduler import POLICIES  # plain Python: no torch
+from cbatch.entrypoints.openai.cli_args import add_server_args  # argparse only
 from cbatch.sampling_params import SamplingParams
 
 
@@ -227,8 +228,9 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="requests waiting beyond this are refused with 503")
-    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
-                        help="seconds running requests get to finish at shutdown")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds running requests get to finish at shutdown (SIGTERM, "
+                             "Ctrl-C); a second signal exits at once")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's output never depends on what it is batched with")
@@ -241,6 +243,7 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
                              "async is on for CUDA)")
     parser.add_argument("--num-replicas", type=int, default=1,
                         help="> 1: that many engines behind one route with Ray Serve")
+    add_server_args(parser)  # limits, timeouts, authentication
     parser.set_defaults(run=run_serve)
 
 
