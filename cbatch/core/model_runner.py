@@ -87,7 +87,7 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
-        model.kernels(self.device)  # an attention backend that cannot run here fails now
+        self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
@@ -128,6 +128,14 @@ class ModelRunner:
         return self.builder.build(runs, deferred=deferred, sampled=self._sampled, **shape)
 
     # -------------------------------------------------------------- running
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """One forward of a padding row (it writes nothing) through every layer and the
+        logits: an engine whose settings cannot run here (attention backend, dtype, device)
+        fails when it is made, before a server reports healthy, not in its first request."""
+        batch = self.builder.build([], pad_to=1, full_width=True)
+        self.model.compute_logits(self.model(batch, self.kv_cache))
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         """``[S, vocab]`` logits of each real sequence's last new token (a graph replay when
