@@ -6,7 +6,8 @@
 For each shape every implementation is first checked against the pure-torch reference, then
 timed (warm-up, median, cold cache: see benchmarks/common.py).  Bandwidth counts the bytes
 that must move: the real K/V lengths plus Q and O.  Results land in
-benchmarks/results/<device>/decode_attention.{json,csv,md,png}.
+decode_attention.{json,csv,md,png}, written to a new folder under
+benchmarks/runs/ or to --out (see benchmarks/common.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
     first_shape_ok_rows, paged_inputs, publish, pyplot, save_figure)
-from cbatch import reference  # noqa: E402
+from cbatch.ops import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "mix", "batch", "context", "us", "GB/s", "pct_copy_bw",
            "max_err", "status"]

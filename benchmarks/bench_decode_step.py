@@ -15,7 +15,7 @@ final norm, lm_head, greedy sampling, tokens on the host; requests not streamed,
 Beside each: ``host_ms``, the step's time outside the model and the wait for the device
 (``Engine.stats().phase_s``), and the floor: the bytes a decode step must read (every weight
 once plus every sequence's KV cache) divided by the device's measured copy bandwidth.
-Results in benchmarks/results/<device>/decode_step.*.
+Results in decode_step.*, written to a new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
-from cbatch import Engine, GPT2LMHeadModel, SamplingParams, bytes_per_token  # noqa: E402
+from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
            "weight_MB", "kv_MB", "tokens_per_s"]
@@ -76,8 +76,7 @@ def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
 def run(args) -> Path:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = GPT2LMHeadModel.from_pretrained(args.model, device=device, dtype=dtype,
-                                            attention_backend=args.backend)
+    model = load_model(args.model, device=device, dtype=dtype, attention_backend=args.backend)
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device, (64 << 20) if args.quick else None)

@@ -6,7 +6,8 @@ implementation.
 Each sequence has `cached` tokens in the paged cache and a chunk of `chunk` new tokens that
 attend causally to the cache and to each other (chunked prefill).  Checked against the
 reference, then timed like the decode benchmark; results in
-benchmarks/results/<device>/prefill_attention.{json,csv,md,png}.
+prefill_attention.{json,csv,md,png}, written to a new folder under benchmarks/runs/ or to
+--out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Timer, Unavailable, base_parser, cbatch_impl, check_and_time, copy_bandwidth, environment,
     first_shape_ok_rows, paged_inputs, publish, pyplot, save_figure)
-from cbatch import reference  # noqa: E402
+from cbatch.ops import reference  # noqa: E402
 
 COLUMNS = ["impl", "heads", "dtype", "batch", "chunk", "cached", "us", "TFLOP/s", "max_err",
            "status"]

@@ -85,7 +85,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "cbatch.entrypoints.cli", "serve", "--model", args.model,
+    cmd = [sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve", "--model", args.model,
            "--device", args.device, "--port", str(port), "--max-num-seqs",
            str(args.max_num_seqs)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

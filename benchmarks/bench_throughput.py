@@ -20,8 +20,8 @@ start), its wall-time ratio to cbatch-continuous, and the share of requests whos
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
 outside the model (scheduling, building the step tensors, bookkeeping) and the share of
 prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  Results in
-benchmarks/results/<device>/throughput.* (throughput-batch-invariant.* with
---batch-invariant).
+throughput.* (throughput-batch-invariant.* with
+--batch-invariant), written to a new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Unavailable, base_parser, environment, publish, pyplot, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
-from cbatch.models.gpt2 import _CONV1D  # noqa: E402
+from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
@@ -113,7 +113,8 @@ def hf_model(args, model_like):
         activation_function=c.activation_function, bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id)
     hf = transformers.GPT2LMHeadModel(config)
-    state = {k: (v.t() if k.endswith(_CONV1D) else v) for k, v in model_like.state_dict().items()}
+    state = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v)
+             for k, v in model_like.state_dict().items()}
     hf.load_state_dict(state, strict=False)
     return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
 

@@ -19,9 +19,9 @@ _EXPORTS = {
     "RequestOutput": "cbatch.outputs",
     "SamplingParams": "cbatch.sampling_params",
     "GPT2LMHeadModel": "cbatch.models.gpt2",
-    "load_model": "cbatch.models.gpt2",
-    "KVCache": "cbatch.kv_cache",
-    "bytes_per_token": "cbatch.kv_cache",
+    "load_model": "cbatch.models.loader",
+    "KVCache": "cbatch.layers.kv_cache",
+    "bytes_per_token": "cbatch.layers.kv_cache",
     "AsyncEngine": "cbatch.core.async_engine",
     "serve": "cbatch.entrypoints.ray_serve",
 }

@@ -1,10 +1,17 @@
-"""Model configuration: a validated dataclass and the table of named GPT-2 sizes."""
+"""Configurations: the model's (GPT-2 sizes) and the engine's, each a validated dataclass.
+
+:class:`EngineConfig` is the one place that holds the engine's defaults and checks them: the
+command line derives its engine flags from its fields (:func:`engine_fields`).  This module
+imports no torch at import time, so ``cbatch --help`` answers at once.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,19 @@ class GPT2Config:
     @property
     def mlp_dim(self) -> int:
         return self.n_inner or 4 * self.n_embd
+
+    # The names the engine reads of any model's config (KV cache shape, prompt limits).
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def max_model_len(self) -> int:
+        return self.n_positions
 
     @classmethod
     def named(cls, name: str) -> GPT2Config:
@@ -85,28 +105,45 @@ MODEL_CONFIGS: dict[str, GPT2Config] = {
 }
 
 
+def _knob(default, help: str, **metadata):
+    """A field of :class:`EngineConfig` with the help text its command-line flag shows."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class EngineConfig:
     """Keywords shared by :class:`cbatch.LLM` and :class:`cbatch.Engine` (docs/design.md)."""
 
-    model: str = "random:gpt2"
-    device: str = "cpu"
-    dtype: str = "float32"
-    attention_backend: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_cache_memory
-    kv_cache_memory: int | float | None = None  # bytes, or a fraction of free device memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    tokenizer: str | None = None  # a path or hub id; None: the model's own
-    cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for CUDA
-    # schedule and build step n+1 while step n runs on the device; None: on for CUDA
-    async_scheduling: bool | None = None
-    enable_prefix_caching: bool = True  # requests share the KV blocks of common prefixes
-    batch_invariant: bool = False  # a request's logits never depend on its batch-mates
-    max_logprobs: int = 20  # the most logprobs a request may ask for (vLLM's default)
+    model: str = _knob("random:gpt2", "random:<size>, a local Hugging Face checkpoint "
+                       "directory, or a hub id", cli=False)
+    device: str = _knob("cpu", "cpu, cuda or cuda:N", cli=False)
+    dtype: str = _knob("float32", "float32, float16 or bfloat16", cli=False)
+    attention_backend: str | None = _knob(
+        None, "cuda, triton, cpu or torch (default: the fastest for the device)")
+    block_size: int = _knob(16, "tokens per KV-cache block")
+    num_blocks: int | None = _knob(None, "KV-cache blocks (default: sized from "
+                                   "kv_cache_memory)")
+    kv_cache_memory: int | float | None = _knob(
+        None, "KV-cache bytes, or a fraction of free device memory", cli=False)
+    max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "
+                                      "the model's context length)")
+    max_num_seqs: int = _knob(64, "most sequences in one step")
+    max_num_batched_tokens: int = _knob(2048, "most new tokens in one step (longer prompts "
+                                        "are prefilled in chunks)")
+    scheduling_policy: str = _knob("fcfs", "fcfs, priority or sjf (static: the "
+                                   "static-batching baseline)", choices=POLICIES + ("static",))
+    seed: int = _knob(0, "seed of random weights and of requests without their own seed")
+    tokenizer: str | None = _knob(None, "a tokenizer directory or hub id (default: the "
+                                  "model's own)", cli=False)
+    cuda_graphs: bool | None = _knob(None, "decode steps replay CUDA graphs (default: on for "
+                                     "CUDA)")
+    async_scheduling: bool | None = _knob(None, "schedule and launch step n+1 before step "
+                                          "n's tokens are read (default: on for CUDA)")
+    enable_prefix_caching: bool = _knob(True, "requests share the KV blocks of common "
+                                        "prefixes")
+    batch_invariant: bool = _knob(False, "a request's output never depends on what it is "
+                                  "batched with")
+    max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -117,6 +154,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -125,8 +164,6 @@ class EngineConfig:
         if mem is not None and (mem <= 0 or (isinstance(mem, float) and mem > 1)):
             raise ValueError("kv_cache_memory must be a byte count or a fraction in (0, 1], "
                              f"got {mem}")
-        from cbatch.core.scheduler import POLICIES
-
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
                              f"{self.scheduling_policy!r}")
@@ -135,11 +172,51 @@ class EngineConfig:
             raise ValueError("tokenizer must be a directory or hub id (a non-empty string), "
                              f"got {self.tokenizer!r}")
 
+    @classmethod
+    def for_model(cls, model, **kwargs) -> EngineConfig:
+        """The config of an engine around an already built model: its device, dtype,
+        attention backend and batch-invariant switch come from the model."""
+        for name in ("device", "dtype", "attention_backend"):
+            if name in kwargs:
+                raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
+        kwargs.setdefault("batch_invariant", model.batch_invariant)
+        return cls(model="<model object>", device=str(model.device),
+                   dtype=str(model.dtype).removeprefix("torch."),
+                   attention_backend=model.attention_backend, **kwargs)
+
     @property
     def torch_dtype(self):
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """``cuda_graphs`` with None decided: on for CUDA."""
+        return self.on_cuda if self.cuda_graphs is None else self.cuda_graphs
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """``async_scheduling`` with None decided: on for CUDA."""
+        return self.on_cuda if self.async_scheduling is None else self.async_scheduling
+
+    @property
+    def cache_salt(self) -> str:
+        """What decides the K/V of a token sequence besides its tokens: the weights (a random
+        model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
+        weights = f"{self.model}@seed={self.seed}" if self.model.startswith("random:") \
+            else self.model
+        return f"{weights}|{self.dtype}"
+
+
+def engine_fields(cli_only: bool = True) -> list:
+    """The fields of :class:`EngineConfig` (those with a command-line flag when ``cli_only``),
+    each with ``.default`` and ``.metadata["help"]``."""
+    return [f for f in fields(EngineConfig) if not cli_only or f.metadata.get("cli", True)]
 
 
 def available_devices() -> list[str]:

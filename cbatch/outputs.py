@@ -4,12 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from cbatch.metrics import RequestMetrics
 
-if TYPE_CHECKING:
-    from cbatch.detokenizer import IncrementalDetokenizer
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Times are ``time.perf_counter()`` seconds; derived latencies are in seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return 0.0
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
 
 @dataclass(frozen=True)
@@ -26,13 +61,15 @@ class RequestOutput:
     # most likely tokens (most likely first) and the sampled one; the log-softmax of the raw
     # logits, before temperature, top-k and top-p.  None when not asked for.
     logprobs: list[dict[int, float]] | None = None
-    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False, compare=False)
-    error: str | None = None
+    # (number of output tokens, finished) -> their text: the request's incremental
+    # detokenizer, which decodes each token once however many snapshots read it
+    text_of: Callable[[int, bool], str] | None = field(default=None, repr=False, compare=False)
+    error: str | None = None  # why it failed (finish_reason "error")
 
     @cached_property
     def text(self) -> str:
         """The generated text, decoded on first access (steps nobody reads do not pay for it):
         up to the first stop string; while unfinished, the part no later token can change."""
-        if self.detokenizer is None:
+        if self.text_of is None:
             return ""
-        return self.detokenizer.text_at(len(self.token_ids), self.finished)
+        return self.text_of(len(self.token_ids), self.finished)

@@ -80,7 +80,7 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
     back to the byte-level tokenizer with a warning that names the missing files: its text
     would otherwise be silently wrong.
     """
-    from cbatch.models.gpt2 import TOKENIZER_FILES, resolve_checkpoint_dir
+    from cbatch.models.loader import TOKENIZER_FILES, resolve_checkpoint_dir
 
     if tokenizer is not None:
         path = resolve_checkpoint_dir(tokenizer, TOKENIZER_FILES)
@@ -101,3 +101,27 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
                       stacklevel=2)
         return ByteTokenizer(eos_token_id)
     return HFTokenizer(path, eos_token_id)
+
+
+def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int,
+                     max_model_len: int, max_tokens: int) -> list[int]:
+    """A prompt (a string or a list of token ids) as token ids that fit the model with
+    ``max_tokens`` more; the one check of a prompt that every engine runs."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise TypeError("a prompt is a string or a list of token ids, got "
+                        f"{type(prompt).__name__} {prompt!r:.40}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) + max_tokens > max_model_len:  # before reading a long list
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                         f"= {len(ids) + max_tokens} exceeds the model's maximum length "
+                         f"({max_model_len})")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
+    return ids

@@ -17,7 +17,7 @@ def interpreting() -> bool:
 def autotuning() -> bool:
     """True under CBATCH_TRITON_AUTOTUNE=1 (and not in the interpreter): the launchers then
     benchmark every config of their space on each new key, which compiles 9-12 variants per
-    (dtype, head_dim, page size, split) and made first calls take minutes on the H100.
+    (dtype, head_dim, page size, split), so that a first call takes minutes on a GPU.
     Otherwise each launch takes the one config its shape class's heuristic picks."""
     return os.environ.get("CBATCH_TRITON_AUTOTUNE", "0") == "1" and not interpreting()
 

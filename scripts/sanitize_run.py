@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from cbatch import LLM, SamplingParams, ops, reference
+from cbatch import LLM, SamplingParams, ops
+from cbatch.ops import reference
 
 
 def paged(lens, new, H=4, D=64, block_size=16, dtype=torch.float16):

@@ -1,4 +1,4 @@
-"""Shared builders for kernel and model tests."""
+"""Shared builders for kernel and model tests, and the one scripted-run driver of the engine."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from cbatch.outputs import RequestOutput
+from cbatch.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "from tests import triton_probe; triton_probe.run()"
@@ -81,24 +85,27 @@ def shuffled_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
 
 
 def paged_inputs(seq_lens: list[int], num_new: list[int], H: int, D: int, block_size: int,
-                 dtype: torch.dtype, device: str, seed: int, spare_blocks: int = 3):
+                 dtype: torch.dtype, device: str, seed: int, spare_blocks: int = 3,
+                 num_kv_heads: int | None = None):
     """Fresh random attention inputs over a shuffled paged cache.
 
     Blocks no sequence owns hold NaN, so a kernel that reads outside its block table poisons
-    its output.  Returns query ``[sum(num_new), H, D]``, key_cache, value_cache,
-    block_tables, cu_seqlens_q and seq_lens (on ``device``).
+    its output.  Returns query ``[sum(num_new), H, D]``, key_cache, value_cache (``[num_blocks,
+    block_size, num_kv_heads, D]``; num_kv_heads defaults to H), block_tables, cu_seqlens_q
+    and seq_lens (on ``device``).
     """
+    H_kv = H if num_kv_heads is None else num_kv_heads
     gen = torch.Generator().manual_seed(seed)
     needed = sum(-(-n // block_size) for n in seq_lens)
     num_blocks = needed + spare_blocks
     tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
-    shape = (num_blocks, block_size, H, D)
+    shape = (num_blocks, block_size, H_kv, D)
     key_cache = torch.full(shape, float("nan"))
     value_cache = torch.full(shape, float("nan"))
     for s, n in enumerate(seq_lens):
         for b in tables[s, : -(-n // block_size)].tolist():
-            key_cache[b] = torch.randn(block_size, H, D, generator=gen)
-            value_cache[b] = torch.randn(block_size, H, D, generator=gen)
+            key_cache[b] = torch.randn(block_size, H_kv, D, generator=gen)
+            value_cache[b] = torch.randn(block_size, H_kv, D, generator=gen)
     query = torch.randn(sum(num_new), H, D, generator=gen)
     cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -113,7 +120,7 @@ ERROR_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 def assert_attention_close(out, query, key_cache, value_cache, block_tables, cu, seq_lens):
     """The kernel's error against float64 truth is at most ~2x that of the same maths done
     by torch in the input dtype (flash-attn's rule), plus a small floor."""
-    from cbatch import reference
+    from cbatch.ops import reference
 
     args = [t.cpu() for t in (query, key_cache, value_cache, block_tables, cu, seq_lens)]
     truth = reference.paged_prefill_attention(*args, compute_dtype=torch.float64).double()
@@ -139,3 +146,59 @@ def fail_forward_at(monkeypatch, model, call: int, error: BaseException) -> list
 
     monkeypatch.setattr(model, "forward", forward)
     return calls
+
+
+# Engine shapes that stress the scheduler differently (max_num_seqs=10 puts batches of 4 and
+# 5 on both sides of a CUDA-graph bucket edge): everything fits; prompts prefilled in chunks
+# of 7 tokens beside decodes; two sequences at a time; a KV pool so small that requests are
+# preempted and recomputed.
+STRESS_CONFIGS = {
+    "roomy": dict(max_num_seqs=10, max_num_batched_tokens=512),
+    "chunked-prefill": dict(max_num_seqs=10, max_num_batched_tokens=7),
+    "few-seqs": dict(max_num_seqs=2, max_num_batched_tokens=64),
+    "preempting": dict(max_num_seqs=10, max_num_batched_tokens=64, block_size=4,
+                       num_blocks=14),
+}
+
+
+@dataclass
+class Arrival:
+    """A request of a scripted run: it arrives at ``step`` and, unless ``abort_after`` is
+    None, is aborted that many steps later if it has not finished by then."""
+
+    prompt: list[int]
+    params: SamplingParams
+    step: int = 0
+    priority: int = 0
+    abort_after: int | None = None
+
+
+def run_arrivals(engine, arrivals: list[Arrival], max_steps: int = 1000,
+                 after_step=None) -> dict[int, RequestOutput]:
+    """Step ``engine`` through a scripted run (the one arrival/abort driver of the tests):
+    requests join at their steps and are aborted at theirs; ``after_step(engine)`` runs after
+    every step.  Checks that every request finishes exactly once and that the KV pool is
+    whole at the end; returns ``{index in arrivals: final output}``."""
+    ids, aborts, finished = {}, {}, {}
+    for step in range(max_steps):
+        for i, a in enumerate(arrivals):
+            if a.step == step:
+                rid = engine.add_request(a.prompt, a.params, priority=a.priority)
+                ids[rid] = i
+                if a.abort_after is not None:
+                    aborts[rid] = step + a.abort_after
+        for rid, when in list(aborts.items()):
+            if when == step and ids[rid] not in finished:
+                engine.abort(rid)
+                del aborts[rid]
+        for out in engine.step():
+            if out.finished:
+                assert ids[out.request_id] not in finished, "finished twice"
+                finished[ids[out.request_id]] = out
+        if after_step is not None:
+            after_step(engine)
+        if len(finished) == len(arrivals) and not engine.has_unfinished_requests():
+            break
+    assert set(finished) == set(range(len(arrivals))), "every request finishes exactly once"
+    engine.block_manager.check_whole()
+    return finished

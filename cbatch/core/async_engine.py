@@ -19,7 +19,7 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from cbatch.core.engine import Engine
-from cbatch.metrics import EngineStats
+from cbatch.core.stats import EngineStats
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 

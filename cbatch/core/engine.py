@@ -25,80 +25,31 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from cbatch.config import EngineConfig, GPT2Config
+from cbatch.config import EngineConfig
 from cbatch.core.block_manager import BlockManager
 from cbatch.core.model_runner import ModelRunner, SampledTokens
+from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.core.static import StaticScheduler
-from cbatch.detokenizer import detokenizer_for
-from cbatch.kv_cache import KVCache, bytes_per_token
-from cbatch.metrics import EngineStats, RequestMetrics
-from cbatch.models.gpt2 import GPT2LMHeadModel, load_model
+from cbatch.core.stats import EngineStats, StepCounters
+from cbatch.layers.kv_cache import KVCache, num_kv_blocks
+from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
-from cbatch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from cbatch.tokenizer import ByteTokenizer, load_tokenizer, prompt_token_ids
 
-_CPU_DEFAULT_KV_BYTES = 1 << 30
 logger = logging.getLogger(__name__)
-
-
-def load_model_and_tokenizer(config: EngineConfig) -> tuple[GPT2LMHeadModel, Tokenizer]:
-    model = load_model(config.model, config.device, config.torch_dtype, config.seed,
-                       config.attention_backend)
-    return model, load_tokenizer(config.model, config.tokenizer, model.config.eos_token_id)
-
-
-def config_for_model(model: GPT2LMHeadModel, **kwargs) -> EngineConfig:
-    """The engine config of an engine around an already built model (its device, dtype and
-    attention backend)."""
-    for name in ("device", "dtype", "attention_backend"):
-        if name in kwargs:
-            raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
-    kwargs.setdefault("batch_invariant", model.batch_invariant)
-    return EngineConfig(model="<model object>", device=str(model.device),
-                        dtype=str(model.dtype).removeprefix("torch."),
-                        attention_backend=model.attention_backend, **kwargs)
-
-
-def kv_cache_blocks(config: EngineConfig, model: GPT2LMHeadModel) -> int:
-    """Blocks for the KV cache: num_blocks, else kv_cache_memory, else a default that holds
-    max_num_seqs full-length sequences (capped at 1 GiB on the CPU, half the free memory on a
-    GPU)."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    per_block = bytes_per_token(model.config, config.torch_dtype) * config.block_size
-    device = torch.device(config.device)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    mem = config.kv_cache_memory
-    if isinstance(mem, float):
-        if free is None:
-            raise ValueError("a fractional kv_cache_memory needs a CUDA device; give bytes")
-        mem = int(mem * free)
-    if mem is None:
-        want = config.max_num_seqs * model.config.n_positions // config.block_size + 1
-        cap = free // 2 if free is not None else _CPU_DEFAULT_KV_BYTES
-        return max(1, min(want, cap // per_block))
-    if mem < per_block:
-        raise ValueError(f"kv_cache_memory={mem} bytes holds no block ({per_block} bytes)")
-    return mem // per_block
-
-
-def model_identity(config: EngineConfig) -> str:
-    """What decides the K/V of a token sequence besides its tokens: the weights (a random
-    model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
-    weights = f"{config.model}@seed={config.seed}" if config.model.startswith("random:") \
-        else config.model
-    return f"{weights}|{config.dtype}"
 
 
 def freeze_long_lived_objects() -> None:
     """Move every object alive now (the model, the tokenizer, the modules of torch and
     transformers) out of the garbage collector's sight, as vLLM does after start-up: a full
-    collection then walks only what the serving loop allocates.  Measured on the 2-core CPU
-    with 256 running sequences of a tiny model: 7.7 -> 5.9 ms per step.  At exit they are
-    handed back, so that the last collection (and extensions' leak checks) sees them."""
+    collection then walks only what the serving loop allocates (benchmarks/NOTES.md, "Host side
+    of a step").  At exit they are handed back, so that the last collection (and
+    extensions' leak checks) sees them."""
     global _unfreeze_registered
     gc.collect()
     gc.freeze()
@@ -108,51 +59,6 @@ def freeze_long_lived_objects() -> None:
 
 
 _unfreeze_registered = False
-
-
-def prompt_token_ids(prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer,
-                     config: GPT2Config) -> list[int]:
-    """A prompt (a string or a list of token ids) as token ids that fit the model with
-    ``params.max_tokens`` more; the one check of a prompt that every engine runs."""
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, (list, tuple)):
-        ids = list(prompt)
-    else:
-        raise TypeError("a prompt is a string or a list of token ids, got "
-                        f"{type(prompt).__name__} {prompt!r:.40}")
-    if not ids:
-        raise ValueError("prompt is empty")
-    if len(ids) + params.max_tokens > config.n_positions:  # before reading a long list
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                         f"= {len(ids) + params.max_tokens} exceeds the model's "
-                         f"n_positions ({config.n_positions})")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-           or not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {config.vocab_size}), "
-                         f"got {bad[:5]}")
-    return ids
-
-
-def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
-    out = seq.output_token_ids  # a copy: the output is a snapshot
-    failed = seq.finish_reason == "error"  # its text is not decoded again
-    return RequestOutput(
-        request_id=seq.request_id,
-        prompt_token_ids=seq.prompt_token_ids,
-        token_ids=out,
-        finished=seq.is_finished,
-        finish_reason=seq.finish_reason,
-        metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
-                               seq.first_token_time, seq.finished_time, len(out),
-                               seq.num_preemptions),
-        logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-        detokenizer=None if failed else detokenizer_for(seq, tokenizer),
-        error=seq.error,
-    )
 
 
 @dataclass
@@ -174,45 +80,48 @@ class Engine:
     'length'
     """
 
-    def __init__(self, model: str | GPT2LMHeadModel = "random:gpt2", **kwargs):
-        if isinstance(model, GPT2LMHeadModel):  # an engine around a model already built
-            self.config = config_for_model(model, **kwargs)
-            self.model, self.tokenizer = model, ByteTokenizer(model.config.eos_token_id)
+    def __init__(self, model: str | nn.Module = "random:gpt2", **kwargs):
+        if isinstance(model, nn.Module):  # an engine around a model already built
+            config = EngineConfig.for_model(model, **kwargs)
+            tokenizer = ByteTokenizer(model.config.eos_token_id)
         else:
-            self.config = EngineConfig(model=model, **kwargs)
-            torch.manual_seed(self.config.seed)
-            self.model, self.tokenizer = load_model_and_tokenizer(self.config)
-        config = self.config
-        self.model.set_batch_invariant(config.batch_invariant)
-        num_blocks = kv_cache_blocks(config, self.model)
-        self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size,
+            config = EngineConfig(model=model, **kwargs)
+            torch.manual_seed(config.seed)
+            model = load_model(config.model, config.device, config.torch_dtype, config.seed,
+                               config.attention_backend)
+            tokenizer = load_tokenizer(config.model, config.tokenizer,
+                                       model.config.eos_token_id)
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.max_model_len = config.max_model_len or model.config.max_model_len
+        if self.max_model_len > model.config.max_model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
+                             f"length ({model.config.max_model_len})")
+        model.set_batch_invariant(config.batch_invariant)
+        num_blocks = num_kv_blocks(config, model.config)
+        self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
                                 config.torch_dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching,
-                                          cache_salt=model_identity(config))
+                                          config.enable_prefix_caching, config.cache_salt)
         max_tokens = config.max_num_batched_tokens
         if config.scheduling_policy == "static":
-            max_tokens = config.max_num_seqs * self.model.config.n_positions
+            max_tokens = config.max_num_seqs * model.config.max_model_len
             self.scheduler = StaticScheduler(self.block_manager, config.max_num_seqs,
                                              max_tokens)
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        on_cuda = torch.device(config.device).type == "cuda"  # what None means for a switch
-        self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                  on_cuda if config.cuda_graphs is None else config.cuda_graphs)
-        self.async_scheduling = (on_cuda if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.runner = ModelRunner(model, self.kv_cache, config.max_num_seqs, max_tokens,
+                                  config.use_cuda_graphs)
+        self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
+        self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
         self._order = itertools.count()
-        self._num_steps = self._num_finished = 0
-        self._num_prefill_tokens = self._num_output_tokens = 0
-        self._elapsed = self._occupancy_sum = 0.0
-        self._phase_s = dict.fromkeys(("schedule", "prepare", "execute", "postprocess"), 0.0)
-        self._clock = 0.0  # when the phase being timed began (see _tick)
-        self.occupancy_trace: list[int] = []  # scheduled sequences per step
+        self._counters = StepCounters()
+        # scheduled sequences per step, recorded only once set to a list (LLM does; a
+        # long-running server does not)
+        self.occupancy_trace: list[int] | None = None
         freeze_long_lived_objects()
 
     # -------------------------------------------------------------- requests
@@ -222,8 +131,12 @@ class Engine:
         """The prompt's token ids if the request can run here, else a ValueError/TypeError
         naming the problem; queues nothing (``LLM.generate`` checks a whole call first)."""
         params = SamplingParams() if params is None else params
-        ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config)
-        max_logprobs = min(self.config.max_logprobs, self.model.config.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        cfg = self.model.config
+        ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
+                               params.max_tokens)
+        max_logprobs = min(self.config.max_logprobs, cfg.vocab_size)
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
@@ -272,52 +185,14 @@ class Engine:
         else:
             logger.error("request %s failed: %s", out.request_id, _describe(error),
                          exc_info=error)
-        return dataclasses.replace(out, finished=True, finish_reason="error", detokenizer=None,
+        return dataclasses.replace(out, finished=True, finish_reason="error", text_of=None,
                                    error=_describe(error))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
 
-    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
-                 priorities: list[int] | None = None, progress=None, on_output=None
-                 ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (the one generation loop: ``LLM.generate`` and
-        ``GPT2LMHeadModel.generate`` come here); outputs in prompt order.
-
-        All or nothing: every prompt and parameter is checked before any request is queued,
-        and if anything fails mid-way (an error in a step, KeyboardInterrupt), every request
-        of this call is aborted and the exception propagates, leaving the engine as it was.
-        ``progress(1)`` is called per finished request, ``on_output(output)`` for every
-        output of this call's requests as it streams (each step's snapshot).
-        """
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        priorities = [0] * len(prompts) if priorities is None else list(priorities)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        token_ids = [self.validate_request(p, sp) for p, sp in zip(prompts, params_list)]
-        ids: list[str] = []
-        done: dict[str, RequestOutput] = {}
-        try:
-            for prompt_ids, sp, prio in zip(token_ids, params_list, priorities):
-                ids.append(self.add_request(prompt_ids, sp, prio,
-                                            stream=on_output is not None))
-            mine = set(ids)
-            while len(done) < len(ids):
-                for out in self.step():
-                    if on_output is not None and out.request_id in mine:
-                        on_output(out)
-                    if out.finished and out.request_id not in done:
-                        done[out.request_id] = out
-                        if progress is not None:
-                            progress(1)
-        except BaseException:
-            for rid in ids:
-                if rid in self._requests:
-                    self.abort(rid, report=False)
-            raise
-        return [done[i] for i in ids]
+    def is_unfinished(self, request_id: str) -> bool:
+        return str(request_id) in self._requests
 
     # -------------------------------------------------------------- stepping
 
@@ -326,7 +201,7 @@ class Engine:
         seq.num_inflight = 0  # a later step's sample for it is dropped
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
-        self._num_finished += 1
+        self._counters.num_finished += 1
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End an unfinished sequence (already out of ``_requests``) whose own processing
@@ -336,21 +211,10 @@ class Engine:
         self._finish(seq, "error")
         seq.error = _describe(error)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids or (
-                not params.ignore_eos and token == self.model.config.eos_token_id):
-            return "stop"
-        if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
-            return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
-            return "length"
-        return None
-
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed (with async
         scheduling: in the step launched before this one)."""
-        start = self._clock = time.perf_counter()
+        start = self._counters.start()
         changed, self._aborted = self._aborted, []
         launched = self._launch()
         if launched is not None:
@@ -360,52 +224,45 @@ class Engine:
         # to run (their rows then belong to finished requests only)
         while self._in_flight and (len(self._in_flight) > keep or not self._requests):
             changed += self._resolve(self._in_flight.popleft())
-        outputs = [request_output(s, self.tokenizer) for s in changed
-                   if s.stream or s.is_finished]
-        self._elapsed += self._tick("postprocess") - start
+        outputs = self.output_processor.outputs(changed)
+        self._counters.elapsed += self._counters.tick("postprocess") - start
         return outputs
-
-    def _tick(self, phase: str) -> float:
-        """Charge the time since the last tick to ``phase``; returns the time now."""
-        now = time.perf_counter()
-        self._phase_s[phase] += now - self._clock
-        self._clock = now
-        return now
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and send it to the device; the scheduled sequences advance by
         their new tokens, and those that sample get an in-flight token."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
-            self._tick("schedule")
+            self._counters.tick("schedule")
             return None
         if schedule.block_copies:
             self.kv_cache.copy_blocks(schedule.block_copies)
-        t = self._tick("schedule")
+        t = self._counters.tick("schedule")
         for item in schedule.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = t
         batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
-        self._tick("prepare")
+        self._counters.tick("prepare")
         tokens = self.runner.execute(batch, schedule.scheduled)
         for item, samples_now in zip(schedule.scheduled, tokens.samples):
             seq = item.seq
             if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
-                self._num_prefill_tokens += item.num_new_tokens
+                self._counters.num_prefill_tokens += item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
             seq.num_inflight += samples_now
-        self._tick("execute")
-        self._num_steps += 1
-        self._occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
-        self.occupancy_trace.append(len(schedule.scheduled))
+        self._counters.tick("execute")
+        self._counters.num_steps += 1
+        self._counters.occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
+        if self.occupancy_trace is not None:
+            self.occupancy_trace.append(len(schedule.scheduled))
         return LaunchedStep(schedule.scheduled, tokens)
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
         check stop conditions, finish.  Returns the sequences that changed."""
-        self._tick("postprocess")
+        self._counters.tick("postprocess")
         tokens, logprobs = step.tokens.wait()
-        now = self._tick("execute")
+        now = self._counters.tick("execute")
         changed = []
         for i, (item, token) in enumerate(zip(step.scheduled, tokens)):
             seq = item.seq
@@ -413,13 +270,13 @@ class Engine:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
             seq.num_inflight -= 1
             seq.token_ids.append(token)
-            self._num_output_tokens += 1
+            self._counters.num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             try:  # what can fail for this request alone: its logprobs, its stop strings
                 if logprobs is not None and logprobs[i] is not None:
                     seq.output_logprobs.append(logprobs[i])
-                reason = self._stop_reason(seq, token)
+                reason = self.output_processor.stop_reason(seq, token)
             except Exception as exc:
                 del self._requests[seq.request_id]
                 self._fail(seq, exc)
@@ -429,22 +286,23 @@ class Engine:
                 del self._requests[seq.request_id]
                 self._finish(seq, reason)
             changed.append(seq)
-        self._tick("postprocess")
+        self._counters.tick("postprocess")
         return changed
 
     def stats(self) -> EngineStats:
+        c = self._counters
         return EngineStats(
-            num_steps=self._num_steps,
+            num_steps=c.num_steps,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_finished=self._num_finished,
+            num_finished=c.num_finished,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prefill_tokens=self._num_prefill_tokens,
-            num_output_tokens=self._num_output_tokens,
-            elapsed=self._elapsed,
-            phase_s=dict(self._phase_s),
+            num_prefill_tokens=c.num_prefill_tokens,
+            num_output_tokens=c.num_output_tokens,
+            elapsed=c.elapsed,
+            phase_s=dict(c.phase_s),
             kv_cache_usage=self.block_manager.usage,
-            mean_batch_occupancy=self._occupancy_sum / max(1, self._num_steps),
+            mean_batch_occupancy=c.occupancy_sum / max(1, c.num_steps),
             graph_capture_s=self.runner.graph_capture_s,
             graph_memory_bytes=self.runner.graph_memory_bytes,
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,

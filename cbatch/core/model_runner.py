@@ -1,7 +1,7 @@
 """Turns a schedule into the step batch, runs the model, samples.
 
-One path for every step: :class:`~cbatch.batch.StepBatchBuilder` fills persistent buffers,
-the model runs eagerly, or, for a decode step on CUDA, the CUDA graph captured for the
+One path for every step: :class:`~cbatch.core.input_batch.StepBatchBuilder` fills persistent
+buffers, the model runs eagerly, or, for a decode step on CUDA, the CUDA graph captured for the
 smallest batch-size bucket that holds it replays.  Graph steps are padded to their bucket
 with rows that write nothing (slot -1) and read a one-token context; with
 ``cuda_graphs=True`` on the CPU the same padded batches run eagerly, so the padding logic is
@@ -24,12 +24,14 @@ import warnings
 
 import torch
 
+from torch import nn
+
 from cbatch import ops
-from cbatch.batch import StepBatch, StepBatchBuilder
+from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
-from cbatch.kv_cache import KVCache
-from cbatch.models.gpt2 import GPT2LMHeadModel
+from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.step_batch import StepBatch
 
 
 # How far a graph's logits may be from the eager forward's on the same padded batch (the
@@ -63,20 +65,19 @@ class SampledTokens:
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until they are on the host: the token of every scheduled sequence (entries
         of sequences still mid-prefill are meaningless) and the logprobs (see
-        :func:`~cbatch.core.sampler.compute_logprobs`)."""
+        :func:`~cbatch.core.sampler.logprobs_tensors`)."""
         if self._ready is not None:
             self._ready.synchronize()
         return self._tokens.tolist(), logprobs_lists(self._logprobs, self._num_logprobs)
 
 
 class ModelRunner:
-    def __init__(self, model: GPT2LMHeadModel, kv_cache: KVCache, max_num_seqs: int,
+    def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
                  max_num_batched_tokens: int, cuda_graphs: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
-        self.block_size = kv_cache.block_size
-        max_blocks = -(-model.config.n_positions // kv_cache.block_size)
+        max_blocks = -(-model.config.max_model_len // kv_cache.block_size)
         self.builder = StepBatchBuilder(max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
                                         max_blocks, kv_cache.block_size, self.device)
         self.buckets = graph_buckets(max_num_seqs) if cuda_graphs else []
@@ -91,7 +92,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
-                       model.attention_backend, cfg.n_head)
+                       model.attention_backend, cfg.num_kv_heads)
             if cuda_graphs:
                 self.setup_graphs()
 

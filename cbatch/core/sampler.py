@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbatch.batch import to_device
+from cbatch.layers.step_batch import to_device
 
 
 @dataclass
@@ -74,26 +74,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return tokens
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
-                     ) -> list[dict[int, float] | None] | None:
-    """Log-probabilities of the sampled tokens and the most likely alternatives.
+def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
+                     num_logprobs: list[int | None]) -> tuple[torch.Tensor, ...] | None:
+    """Log-probabilities of the sampled tokens and the most likely alternatives, on the
+    device (no host sync; :func:`logprobs_lists` reads them).
 
     ``logits: [S, V]`` are the rows :func:`sample` drew ``tokens: [S]`` from; row s asks for
     ``num_logprobs[s]`` alternatives (None: nothing).  The log-probabilities are the
     log-softmax of the model's raw logits in fp32, before temperature, top-k and top-p (what
-    vLLM returns by default), so they do not depend on how a request is sampled.  Returns, per
-    row, ``{token id: logprob}`` holding the k most likely tokens, most likely first, then the
-    sampled token if it is not among them; None for rows that asked for nothing, and None for
-    the whole step when no row asked (nothing is computed then).
-    """
-    return logprobs_lists(logprobs_tensors(logits, tokens, num_logprobs), num_logprobs)
-
-
-def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
-                     num_logprobs: list[int | None]) -> tuple[torch.Tensor, ...] | None:
-    """The device half of :func:`compute_logprobs` (no host sync): for the R rows that ask,
-    ``(top values [R, k], top ids [R, k], sampled ids [R], sampled values [R])``, k the most
-    any row asks for; None when no row asks."""
+    vLLM returns by default), so they do not depend on how a request is sampled.  For the R
+    rows that ask: ``(top values [R, k], top ids [R, k], sampled ids [R], sampled values
+    [R])``, k the most any row asks for; None when no row asks (nothing is computed then)."""
     rows = [s for s, k in enumerate(num_logprobs) if k]
     if not rows:
         return None
@@ -107,7 +98,10 @@ def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
 
 def logprobs_lists(tensors: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None]
                    ) -> list[dict[int, float] | None] | None:
-    """The host half of :func:`compute_logprobs`: :func:`logprobs_tensors`' result as dicts."""
+    """:func:`logprobs_tensors`' result on the host: per row, ``{token id: logprob}`` holding
+    the k most likely tokens, most likely first, then the sampled token if it is not among
+    them; None for rows that asked for nothing, and None for the whole step when no row
+    asked."""
     if tensors is None:
         return None
     top_values, top_ids, sampled_ids, sampled = (t.tolist() for t in tensors)

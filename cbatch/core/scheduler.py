@@ -25,10 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cbatch.config import POLICIES
 from cbatch.core.block_manager import BlockManager
 from cbatch.core.sequence import Sequence, SequenceStatus
-
-POLICIES = ("fcfs", "priority", "sjf")
 
 
 def policy_key(policy: str):
@@ -74,9 +73,6 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, policy: str = "fcfs"):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
-                             f"{max_num_seqs}, {max_num_batched_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,9 +97,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -------------------------------------------------------------- scheduling
 

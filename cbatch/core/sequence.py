@@ -49,7 +49,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    # a cbatch.detokenizer.IncrementalDetokenizer, made when the text is first read (not
+    # a cbatch.core.detokenizer.IncrementalDetokenizer, made when the text is first read (not
     # imported: this module stays free of everything but sampling_params)
     detokenizer: object | None = None
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a thin FastAPI layer over one :class:`AsyncEngine`.
 
-    cbatch serve --model gpt2 --host 127.0.0.1 --port 8000
+    cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus).  Every error, of every route, is OpenAI's
@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
-from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, check_serve_args
+from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES
 from cbatch.entrypoints.openai.guard import RequestGuard, default_allowed_hosts, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -55,19 +55,21 @@ def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | N
 
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
-              shutdown_timeout: float = 0.0, *, api_key: str | None = None,
-              allowed_hosts: list[str] | None = None,
+              shutdown_timeout: float = 0.0, chat_template: str | None = None, *,
+              api_key: str | None = None, allowed_hosts: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               body_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
     :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
-    down, giving running requests ``shutdown_timeout`` seconds."""
-    from cbatch.models.gpt2 import resolve_checkpoint_dir
+    down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
+    replaces the one the checkpoint ships, if any."""
+    from cbatch.models.loader import resolve_checkpoint_dir
 
     config = engine.engine.config
-    max_model_len = engine.engine.model.config.n_positions
-    template = None if config.model.startswith("random:") else load_chat_template(
-        resolve_checkpoint_dir(config.model))
+    max_model_len = engine.engine.max_model_len
+    template = chat_template
+    if template is None and not config.model.startswith("random:"):
+        template = load_chat_template(resolve_checkpoint_dir(config.model))
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template)
 
@@ -143,21 +145,6 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_blocks=args.num_blocks, block_size=args.block_size,
-                  scheduling_policy=args.scheduling_policy,
-                  attention_backend=args.attention_backend, seed=args.seed,
-                  tokenizer=args.tokenizer, batch_invariant=args.batch_invariant,
-                  enable_prefix_caching=not args.no_prefix_caching,
-                  cuda_graphs=False if args.no_cuda_graphs else None,
-                  async_scheduling=False if args.no_async_scheduling else None)
-    if args.max_logprobs is not None:
-        kwargs["max_logprobs"] = args.max_logprobs
-    return kwargs
-
-
 def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 0.0,
                    limit_concurrency: int | None = 512, header_timeout: float = 10.0,
                    log_level: str = "info"):
@@ -212,20 +199,11 @@ def _server_class():
     return Server
 
 
-def run_server(args: argparse.Namespace) -> None:
+def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
+               chat_template: str | None = None) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
     import torch
 
-    check_serve_args(args)
-    name = args.served_model_name or args.model
-    if args.num_replicas > 1:
-        from cbatch.entrypoints.ray_serve import serve
-
-        gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
-        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
-              num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
-              **engine_kwargs(args))
-        return
     if args.threads:
         torch.set_num_threads(args.threads)
     server_box = []  # the server, once made: an engine that fails stops it
@@ -234,14 +212,15 @@ def run_server(args: argparse.Namespace) -> None:
         for server in server_box:
             server.engine_failed(exc)
 
-    engine, metrics = build_engine(args.model, args.max_waiting, name, on_dead=on_dead,
-                                   **engine_kwargs(args))
+    engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
+                                   on_dead=on_dead, **engine_kwargs)
     allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
                else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
-    app = build_app(engine, metrics, name, args.shutdown_timeout,
+    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
                     api_key=args.api_key or os.environ.get("CBATCH_API_KEY") or None,
                     allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout)
+    print(engine.engine.kv_cache.memory_report(), flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.limit_concurrency, args.header_timeout)
     server = _server_class()(config)

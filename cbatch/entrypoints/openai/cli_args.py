@@ -27,9 +27,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a connection may take to send a request's headers")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a request's body may take to arrive (else 408)")
-    parser.add_argument("--max-logprobs", type=int, default=None,
-                        help="the most logprobs a request may ask for (default: the "
-                             "engine's, 20)")
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -50,7 +47,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for flag in ("--header-timeout", "--body-timeout"):
         value = getattr(args, _dest(flag))
         need(math.isfinite(value) and value > 0, flag, "a number of seconds > 0")
-    need(args.max_logprobs is None or args.max_logprobs >= 0, "--max-logprobs", ">= 0")
     if args.api_key is not None:
         need(bool(args.api_key.strip()), "--api-key", "a non-empty string")
 

@@ -110,7 +110,7 @@ async def sse_or_error(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except OpenAIError as exc:
-        yield error_chunk(exc)
+        yield sse(json.dumps(exc.body()))
         yield "data: [DONE]\n\n"
 
 
@@ -135,10 +135,6 @@ async def unless_disconnected(raw_request: Request, coro):
 def sse(payload: BaseModel | str) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
-
-
-def error_chunk(exc: OpenAIError) -> str:
-    return sse(json.dumps(exc.body()))
 
 
 def completion_logprobs(out: RequestOutput, k: int, detokenize: Callable[[list[int]], str],
@@ -171,10 +167,10 @@ class OpenAIServingCompletion:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         # a list of token ids longer than the model is refused before anything reads it
-        max_len = self.engine.engine.model.config.n_positions
+        max_len = self.engine.engine.max_model_len
         if any(not isinstance(p, str) and len(p) > max_len for p in prompts):
             raise OpenAIError(400, f"a prompt of token ids is longer than the model's "
-                                   f"n_positions ({max_len})", param="prompt")
+                                   f"maximum length ({max_len})", param="prompt")
         return prompts
 
     async def create(self, req: CompletionRequest, raw_request: Request):

@@ -1,0 +1,1 @@
+"""The ``cbatch`` command line (:mod:`cbatch.entrypoints.cli.main`)."""

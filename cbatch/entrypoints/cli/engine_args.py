@@ -1,0 +1,87 @@
+"""The flags every command shares: the model's, and the engine's, derived from
+:class:`~cbatch.config.EngineConfig` so that its defaults and help live in one place."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cbatch.config import engine_fields
+
+
+def model_parser() -> argparse.ArgumentParser:
+    """The model flags, as a parent parser of the commands that load a model."""
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help="random:<size>, a local HF checkpoint dir, or a hub id")
+    model.add_argument("--tokenizer", default=None,
+                       help="a tokenizer dir or hub id (default: the model's own)")
+    model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "
+                       "cuda when available, else cpu)")
+    model.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="weights and activations (default: auto, float16 on CUDA, "
+                            "float32 on the CPU)")
+    model.add_argument("--debug", action="store_true",
+                       help="show the Python traceback of an error (or CBATCH_DEBUG=1)")
+    return model
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MODEL = "random:gpt2"
+
+
+_TYPES = {"int": int, "str": str, "float": float}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per :class:`EngineConfig` field that has one: ``--max-num-seqs`` for
+    ``max_num_seqs``; switches as ``--name`` / ``--no-name``."""
+    group = parser.add_argument_group("engine (cbatch.EngineConfig)")
+    names = [f.name for f in engine_fields() if f.name not in exclude]
+    # what engine_kwargs reads: an excluded field's name may be another flag's (generate's
+    # --seed is the sampling seed, not the engine's)
+    parser.set_defaults(engine_fields=tuple(names))
+    for f in engine_fields():
+        if f.name not in names:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata["help"]
+        if f.type in ("bool", "bool | None"):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help)
+            continue
+        kind = _TYPES[f.type.split(" | ")[0]]  # "int | None" -> int
+        group.add_argument(flag, type=kind, default=f.default,
+                           choices=f.metadata.get("choices"), help=help)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine flags of ``args`` (and the model's) as :class:`EngineConfig` keywords."""
+    kwargs = {name: getattr(args, name) for name in getattr(args, "engine_fields", ())}
+    return dict(kwargs, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+
+
+def resolve_device_and_dtype(args: argparse.Namespace) -> None:
+    """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": float16
+    on CUDA, float32 on the CPU), checking that this machine has the device."""
+    import torch
+
+    from cbatch.config import check_device
+
+    if args.device in (None, "auto"):
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = check_device(args.device)
+    if args.dtype in (None, "auto"):
+        args.dtype = "float16" if args.device.startswith("cuda") else "float32"
+
+
+def load_llm(args: argparse.Namespace, **kwargs):
+    """The ``LLM`` for the model flags of ``args`` (and its engine flags, if it has them);
+    ``kwargs`` override them."""
+    from cbatch.entrypoints.llm import LLM
+
+    resolve_device_and_dtype(args)
+    print(f"loading {args.model} on {args.device} ({args.dtype}) …", file=sys.stderr,
+          flush=True)
+    return LLM(args.model, **{**engine_kwargs(args), **kwargs})
+

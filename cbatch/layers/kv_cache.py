@@ -1,0 +1,79 @@
+"""The paged KV cache: one allocation shared by all layers, cut into fixed-size blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from cbatch.config import EngineConfig, GPT2Config
+from cbatch.layers.step_batch import to_device
+
+
+def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token costs across all layers:
+    ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (GPT-2 small in fp16: 36 KiB)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def num_kv_blocks(config: EngineConfig, model_config: GPT2Config) -> int:
+    """Blocks for the KV cache: ``num_blocks``, else ``kv_cache_memory``, else a default that
+    holds ``max_num_seqs`` full-length sequences (capped at 1 GiB on the CPU, half the free
+    memory on a GPU)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = bytes_per_token(model_config, config.torch_dtype) * config.block_size
+    device = torch.device(config.device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    mem = config.kv_cache_memory
+    if isinstance(mem, float):
+        if free is None:
+            raise ValueError("a fractional kv_cache_memory needs a CUDA device; give bytes")
+        mem = int(mem * free)
+    if mem is None:
+        max_len = config.max_model_len or model_config.max_model_len
+        want = config.max_num_seqs * max_len // config.block_size + 1
+        cap = free // 2 if free is not None else _CPU_DEFAULT_KV_BYTES
+        return max(1, min(want, cap // per_block))
+    if mem < per_block:
+        raise ValueError(f"kv_cache_memory={mem} bytes holds no block ({per_block} bytes)")
+    return mem // per_block
+
+
+class KVCache:
+    """``data: [num_layers, 2, num_blocks, block_size, H_kv, D]``; :meth:`layer` gives one layer's
+    ``key_cache, value_cache`` views, each ``[num_blocks, block_size, H, D]`` and contiguous."""
+
+    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size,
+                                config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds, over all sequences."""
+        return self.num_blocks * self.block_size
+
+    def memory_report(self) -> str:
+        """One line: how many tokens fit, in how many bytes, and where the bytes per token come
+        from (grouped-query models keep only their KV heads)."""
+        c, itemsize = self.config, self.data.dtype.itemsize
+        full = self.num_tokens // c.max_model_len
+        return (f"KV cache: {self.num_tokens} tokens ({self.num_blocks} blocks of "
+                f"{self.block_size}; {full} sequences of max_model_len {c.max_model_len}) in "
+                f"{self.data.nbytes / 2**20:.1f} MiB: {bytes_per_token(c, self.data.dtype)} "
+                f"bytes per token = 2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x "
+                f"head_dim {c.head_dim} x {itemsize} bytes")
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``source -> destination`` in every layer, K and V (all sources
+        are read before any destination is written)."""
+        src, dst = (to_device(list(ids), self.data.device) for ids in zip(*pairs))
+        self.data[:, :, dst] = self.data[:, :, src]

@@ -1,0 +1,55 @@
+"""The flat, unpadded step batch that one model forward pass consumes (docs/design.md).
+
+The one builder that makes it is :class:`cbatch.core.input_batch.StepBatchBuilder`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+
+@dataclass
+class StepBatch:
+    """Tensors of one step: S sequences, T new tokens in total, each sequence's run contiguous.
+
+    input_ids     int64 [T]   the new tokens
+    positions     int64 [T]   absolute position of each token in its sequence
+    cu_seqlens_q  int32 [S+1] offsets of each sequence's run in the flat batch
+    seq_lens      int32 [S]   each sequence's length after this step (cached + new)
+    block_tables  int32 [S, max_blocks] physical block ids
+    slot_mapping  int64 [T]   cache slot of each new token; -1 writes nothing
+    logits_indices int64 [S]  the row of each sequence's last new token (the one to sample from)
+    is_decode     every sequence has exactly one new token (host-side flag: picks the kernel)
+    max_query_len the longest run of new tokens (host int: sizes the prefill kernel's grid)
+    num_padded_seqs  trailing rows that only fill a batch-size bucket: one token each at
+                  position 0, slot -1 (they write nothing), a one-token context in block 0
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    is_decode: bool
+    max_query_len: int
+    num_padded_seqs: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Rows of the batch, padded ones included."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """A short host list as a tensor on ``device`` without waiting for the device (pinned
+    memory and an async copy; ``torch.tensor(values, device=cuda)`` would wait for every
+    kernel queued, the previous step's included)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -1,0 +1,211 @@
+"""Loading models: Hugging Face checkpoints (local or from the hub), and seeded random weights.
+
+The checkpoint's ``config.json`` names its architecture (:mod:`cbatch.models.registry`).
+Weights load the way nanoGPT and gpt-fast do: Hugging Face parameter names are kept (GPT-2's
+Conv1D weights ``[in, out]`` transposed into ``nn.Linear``'s ``[out, in]``, the Llama family's
+q/k/v and gate/up stacked into fused projections, each with a shape check), and the model is
+built on the ``meta`` device and the checkpoint's tensors are assigned to it, so loading is one
+copy.  Weights come from ``model.safetensors``, from shards listed in
+``model.safetensors.index.json``, or from ``pytorch_model.bin``, in whatever float dtype they
+were saved.  The tokenizer and the server find a checkpoint's other files through
+:func:`resolve_checkpoint_dir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cbatch.config import MODEL_CONFIGS, GPT2Config
+from cbatch.models.gpt2 import GPT2LMHeadModel
+from cbatch.models.registry import architecture_of, model_class, random_llama_configs
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
+    """GPT-2's own initialisation (as in Hugging Face's), seeded and device-independent."""
+    gen = torch.Generator().manual_seed(seed)
+    std_proj = 0.02 / math.sqrt(2 * model.config.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # lm_head is tied: not listed twice
+            if name.endswith("bias"):
+                value = torch.zeros(p.shape)
+            elif ".ln_" in name:
+                value = torch.ones(p.shape)
+            else:
+                std = std_proj if name.endswith("c_proj.weight") else 0.02
+                value = torch.randn(p.shape, generator=gen) * std
+            p.copy_(value)
+
+
+CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
+                    "pytorch_model.bin", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "chat_template.jinja")
+
+
+def resolve_checkpoint_dir(name_or_path: str,
+                           allow_patterns: tuple[str, ...] = CHECKPOINT_FILES + TOKENIZER_FILES
+                           ) -> Path:
+    """A local directory as it is, or a hub id's files matching ``allow_patterns``
+    fetched (or found in the cache) by huggingface_hub."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.exists() or name_or_path.startswith((".", "/")):
+        raise FileNotFoundError(f"{name_or_path} is not a directory (one holding "
+                                f"{', '.join(allow_patterns)})")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, allow_patterns=list(allow_patterns)))
+    except Exception as e:  # offline, unknown repo, no huggingface_hub
+        raise FileNotFoundError(f"{name_or_path!r} is neither a local directory nor "
+                                f"a reachable Hugging Face hub id ({type(e).__name__}: {e})"
+                                ) from e
+
+
+def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The raw tensors of ``model.safetensors`` (preferred), of the shards that
+    ``model.safetensors.index.json`` lists, or of ``pytorch_model.bin`` in ``path``."""
+    from safetensors.torch import load_file
+
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors", device=str(device))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that {path} lacks: {missing}")
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(path / shard, device=str(device)))
+        return state
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location=device, weights_only=True)
+    raise FileNotFoundError(f"{path} holds neither model.safetensors (or shards with "
+                            "model.safetensors.index.json) nor pytorch_model.bin")
+
+
+def convert_hf_state_dict(raw: dict[str, torch.Tensor], config: GPT2Config
+                          ) -> dict[str, torch.Tensor]:
+    """Map a Hugging Face GPT-2 state dict onto :class:`GPT2LMHeadModel`'s names.
+
+    Accepts both ``GPT2LMHeadModel`` (``transformer.`` prefix) and bare ``GPT2Model``
+    checkpoints; transposes exactly the Conv1D weights, checking each shape.
+    """
+    C, mlp = config.n_embd, config.mlp_dim
+    conv_shapes = {"attn.c_attn.weight": (C, 3 * C), "attn.c_proj.weight": (C, C),
+                   "mlp.c_fc.weight": (C, mlp), "mlp.c_proj.weight": (mlp, C)}
+    out = {}
+    for name, tensor in raw.items():
+        if name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight":
+            continue  # causal-mask buffers; lm_head is tied to wte
+        key = name if name.startswith("transformer.") else f"transformer.{name}"
+        suffix = next((s for s in CONV1D_WEIGHTS if key.endswith(s)), None)
+        if suffix is not None:
+            if tuple(tensor.shape) != conv_shapes[suffix]:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected Conv1D [in, out] = {conv_shapes[suffix]}")
+            tensor = tensor.t()
+        out[key] = tensor
+    return out
+
+
+def random_model_names() -> list[str]:
+    """Every ``random:<name>``: GPT-2's sizes and the Llama family's."""
+    return sorted(MODEL_CONFIGS) + sorted(random_llama_configs())
+
+
+def load_model(name_or_path: str, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32, seed: int = 0,
+               attention_backend: str | None = None) -> nn.Module:
+    """Build a model and load its weights.
+
+    ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
+    seeded random weights), a local directory with Hugging Face files (config.json naming a
+    supported architecture, plus weights: see :func:`load_state_dict`), or a hub id fetched
+    through huggingface_hub.  Real weights are loaded with one copy: the model is built on
+    the meta device and the checkpoint tensors are assigned to it.
+    """
+    if name_or_path.startswith("random:"):
+        name = name_or_path.removeprefix("random:")
+        llama = random_llama_configs()
+        if name in llama:  # CPU fp32 first: seeded identically on every device
+            architecture, config = llama[name]
+            model = model_class(architecture)(config, attention_backend)
+            model.init_random(seed)
+        elif name in MODEL_CONFIGS:
+            model = GPT2LMHeadModel(GPT2Config.named(name), attention_backend)
+            _init_random(model, seed)
+        else:
+            raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
+        return model.to(device=device, dtype=dtype).eval()
+
+    path = resolve_checkpoint_dir(name_or_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
+    raw = json.loads((path / "config.json").read_text())
+    cls = model_class(architecture_of(raw, path / "config.json"))
+    if cls is GPT2LMHeadModel:
+        config = GPT2Config.from_hf(path)
+        state = convert_hf_state_dict(load_state_dict(path, device), config)
+        tied = ("lm_head.weight", "transformer.wte.weight")
+    else:
+        config = cls.config_class.from_hf(raw, **cls.config_switches)
+        config = _with_generation_eos(config, path)
+        state = cls.convert_hf_state_dict(load_state_dict(path, device), config)
+        tied = ("lm_head.weight", "model.embed_tokens.weight") \
+            if config.tie_word_embeddings else None
+    with torch.device("meta"):
+        model = cls(config, attention_backend)
+    _assign(model, state, path, tied, device, dtype)
+    return model.eval()
+
+
+def _with_generation_eos(config, path: Path):
+    """The end-of-sequence ids of config.json and of ``generation_config.json`` together (chat
+    checkpoints put the end-of-turn token in the latter, and generation stops at either)."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return config
+
+    def ids(value) -> tuple[int, ...]:
+        return tuple(value) if isinstance(value, list | tuple) else () if value is None \
+            else (value,)
+
+    eos = ids(config.eos_token_id)
+    eos += tuple(i for i in ids(json.loads(gen.read_text()).get("eos_token_id")) if i not in eos)
+    return dataclasses.replace(config, eos_token_id=eos[0] if len(eos) == 1 else eos or None)
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
+            tied: tuple[str, str] | None, device, dtype) -> None:
+    """Check ``state`` against ``model``'s parameters (names and shapes) and assign it, cast
+    to ``dtype`` on ``device``; ``tied``: (parameter, the one it shares its tensor with)."""
+    expected = {k: v for k, v in model.state_dict().items() if tied is None or k != tied[0]}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the {type(model).__name__} config: "
+                         f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, unexpected "
+                         f"{unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
+                             f"config expects {tuple(expected[name].shape)}")
+        state[name] = tensor.to(device=device, dtype=dtype).contiguous()
+    if tied is not None:
+        state[tied[0]] = state[tied[1]]
+    model.load_state_dict(state, assign=True, strict=True)
+    if tied is not None:  # assign=True replaced the parameters: share one tensor again
+        model.lm_head.weight = model.get_parameter(tied[1])

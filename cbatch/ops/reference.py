@@ -1,0 +1,121 @@
+"""Pure-torch definitions of cbatch's ops: slow, obvious, and the ground truth for tests.
+
+Shapes follow docs/design.md: T new tokens, S sequences, H query heads, D head dim; caches are
+``[num_blocks, block_size, H_kv, D]`` with H a multiple of H_kv (grouped-query attention:
+query head h reads KV head ``h // (H // H_kv)``).  Attention accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key[t]``/``value[t]`` (``[T, H_kv, D]``) into slot ``slot_mapping[t]``;
+    -1 skips.
+
+    Slots outside ``[-1, num_slots)`` raise, as the compiled kernels do (indexing would wrap
+    a negative slot or skip it silently).
+    """
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):
+        raise ValueError(f"slot_mapping holds slots outside [-1, {num_slots}): "
+                         f"{slot_mapping[bad][:5].tolist()}")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache.flatten(0, 1)[slots] = key[keep]  # a view: the cache is contiguous
+    value_cache.flatten(0, 1)[slots] = value[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached rows, ``[seq_len, H_kv, D]``, in position order."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            compute_dtype: torch.dtype) -> torch.Tensor:
+    # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H_kv, D].
+    # One query row at a time, over exactly the keys it sees: a token's result is then the
+    # same computation whatever chunk (or decode step) it comes in, so the reference is
+    # batch-invariant too (one matmul over n rows sums a row differently for different n).
+    # The query heads of a KV head are consecutive: q viewed as [n, H_kv, H / H_kv, D].
+    n, H, D = q.shape
+    L, H_kv = k.shape[0], k.shape[1]
+    q = q.to(compute_dtype).reshape(n, H_kv, H // H_kv, D)
+    k, v = k.to(compute_dtype), v.to(compute_dtype)
+    rows = []
+    for i in range(n):
+        visible = L - n + i + 1
+        scores = torch.einsum("kgd,lkd->kgl", q[i], k[:visible]) * scale
+        rows.append(torch.einsum("kgl,lkd->kgd", scores.softmax(dim=-1), v[:visible]))
+    return torch.stack(rows).reshape(n, H, D)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context; ``[T, H, D]``.
+
+    ``query`` is ``[T, H, D]`` and the caches ``[num_blocks, block_size, H_kv, D]``, H a
+    multiple of H_kv.  The new tokens of sequence s are
+    ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at the last positions of its
+    ``seq_lens[s]`` tokens (whose K/V are already in the cache).  The maths runs in
+    ``compute_dtype`` (tests use float64 for the truth and the input dtype for the error a
+    plain implementation makes); the output is in query's dtype.
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    bounds = cu_seqlens_q.tolist()
+    num_blocks, block_size = key_cache.shape[:2]
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = bounds[s], bounds[s + 1]
+        if end == start:
+            continue
+        # the checks the compiled kernels make: indexing would wrap a block id of -1
+        if not (end - start <= seq_len <= block_tables.shape[1] * block_size):
+            raise ValueError(f"sequence {s}: seq_len {seq_len} must be in "
+                             f"[{end - start} new tokens, {block_tables.shape[1] * block_size}] "
+                             "(the block table's capacity)")
+        used = block_tables[s, :-(-seq_len // block_size)]
+        if bool(((used < 0) | (used >= num_blocks)).any()):
+            raise ValueError(f"block_tables[{s}] holds block ids outside [0, {num_blocks}): "
+                             f"{used.tolist()}")
+        k = gather_kv(key_cache, block_tables[s], seq_len)
+        v = gather_kv(value_cache, block_tables[s], seq_len)
+        out[start:end] = _attend(query[start:end], k, v, scale, compute_dtype)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One query per sequence (``query: [S, H, D]``) over its ``seq_lens[s]`` cached tokens."""
+    cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+        compute_dtype,
+    )

@@ -1,0 +1,162 @@
+"""``LLM.generate``: what a prompt may be, and all-or-nothing calls (tiny random model, CPU)."""
+
+import pytest
+
+from cbatch import LLM, SamplingParams
+from tests.helpers import fail_forward_at
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("random:tiny", max_num_seqs=4, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def static_llm():
+    return LLM("random:tiny", max_num_seqs=4, scheduling_policy="static")
+
+
+def assert_empty(llm):
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_whole()
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("prompts,params,exc,match", [
+    (["ok", ""], PARAMS, ValueError, "prompt is empty"),
+    (["ok", [1, 2, 512]], PARAMS, ValueError, r"token ids must be ints in \[0, 512\)"),
+    (["ok", [1] * 300], PARAMS, ValueError, "exceeds the model's maximum length"),
+    (["ok", 123], PARAMS, TypeError, r"prompts\[1\] is int 123: prompts must be a string, "
+     "a list of token ids, or a list of those"),
+    (["ok", "fine"], [PARAMS], ValueError, "got 1 SamplingParams for 2 prompts"),
+    (["ok", "fine"], [PARAMS, "greedy"], TypeError, "params must be SamplingParams"),
+    (["ok", [1] * 40], [PARAMS, SamplingParams(max_tokens=250)], ValueError,
+     r"prompt \(40 tokens\) \+ max_tokens \(250\)"),
+])
+def test_a_bad_prompt_or_parameter_queues_nothing(llm, prompts, params, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert_empty(llm)
+    outs = llm.generate(["next"], PARAMS, use_tqdm=False)
+    assert len(outs) == 1 and outs[0].prompt_token_ids == list(b"next")
+
+
+def test_the_static_baseline_is_all_or_nothing_too(static_llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        static_llm.generate(["ok", ""], PARAMS, use_tqdm=False)
+    outs = static_llm.generate(["next"], PARAMS, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [list(b"next")]
+
+
+def test_priorities_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], PARAMS, use_tqdm=False, priorities=[0])
+    assert_empty(llm)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("device lost"), KeyboardInterrupt()])
+def test_an_error_in_a_step_aborts_the_calls_requests(llm, monkeypatch, error):
+    """A failing forward pass on the third step (some requests running, some waiting)
+    leaves the engine empty with every block free, and the next call is unaffected."""
+    prompts = [[1, 2, 3], "hello", [7] * 20, "a longer prompt than the others", [9], "x"]
+    expected = llm.generate(prompts, PARAMS, use_tqdm=False)
+    calls = fail_forward_at(monkeypatch, llm.engine.model, 3, error)
+    with pytest.raises(type(error)):
+        llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert len(calls) == 3
+    assert_empty(llm)
+    monkeypatch.undo()
+    again = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+    assert_empty(llm)
+
+
+def test_one_prompt_or_a_list_of_prompts(llm):
+    """A string or a list of token ids is one prompt; a list of those is several."""
+    [one] = llm.generate("hi", PARAMS, use_tqdm=False)
+    assert one.prompt_token_ids == list(b"hi")
+    [ids] = llm.generate([123], PARAMS, use_tqdm=False)
+    assert ids.prompt_token_ids == [123]
+    mixed = llm.generate(["hi", [104, 105], (5, 6)], PARAMS, use_tqdm=False)
+    assert [o.prompt_token_ids for o in mixed] == [[104, 105], [104, 105], [5, 6]]
+    assert mixed[0].token_ids == mixed[1].token_ids == one.token_ids
+    assert llm.generate([], PARAMS, use_tqdm=False) == []
+    for bad in (123, None, {"prompt": "hi"}):
+        with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, "
+                                            "or a list of those"):
+            llm.generate(bad, PARAMS, use_tqdm=False)
+    assert_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """One tokenizer trained offline, saved both ways ``tokenizers`` reads it."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                            vocab_size=300, min_frequency=1)
+    json_dir = tmp_path_factory.mktemp("tokenizer-json")
+    tok.save(str(json_dir / "tokenizer.json"))
+    bpe_dir = tmp_path_factory.mktemp("tokenizer-bpe")
+    tok.save_model(str(bpe_dir))  # vocab.json + merges.txt
+    return json_dir, bpe_dir
+
+
+def test_a_checkpoint_without_tokenizer_files_warns(tiny_hf_dir):
+    with pytest.warns(UserWarning, match="has no tokenizer \\(tokenizer.json, vocab.json, "
+                                         "merges.txt missing\\).*pass tokenizer="):
+        llm = LLM(str(tiny_hf_dir))
+    assert type(llm.tokenizer).__name__ == "ByteTokenizer"
+
+
+@pytest.mark.parametrize("model", ["random:tiny", "checkpoint"])
+@pytest.mark.parametrize("form", ["tokenizer.json", "vocab.json+merges.txt"])
+def test_tokenizer_option_picks_the_tokenizer(tiny_hf_dir, tokenizer_dirs, recwarn, model, form):
+    tok_dir = tokenizer_dirs[form != "tokenizer.json"]
+    model = str(tiny_hf_dir) if model == "checkpoint" else model
+    llm = LLM(model, tokenizer=str(tok_dir))
+    assert not [w for w in recwarn if "tokenizer" in str(w.message)]
+    ids = llm.tokenizer.encode("the quick fox")
+    assert llm.tokenizer.decode(ids) == "the quick fox" and len(ids) < len("the quick fox")
+    out = llm.generate("the quick fox", PARAMS, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_a_tokenizer_that_is_not_there_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing: tokenizer.json, vocab.json, merges.txt"):
+        LLM("random:tiny", tokenizer=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        LLM("random:tiny", tokenizer=str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a reachable "
+                                                "Hugging Face hub id"):
+        LLM("random:tiny", tokenizer="no-such-user/no-such-tokenizer")  # offline in tests
+    with pytest.raises(ValueError, match="tokenizer must be a directory or hub id"):
+        LLM("random:tiny", tokenizer="")
+
+
+def _has_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device,match", [
+    ("banana", r"device must be 'cpu', 'cuda' or 'cuda:<index>', got 'banana'; "
+               r"available here: cpu"),
+    ("mps", r"cbatch runs on 'cpu' or 'cuda', got device='mps'; available here: cpu"),
+    pytest.param("cuda", r"device='cuda' but .*; available here: cpu$",
+                 marks=pytest.mark.skipif(_has_cuda(), reason="CUDA is available")),
+    pytest.param("cuda:64", r"device='cuda:64' but there are only \d+ CUDA devices",
+                 marks=pytest.mark.skipif(not _has_cuda(), reason="needs CUDA")),
+])
+def test_a_device_this_machine_lacks_is_one_clear_error(device, match):
+    from cbatch.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(device=device)
+    with pytest.raises(ValueError, match=match):
+        LLM("random:tiny", device=device)

@@ -1,0 +1,147 @@
+"""Checkpoint loading: real HF files made here, and every way they can be wrong."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cbatch import LLM, GPT2Config, KVCache, SamplingParams, bytes_per_token, load_model
+from cbatch.core.input_batch import make_step_batch
+from cbatch.models.loader import convert_hf_state_dict
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loads_pytorch_model_bin(tiny_hf_dir, tiny_hf_model, tmp_path):
+    path = tmp_path / "bin"
+    path.mkdir()
+    shutil.copy(tiny_hf_dir / "config.json", path)
+    torch.save(tiny_hf_model.state_dict(), path / "pytorch_model.bin")
+    ours = load_model(str(path))
+    torch.testing.assert_close(ours.transformer.h[1].mlp.c_fc.weight,
+                               tiny_hf_model.transformer.h[1].mlp.c_fc.weight.t())
+
+
+def test_bare_gpt2model_checkpoint_names(tiny_hf_model):
+    """Original GPT-2 checkpoints have no `transformer.` prefix and carry mask buffers."""
+    raw = {k.removeprefix("transformer."): v for k, v in tiny_hf_model.state_dict().items()}
+    raw["h.0.attn.bias"] = torch.ones(1)
+    config = GPT2Config.named("tiny")
+    converted = convert_hf_state_dict(raw, config)
+    assert "transformer.h.0.attn.c_attn.weight" in converted
+    assert "transformer.h.0.attn.bias" not in converted
+    assert "transformer.h.0.attn.c_attn.bias" in converted
+
+
+def test_missing_directory():
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model("./no/such/checkpoint")
+
+
+def test_unreachable_hub_id():
+    with pytest.raises(FileNotFoundError, match="hub id"):
+        load_model("nobody/no-such-model-xyz")
+
+
+def test_missing_weights(tiny_hf_dir, tmp_path):
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor pytorch_model.bin"):
+        load_model(str(path))
+
+
+def test_missing_config(tiny_hf_dir, tmp_path):
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(path))
+
+
+def test_unknown_model_type(tiny_hf_dir, tmp_path):
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type is 'llama'"):
+        load_model(str(path))
+
+
+def test_wrong_shapes(tiny_hf_dir, tmp_path):
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["n_embd"], cfg["n_head"] = 128, 4
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"c_attn.weight has shape \(64, 192\)"):
+        load_model(str(path))
+
+
+def test_wrong_vocab_size(tiny_hf_dir, tmp_path):
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="wte.weight has shape"):
+        load_model(str(path))
+
+
+def test_missing_tensor(tiny_hf_model, tiny_hf_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    state = {k: v.contiguous() for k, v in tiny_hf_model.state_dict().items()
+             if "h.1.ln_2" not in k and k != "lm_head.weight"}
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing.*h.1.ln_2"):
+        load_model(str(path))
+
+
+def test_positions_past_n_positions():
+    llm = LLM(load_model("random:tiny"))
+    with pytest.raises(ValueError, match=r"maximum length \(256\)"):
+        llm.generate([[1] * 250], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="past the model's n_positions = 256"):
+        make_step_batch([[1] * 10], [250], [list(range(17))], 16, max_positions=256)
+
+
+def test_unknown_named_size():
+    with pytest.raises(ValueError, match="unknown model size 'gpt5'"):
+        load_model("random:gpt5")
+
+
+@pytest.mark.parametrize("name,layers,heads,dim", [
+    ("gpt2", 12, 12, 768), ("gpt2-medium", 24, 16, 1024), ("gpt2-large", 36, 20, 1280),
+    ("gpt2-xl", 48, 25, 1600), ("distilgpt2", 6, 12, 768)])
+def test_named_configs(name, layers, heads, dim):
+    c = GPT2Config.named(name)
+    assert (c.n_layer, c.n_head, c.n_embd, c.head_dim) == (layers, heads, dim, 64)
+
+
+def test_memory_per_token_and_cache_layout():
+    gpt2 = GPT2Config.named("gpt2")
+    assert bytes_per_token(gpt2, torch.float16) == 36 * 1024
+    cache = KVCache(GPT2Config.named("tiny"), 64, block_size=16)
+    assert cache.data.shape == (2, 2, 64, 16, 4, 16)
+    k, v = cache.layer(1)
+    assert k.is_contiguous() and v.is_contiguous() and k.shape == (64, 16, 4, 16)
+
+
+def test_kv_cache_sized_from_memory():
+    from cbatch.config import EngineConfig
+    from cbatch.layers.kv_cache import num_kv_blocks
+
+    tiny = GPT2Config.named("tiny")
+    per_block = bytes_per_token(tiny, torch.float32) * 16
+    assert num_kv_blocks(EngineConfig(kv_cache_memory=10 * per_block + 1), tiny) == 10
+    with pytest.raises(ValueError, match="holds no block"):
+        num_kv_blocks(EngineConfig(kv_cache_memory=per_block - 1), tiny)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="divisible"):
+        GPT2Config(n_embd=100, n_head=12)
+    with pytest.raises(ValueError, match="n_layer must be >= 1"):
+        GPT2Config(n_layer=0)

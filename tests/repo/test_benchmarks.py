@@ -1,0 +1,124 @@
+"""Each benchmark in --quick mode on tiny shapes: the harness works and checks correctness
+(these are not speed tests)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbatch import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import (  # noqa: E402
+    bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
+    bench_throughput, common)
+
+
+# The benchmarks run on the GPU when there is one (their --device default), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STATUS = ops.available_backends()
+
+
+def _expected_kernels(op: str) -> set[str]:
+    """The rows of cbatch's own kernels a --quick run on DEVICE must time."""
+    if DEVICE == "cpu":
+        return {"cbatch-cpu"} if STATUS["cpu"].available else set()
+    names = {"cbatch-triton"} if STATUS["triton"].available else set()
+    if op == "decode_attention" and STATUS["cuda"].available:
+        names.add("cbatch-cuda")
+    return names
+
+
+def _rows(out: Path, name: str) -> list[dict]:
+    for ext in ("json", "csv", "md", "png"):
+        assert (out / f"{name}.{ext}").stat().st_size > 0, f"{name}.{ext} missing"
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["device"] and data["command"] and data["versions"]["torch"]
+    return data["rows"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,name", [(bench_decode_attention, "decode_attention"),
+                                         (bench_prefill_attention, "prefill_attention")])
+def test_attention_benchmarks(tmp_path, module, name):
+    rows = _rows(module.main(["--quick", "--out", str(tmp_path), "--no-progress"]), name)
+    ok = [r for r in rows if r["status"] == "ok"]
+    expected = _expected_kernels(name) | {"sdpa-padded", "torch-reference"}
+    assert expected <= {r["impl"] for r in ok}
+    if name == "decode_attention":  # FlexAttention over the paged cache (torch >= 2.5)
+        assert "flex-paged" in {r["impl"] for r in ok}
+    assert not [r for r in rows if r["status"].startswith(("WRONG", "error"))]
+    assert all(r["us"] > 0 for r in ok)
+
+
+@pytest.mark.slow
+def test_mixed_step_benchmark(tmp_path):
+    rows = _rows(bench_mixed_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
+                 "mixed_step")
+    # CPU: the C++ kernels and the reference; CUDA: GPT-2's own choice, Triton, the reference
+    backends = ["auto", "triton", "torch"] if DEVICE == "cuda" else ["cpu", "torch"]
+    assert {r["impl"] for r in rows} == {f"{b}-{s}" for b in backends
+                                         for s in ("unified", "split")}
+    assert all(r["status"] == "ok" and r["us"] > 0 for r in rows)
+    for r in rows:  # each split row carries unified time / split time for its backend
+        assert (r.get("speedup", 0) > 0) == r["impl"].endswith("-split")
+
+
+@pytest.mark.slow
+def test_decode_step_benchmark(tmp_path):
+    rows = _rows(bench_decode_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
+                 "decode_step")
+    assert [(r["mode"], r["batch"]) for r in rows] == [
+        (mode, batch) for mode in ("eager", "graphs", "async") for batch in (1, 4)]
+    assert all(r["floor_ms"] > 0 and 0 <= r["host_ms"] <= r["step_ms"] for r in rows)
+
+
+@pytest.mark.slow
+def test_throughput_benchmark(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "seed", "longtail",
+                                 "--engines", "cbatch-continuous", "cbatch-static",
+                                 "hf-generate"])
+    rows = _rows(out, "throughput")
+    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
+    for r in rows:  # same weights, greedy: every engine produces the same tokens
+        assert r["same_tokens_as_continuous"] == f"{r['requests']}/{r['requests']}"
+
+
+def test_throughput_benchmark_sharedprefix(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "sharedprefix",
+                                 "--engines", "cbatch-continuous", "cbatch-no-prefix-cache"])
+    rows = {r["engine"]: r for r in _rows(out, "throughput")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    off, on = rows["cbatch-no-prefix-cache"], rows["cbatch-continuous"]
+    assert off["same_tokens_as_continuous"] == f"{off['requests']}/{off['requests']}"
+    assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0
+
+
+@pytest.mark.slow
+def test_throughput_benchmark_batch_invariant(tmp_path):
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "longtail", "--engines", "cbatch-continuous",
+                                 "--batch-invariant"])
+    rows = _rows(out, "throughput-batch-invariant")
+    assert [r["engine"] for r in rows] == ["cbatch-continuous", "cbatch-invariant"]
+    assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)
+
+
+def test_a_run_without_out_writes_a_new_folder_not_the_committed_results(tmp_path, monkeypatch):
+    """Without --out a benchmark writes under benchmarks/runs/<time>-<device>/ (ignored by
+    git); the committed benchmarks/results/ change only when --out names them."""
+    results = Path(common.__file__).parent / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    monkeypatch.setattr(common, "RUNS", tmp_path / "runs")
+    out = bench_mixed_step.main(["--quick", "--no-progress"])
+    assert out.parent == tmp_path / "runs"
+    assert out.name.endswith("-" + common.device_slug(torch.device(DEVICE)))
+    _rows(out, "mixed_step")
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == before
+    gitignore = (Path(common.__file__).parents[1] / ".gitignore").read_text().split()
+    assert "benchmarks/runs/" in gitignore

@@ -1,0 +1,57 @@
+"""Every ```python example in the README runs as written."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_examples():
+    assert len(BLOCKS) >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index, capsys):
+    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
+    assert capsys.readouterr().out  # every example prints what it computed
+
+
+ROOT = README.parent
+
+
+def test_design_references_name_the_design_page():
+    """Docstrings that cite the design name docs/design.md, which is in the repository."""
+    assert (ROOT / "docs" / "design.md").is_file()
+    files = [p for d in ("cbatch", "benchmarks", "scripts", "kernels")
+             for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh", ".md")]
+    cited = []
+    for path in files + [README]:
+        for match in re.finditer(r"[\w./-]*design\.md", path.read_text(), flags=re.I):
+            cited.append((path.relative_to(ROOT), match.group()))
+    assert cited and all(name == "docs/design.md" for _, name in cited), cited
+
+
+def test_readme_cli_commands_parse():
+    """Every `cbatch ...` command line in the README is one the CLI accepts."""
+    import shlex
+
+    from cbatch.entrypoints.cli.main import build_parser
+
+    commands = re.findall(r"`(cbatch (?:demo|generate)[^`]*)`", README.read_text())
+    assert commands
+    for command in commands:
+        args = shlex.split(command)[1:]
+        if "--help" not in args:
+            build_parser().parse_args(args)
+
+
+def test_readme_demo_timings_name_their_machine():
+    """Demo timings depend on the machine: the README says which one ran them, and keeps the
+    ratio, rather than promising a duration."""
+    demo = README.read_text().split("## Fresh machine", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"one run on", demo, flags=re.I) and "faster" in demo
+    assert not re.search(r"takes about \d+ ?s", demo)
