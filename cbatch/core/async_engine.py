@@ -138,6 +138,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down" if self._error is None else
                                   f"the engine loop failed: {self._error!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        if isinstance(prompt, str):  # tokenised here, in a worker: a long prompt stalls no step
+            prompt = await asyncio.to_thread(self.tokenizer.encode, prompt)
         queue: asyncio.Queue = asyncio.Queue()
         self._post(("add", request_id, prompt, params, priority, stream,
                     asyncio.get_running_loop(), queue))

@@ -78,6 +78,31 @@ def test_bad_params_through_the_async_engine_leave_it_serving():
     asyncio.run(main())
 
 
+def test_a_slow_to_tokenise_prompt_stalls_no_other_request(monkeypatch):
+    async def main():
+        engine = AsyncEngine("random:tiny", **KW)
+        encode = engine.tokenizer.encode
+        release = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def slow(text):  # a huge prompt: the tokenizer works while others are served
+            if text.startswith("huge"):
+                asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=60)
+            return encode(text)
+
+        monkeypatch.setattr(engine.tokenizer, "encode", slow)
+        huge = asyncio.create_task(engine.add_request("huge prompt", SamplingParams()))
+        others = [o async for o in engine.generate([1, 2], SamplingParams(max_tokens=4))]
+        assert others[-1].finish_reason == "length" and not huge.done()
+        release.set()
+        stream = await asyncio.wait_for(huge, 60)
+        outs = [o async for o in stream]
+        await asyncio.to_thread(engine.shutdown)
+        return outs
+
+    assert asyncio.run(main())[-1].finished
+
+
 # ------------------------------------------------------------------ per-request faults
 
 
