@@ -7,7 +7,8 @@ import argparse
 
 from cbatch.entrypoints.cli.engine_args import (DEFAULT_MODEL, add_engine_args, engine_kwargs,
                                                 resolve_device_and_dtype)
-from cbatch.entrypoints.openai.cli_args import add_server_args, check_serve_args  # argparse only
+from cbatch.entrypoints.openai.cli_args import (add_server_args, check_serve_args,  # no torch
+                                                guard_settings)
 
 
 def resolve_model(args: argparse.Namespace) -> None:
@@ -36,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> None:
         gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
         serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
               num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
-              chat_template=template, **engine_kwargs(args))
+              chat_template=template, guard=guard_settings(args), **engine_kwargs(args))
         return
     from cbatch.entrypoints.openai.api_server import run_server
 

@@ -32,8 +32,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
-from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES
-from cbatch.entrypoints.openai.guard import RequestGuard, default_allowed_hosts, timed_protocol
+from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_settings
+from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ModelCard, ModelList, OpenAIError)
@@ -214,12 +214,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
 
     engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
                                    on_dead=on_dead, **engine_kwargs)
-    allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
-               else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
-                    api_key=args.api_key or os.environ.get("CBATCH_API_KEY") or None,
-                    allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
-                    body_timeout=args.body_timeout)
+                    **guard_settings(args))
     print(engine.engine.kv_cache.memory_report(), flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.limit_concurrency, args.header_timeout)

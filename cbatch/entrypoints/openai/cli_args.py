@@ -51,5 +51,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
         need(bool(args.api_key.strip()), "--api-key", "a non-empty string")
 
 
+def guard_settings(args: argparse.Namespace) -> dict:
+    """The keywords of ``build_app`` (its :class:`RequestGuard`) that the serve flags set."""
+    import os
+
+    from cbatch.entrypoints.openai.guard import default_allowed_hosts
+
+    allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
+               else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+    return dict(api_key=args.api_key or os.environ.get("CBATCH_API_KEY") or None,
+                allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
+                body_timeout=args.body_timeout)
+
+
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
