@@ -30,6 +30,7 @@ def test_sampling_params_refuse_what_the_step_cannot_run_naming_the_field(field,
         SamplingParams(**{field: value})
 
 
+@pytest.mark.slow
 def test_sampling_params_edges_that_run():
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
     assert SamplingParams(top_k=2**31, seed=2**64 - 1, temperature=1).top_k == 2**31
@@ -127,6 +128,7 @@ def _params(i):
 BAD = [9, 9, 9]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [[], ["zz"]])  # text read by the caller / by stop checks
 def test_a_request_whose_detokenizer_raises_mid_stream_fails_alone(monkeypatch, stop):
     prompts = [[i + 1, 2, 3] for i in range(6)]
@@ -242,6 +244,7 @@ def _greedy(llm, n=4):
                                               use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_graph_capture_failure_falls_back_to_eager(monkeypatch):
     eager = _greedy(LLM("random:tiny", cuda_graphs=False, **KW))
     llm = LLM("random:tiny", cuda_graphs=True, **KW)  # CPU: padded eager batches
@@ -257,6 +260,7 @@ def test_graph_capture_failure_falls_back_to_eager(monkeypatch):
     assert _greedy(llm) == eager
 
 
+@pytest.mark.slow
 def test_graphs_whose_replay_disagrees_with_eager_are_dropped_at_start_up(monkeypatch):
     engine = Engine("random:tiny", cuda_graphs=True, **KW)
     runner = engine.runner
@@ -285,6 +289,7 @@ def test_graphs_whose_replay_disagrees_with_eager_are_dropped_at_start_up(monkey
     assert sorted(runner._graphs) == runner.buckets and vocab > 0
 
 
+@pytest.mark.slow
 def test_a_graph_replay_that_raises_mid_serving_falls_back_to_eager():
     eager = _greedy(LLM("random:tiny", cuda_graphs=False, **KW))
     llm = LLM("random:tiny", cuda_graphs=True, **KW)

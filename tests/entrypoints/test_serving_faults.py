@@ -128,6 +128,7 @@ def test_half_sent_headers_and_bodies_are_dropped():
 # ------------------------------------------------------------------ finding 8
 
 
+@pytest.mark.slow
 def test_chat_template_errors_and_unknown_roles_are_400s(tiny_hf_dir, tmp_path):
     import shutil
 
@@ -169,6 +170,7 @@ def test_api_key_guards_v1_routes_only():
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
 
 
+@pytest.mark.slow
 def test_a_loopback_server_answers_loopback_host_names_only():
     from cbatch.entrypoints.openai.guard import default_allowed_hosts
 
@@ -297,6 +299,7 @@ def _post_in_background(url: str, bodies: list[dict]) -> list:
 LONG = {"prompt": [1, 2], "max_tokens": 250, "ignore_eos": True}
 
 
+@pytest.mark.slow
 def test_a_failed_engine_makes_the_process_exit_1_without_telling_clients_why():
     proc, url = _start(["--max-num-seqs", "2"], [sys.executable, "-c", FAULTY_STEP, "serve",
                                                   "--model", "random:tiny", "--threads", "1",
@@ -314,6 +317,7 @@ def test_a_failed_engine_makes_the_process_exit_1_without_telling_clients_why():
     assert "secret internals" in out  # the reason is in the log
 
 
+@pytest.mark.slow
 def test_sigterm_aborts_what_is_left_after_the_shutdown_timeout_and_exits():
     proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"])
     try:
@@ -349,6 +353,7 @@ def test_sigterm_aborts_what_is_left_after_the_shutdown_timeout_and_exits():
     assert events[-1] == "[DONE]" and finals[-1] == "abort", events[-3:]
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once():
     proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "120"])
     try:
@@ -367,6 +372,7 @@ def test_a_second_signal_exits_at_once():
     assert took < 5 and code == 128 + signal.SIGTERM, (took, code, out[-3000:])
 
 
+@pytest.mark.slow
 def test_cbatch_api_key_from_the_environment():
     port = free_port()
     proc = subprocess.Popen([*SERVE, "--port", str(port)], stdout=subprocess.PIPE,

@@ -52,6 +52,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_zero_size_inputs_give_empty_results_never_a_signal():
     backends = [b for b in ("cpu", "torch") if ops.available_backends()[b].available]
     if triton_device() == "cpu":
