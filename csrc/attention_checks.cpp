@@ -13,9 +13,11 @@ void check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
   CBATCH_CHECK_DIM(seq_lens, 1);
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ",
                     value_cache.sizes(), " must equal key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(query.size(1) == key_cache.size(2) && query.size(2) == key_cache.size(3),
+  // Grouped-query attention: each of the cache's H_kv heads serves H / H_kv query heads.
+  TORCH_CHECK_VALUE(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0 &&
+                        query.size(2) == key_cache.size(3),
                     "query ", query.sizes(), " does not match the cache's heads/head_dim ",
-                    key_cache.sizes());
+                    key_cache.sizes(), " (query heads must be a multiple of the cache's heads)");
   TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ",
                     block_tables.size(0), " rows for ", seq_lens.size(0), " sequences");
   const auto dtype = query.scalar_type();

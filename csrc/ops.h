@@ -16,7 +16,7 @@ std::string build_info();
 std::string nvcc_version();
 #endif
 
-// key, value: [T, H, D]; key_cache, value_cache: [num_blocks, block_size, H, D];
+// key, value: [T, H_kv, D]; key_cache, value_cache: [num_blocks, block_size, H_kv, D];
 // slot_mapping: int64 [T], -1 = skip.
 void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                         at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -31,7 +31,8 @@ void check_write_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
                                const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& slot_mapping);
 
-// query: [S or T, H, D] (dense rows, free token stride); caches as above;
+// query: [S or T, H, D] (dense rows, free token stride); caches as above with H_kv heads,
+// H a multiple of H_kv (query head h reads KV head h / (H / H_kv));
 // block_tables: int32 [S, max_blocks]; seq_lens: int32 [S]; cu_seqlens_q: int32 [S + 1].
 // Both return a new [*, H, D] tensor in query's dtype.
 at::Tensor paged_decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,

@@ -1,13 +1,16 @@
 """Paged decode attention in Triton: one query token per sequence, ragged contexts.
 
-One program handles one (sequence, head, KV partition).  Each sequence's context is cut
-into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens (never derived from
-the batch), so a sequence's reduction order depends on its own length only and its output
-is bitwise the same whatever it is batched with.  Each program writes its partial output and
-log-sum-exp and ``_merge_kernel`` combines them in partition order; programs past a
-sequence's real length exit at once, so short sequences cost nothing extra.  When no block
-table can hold more than one partition the merge is skipped: merging a single partition is
-exact (its weight is exp(0) = 1), so that changes no bit either.
+One program handles one (query head, sequence, KV partition).  Grouped-query attention: the
+cache holds H_kv heads and query head h reads KV head ``h // (H // H_kv)`` in place (no copy
+of KV heads); the programs of one KV head's query heads are neighbours in the grid, so all
+but the first read its blocks from L2 (as in vLLM's paged attention).  Each sequence's
+context is cut into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens
+(never derived from the batch), so a sequence's reduction order depends on its own length
+only and its output is bitwise the same whatever it is batched with.  Each program writes
+its partial output and log-sum-exp and ``_merge_kernel`` combines them in partition order;
+programs past a sequence's real length exit at once, so short sequences cost nothing extra.
+When no block table can hold more than one partition the merge is skipped: merging a single
+partition is exact (its weight is exp(0) = 1), so that changes no bit either.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ PARTITION_SIZE = 256  # tokens; a multiple of every TILE_N, so tiles never strad
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale, num_splits, partition,
+    scale, num_splits, partition, kv_group,
     stride_q_t, stride_q_h,
     stride_c_block, stride_c_tok, stride_c_head,
     stride_bt, stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, TILE_N: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition
@@ -52,11 +55,12 @@ def _paged_decode_kernel(
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    kv_head = head // kv_group  # kv_group query heads share each KV head
     for tile in range(start, end, TILE_N):
         offs_n = tile + tl.arange(0, TILE_N)
         mask_n = offs_n < end
         row = (paged_offsets(table, offs_n, mask_n, PAGE_SIZE, stride_c_block, stride_c_tok)
-               + head * stride_c_head)
+               + kv_head * stride_c_head)
         mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # [TILE_N]
@@ -70,7 +74,7 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if SPLIT:
-        part = (seq * tl.num_programs(1) + head) * num_splits + split
+        part = (seq * tl.num_programs(0) + head) * num_splits + split
         tl.store(partial_out_ptr + part * HEAD_DIM + offs_d, acc / l_i, mask=mask_d)
         tl.store(partial_lse_ptr + part, m_i + tl.log(l_i))
     else:
@@ -146,7 +150,8 @@ def paged_decode_attention(
     scale: float,
     partition_size: int | None = PARTITION_SIZE,
 ) -> torch.Tensor:
-    """``query [S, H, D]`` over the paged cache → ``[S, H, D]``; see ``cbatch.ops``.
+    """``query [S, H, D]`` over the paged cache ``[num_blocks, page, H_kv, D]`` →
+    ``[S, H, D]``; see ``cbatch.ops``.
 
     ``partition_size``: tokens per KV partition (a multiple of 128; tests vary it), None for
     one pass over the whole context.
@@ -167,10 +172,10 @@ def paged_decode_attention(
         partial_out = partial_lse = out  # unused
     block_d = triton.next_power_of_2(D)
     kernel, meta = decode_launch(D)
-    kernel[(S, H, num_splits)](
+    kernel[(H, S, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, partial_out, partial_lse,
-        scale, num_splits, partition,
+        scale, num_splits, partition, H // key_cache.shape[2],
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),

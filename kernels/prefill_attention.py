@@ -1,8 +1,10 @@
 """Paged prefill attention in Triton: chunks of new tokens, causal over cache + chunk.
 
-One program handles BLOCK_M query rows of one (sequence, head).  It walks the sequence's
-paged keys in tiles of BLOCK_N tokens up to its last row's position, with an online
-softmax in fp32; the causal mask only bites in the tiles that overlap the chunk.
+One program handles BLOCK_M query rows of one (sequence, query head).  It walks the
+sequence's paged keys in tiles of BLOCK_N tokens up to its last row's position, with an
+online softmax in fp32; the causal mask only bites in the tiles that overlap the chunk.
+Grouped-query attention: the cache holds H_kv heads and query head h reads KV head
+``h // (H // H_kv)`` in place (no copy of KV heads), as FlashAttention does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from cbatch.kernels._utils import autotuning, configs, paged_offsets, upcast
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
-    scale,
+    scale, kv_group,
     stride_q_t, stride_q_h,
     stride_c_block, stride_c_tok, stride_c_head,
     stride_bt, stride_o_t, stride_o_h,
@@ -50,12 +52,13 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    kv_head = head // kv_group  # kv_group query heads share each KV head
     kv_end = tl.minimum(seq_len, num_cached + (m_tile + 1) * BLOCK_M)
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         row = (paged_offsets(table, offs_n, mask_n, PAGE_SIZE, stride_c_block, stride_c_tok)
-               + head * stride_c_head)
+               + kv_head * stride_c_head)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -116,7 +119,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """``query [T, H, D]`` (runs given by ``cu_seqlens_q``) → ``[T, H, D]``; see ``cbatch.ops``.
+    """``query [T, H, D]`` (runs given by ``cu_seqlens_q``) over the paged cache
+    ``[num_blocks, page, H_kv, D]`` → ``[T, H, D]``; see ``cbatch.ops``.
 
     ``max_query_len`` (the longest run, when the caller knows it) sizes the grid; without it
     the grid covers T rows per sequence and the surplus programs exit at once (no sync).
@@ -131,7 +135,7 @@ def paged_prefill_attention(
     kernel, meta = prefill_launch(query.dtype, D)
     kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale,
+        scale, H // key_cache.shape[2],
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),

@@ -85,24 +85,27 @@ def shuffled_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
 
 
 def paged_inputs(seq_lens: list[int], num_new: list[int], H: int, D: int, block_size: int,
-                 dtype: torch.dtype, device: str, seed: int, spare_blocks: int = 3):
+                 dtype: torch.dtype, device: str, seed: int, spare_blocks: int = 3,
+                 num_kv_heads: int | None = None):
     """Fresh random attention inputs over a shuffled paged cache.
 
     Blocks no sequence owns hold NaN, so a kernel that reads outside its block table poisons
-    its output.  Returns query ``[sum(num_new), H, D]``, key_cache, value_cache,
-    block_tables, cu_seqlens_q and seq_lens (on ``device``).
+    its output.  Returns query ``[sum(num_new), H, D]``, key_cache, value_cache (``[num_blocks,
+    block_size, num_kv_heads, D]``; num_kv_heads defaults to H), block_tables, cu_seqlens_q
+    and seq_lens (on ``device``).
     """
+    H_kv = H if num_kv_heads is None else num_kv_heads
     gen = torch.Generator().manual_seed(seed)
     needed = sum(-(-n // block_size) for n in seq_lens)
     num_blocks = needed + spare_blocks
     tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
-    shape = (num_blocks, block_size, H, D)
+    shape = (num_blocks, block_size, H_kv, D)
     key_cache = torch.full(shape, float("nan"))
     value_cache = torch.full(shape, float("nan"))
     for s, n in enumerate(seq_lens):
         for b in tables[s, : -(-n // block_size)].tolist():
-            key_cache[b] = torch.randn(block_size, H, D, generator=gen)
-            value_cache[b] = torch.randn(block_size, H, D, generator=gen)
+            key_cache[b] = torch.randn(block_size, H_kv, D, generator=gen)
+            value_cache[b] = torch.randn(block_size, H_kv, D, generator=gen)
     query = torch.randn(sum(num_new), H, D, generator=gen)
     cu = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -11,15 +11,17 @@ from cbatch.tokenizer import Tokenizer
 class OutputProcessor:
     """Decides when a request stops and makes its :class:`RequestOutput` snapshots."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_id: int):
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | tuple[int, ...] | None):
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        # a config may name several (Llama 3, Qwen2.5 chat models) or none
+        self.eos_token_ids = frozenset(eos_token_id if isinstance(eos_token_id, tuple)
+                                       else () if eos_token_id is None else (eos_token_id,))
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends now that ``token`` joined it ("stop", "length"), or None."""
         params = seq.params
         if token in params.stop_token_ids or (
-                not params.ignore_eos and token == self.eos_token_id):
+                not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
             return "stop"

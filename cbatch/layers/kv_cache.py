@@ -53,6 +53,22 @@ class KVCache:
         self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size,
                                 config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds, over all sequences."""
+        return self.num_blocks * self.block_size
+
+    def memory_report(self) -> str:
+        """One line: how many tokens fit, in how many bytes, and where the bytes per token come
+        from (grouped-query models keep only their KV heads)."""
+        c, itemsize = self.config, self.data.dtype.itemsize
+        full = self.num_tokens // c.max_model_len
+        return (f"KV cache: {self.num_tokens} tokens ({self.num_blocks} blocks of "
+                f"{self.block_size}; {full} sequences of max_model_len {c.max_model_len}) in "
+                f"{self.data.nbytes / 2**20:.1f} MiB: {bytes_per_token(c, self.data.dtype)} "
+                f"bytes per token = 2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x "
+                f"head_dim {c.head_dim} x {itemsize} bytes")
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
 

@@ -1,21 +1,29 @@
 """Loading models: Hugging Face checkpoints (local or from the hub), and seeded random weights.
 
-Weights load the way nanoGPT and gpt-fast do: Hugging Face parameter names are kept, exactly
-the Conv1D weights ``[in, out]`` are transposed into ``nn.Linear``'s ``[out, in]`` (each with a
-shape check), and the model is built on the ``meta`` device and the checkpoint's tensors are
-assigned to it, so loading is one copy.  The tokenizer and the server find a checkpoint's other
-files through :func:`resolve_checkpoint_dir`.
+The checkpoint's ``config.json`` names its architecture (:mod:`cbatch.models.registry`).
+Weights load the way nanoGPT and gpt-fast do: Hugging Face parameter names are kept (GPT-2's
+Conv1D weights ``[in, out]`` transposed into ``nn.Linear``'s ``[out, in]``, the Llama family's
+q/k/v and gate/up stacked into fused projections, each with a shape check), and the model is
+built on the ``meta`` device and the checkpoint's tensors are assigned to it, so loading is one
+copy.  Weights come from ``model.safetensors``, from shards listed in
+``model.safetensors.index.json``, or from ``pytorch_model.bin``, in whatever float dtype they
+were saved.  The tokenizer and the server find a checkpoint's other files through
+:func:`resolve_checkpoint_dir`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from cbatch.config import GPT2Config
+from cbatch.config import MODEL_CONFIGS, GPT2Config
 from cbatch.models.gpt2 import GPT2LMHeadModel
+from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
@@ -38,7 +46,8 @@ def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
             p.copy_(value)
 
 
-CHECKPOINT_FILES = ("config.json", "*.safetensors", "pytorch_model.bin")
+CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
+                    "pytorch_model.bin", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "chat_template.jinja")
 
@@ -65,14 +74,26 @@ def resolve_checkpoint_dir(name_or_path: str,
 
 
 def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """The raw tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin`` in ``path``."""
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+    """The raw tensors of ``model.safetensors`` (preferred), of the shards that
+    ``model.safetensors.index.json`` lists, or of ``pytorch_model.bin`` in ``path``."""
+    from safetensors.torch import load_file
 
+    if (path / "model.safetensors").is_file():
         return load_file(path / "model.safetensors", device=str(device))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that {path} lacks: {missing}")
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(path / shard, device=str(device)))
+        return state
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location=device, weights_only=True)
-    raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+    raise FileNotFoundError(f"{path} holds neither model.safetensors (or shards with "
+                            "model.safetensors.index.json) nor pytorch_model.bin")
 
 
 def convert_hf_state_dict(raw: dict[str, torch.Tensor], config: GPT2Config
@@ -100,41 +121,91 @@ def convert_hf_state_dict(raw: dict[str, torch.Tensor], config: GPT2Config
     return out
 
 
+def random_model_names() -> list[str]:
+    """Every ``random:<name>``: GPT-2's sizes and the Llama family's."""
+    return sorted(MODEL_CONFIGS) + sorted(random_llama_configs())
+
+
 def load_model(name_or_path: str, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, seed: int = 0,
-               attention_backend: str | None = None) -> GPT2LMHeadModel:
-    """Build a GPT-2 and load its weights.
+               attention_backend: str | None = None) -> nn.Module:
+    """Build a model and load its weights.
 
-    ``name_or_path`` is ``random:<size>`` (a size from :data:`cbatch.config.MODEL_CONFIGS`
-    with seeded random weights), a local directory with Hugging Face files (config.json plus
-    model.safetensors or pytorch_model.bin), or a hub id fetched through huggingface_hub.
-    Real weights are loaded with one copy: the model is built on the meta device and the
-    checkpoint tensors are assigned to it.
+    ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
+    seeded random weights), a local directory with Hugging Face files (config.json naming a
+    supported architecture, plus weights: see :func:`load_state_dict`), or a hub id fetched
+    through huggingface_hub.  Real weights are loaded with one copy: the model is built on
+    the meta device and the checkpoint tensors are assigned to it.
     """
     if name_or_path.startswith("random:"):
-        config = GPT2Config.named(name_or_path.removeprefix("random:"))
-        model = GPT2LMHeadModel(config, attention_backend)  # CPU fp32: seeded identically
-        _init_random(model, seed)
+        name = name_or_path.removeprefix("random:")
+        llama = random_llama_configs()
+        if name in llama:  # CPU fp32 first: seeded identically on every device
+            architecture, config = llama[name]
+            model = model_class(architecture)(config, attention_backend)
+            model.init_random(seed)
+        elif name in MODEL_CONFIGS:
+            model = GPT2LMHeadModel(GPT2Config.named(name), attention_backend)
+            _init_random(model, seed)
+        else:
+            raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
         return model.to(device=device, dtype=dtype).eval()
 
     path = resolve_checkpoint_dir(name_or_path)
-    config = GPT2Config.from_hf(path)
-    state = convert_hf_state_dict(load_state_dict(path, device), config)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
+    raw = json.loads((path / "config.json").read_text())
+    cls = model_class(architecture_of(raw, path / "config.json"))
+    if cls is GPT2LMHeadModel:
+        config = GPT2Config.from_hf(path)
+        state = convert_hf_state_dict(load_state_dict(path, device), config)
+        tied = ("lm_head.weight", "transformer.wte.weight")
+    else:
+        config = cls.config_class.from_hf(raw, **cls.config_switches)
+        config = _with_generation_eos(config, path)
+        state = cls.convert_hf_state_dict(load_state_dict(path, device), config)
+        tied = ("lm_head.weight", "model.embed_tokens.weight") \
+            if config.tie_word_embeddings else None
     with torch.device("meta"):
-        model = GPT2LMHeadModel(config, attention_backend)
-    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        model = cls(config, attention_backend)
+    _assign(model, state, path, tied, device, dtype)
+    return model.eval()
+
+
+def _with_generation_eos(config, path: Path):
+    """The end-of-sequence ids of config.json and of ``generation_config.json`` together (chat
+    checkpoints put the end-of-turn token in the latter, and generation stops at either)."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return config
+
+    def ids(value) -> tuple[int, ...]:
+        return tuple(value) if isinstance(value, list | tuple) else () if value is None \
+            else (value,)
+
+    eos = ids(config.eos_token_id)
+    eos += tuple(i for i in ids(json.loads(gen.read_text()).get("eos_token_id")) if i not in eos)
+    return dataclasses.replace(config, eos_token_id=eos[0] if len(eos) == 1 else eos or None)
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
+            tied: tuple[str, str] | None, device, dtype) -> None:
+    """Check ``state`` against ``model``'s parameters (names and shapes) and assign it, cast
+    to ``dtype`` on ``device``; ``tied``: (parameter, the one it shares its tensor with)."""
+    expected = {k: v for k, v in model.state_dict().items() if tied is None or k != tied[0]}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the GPT-2 config: missing "
-                         f"{missing[:5]}{'…' if len(missing) > 5 else ''}, unexpected "
+        raise ValueError(f"checkpoint {path} does not match the {type(model).__name__} config: "
+                         f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, unexpected "
                          f"{unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
                              f"config expects {tuple(expected[name].shape)}")
         state[name] = tensor.to(device=device, dtype=dtype).contiguous()
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    if tied is not None:
+        state[tied[0]] = state[tied[1]]
     model.load_state_dict(state, assign=True, strict=True)
-    model.lm_head.weight = model.transformer.wte.weight
-    return model.eval()
+    if tied is not None:  # assign=True replaced the parameters: share one tensor again
+        model.lm_head.weight = model.get_parameter(tied[1])

@@ -76,7 +76,8 @@ def paged_decode_attention(
     ----------
     query : Tensor, ``[S, H, D]``, float32/float16/bfloat16
         The query of each sequence's newest token (its K/V already written to the cache).
-    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H_kv, D]``, query's dtype
+        H is a multiple of H_kv: query head h reads KV head ``h // (H // H_kv)``.
     block_tables : Tensor, int32 ``[S, max_blocks]``
         Physical block ids; only the first ``ceil(seq_lens[s] / block_size)`` are read.
     seq_lens : Tensor, int32 ``[S]``
@@ -141,7 +142,7 @@ def paged_prefill_attention(
     Parameters
     ----------
     query : Tensor, ``[T, H, D]``, float32/float16/bfloat16
-    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H, D]``, query's dtype
+    key_cache, value_cache : Tensor, ``[num_blocks, block_size, H_kv, D]``, query's dtype
         Must already hold the K/V of every new token.
     block_tables : Tensor, int32 ``[S, max_blocks]``
     cu_seqlens_q : Tensor, int32 ``[S + 1]``

@@ -51,10 +51,12 @@ def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     check_cache(key_cache, value_cache)
-    H, D = key_cache.shape[2:]
-    if not (query.dim() == 3 and query.shape[1:] == (H, D)):
-        raise ValueError(f"query must be [*, {H}, {D}] to match the cache's heads and head_dim, "
-                         f"got {tuple(query.shape)}")
+    H_kv, D = key_cache.shape[2:]
+    # grouped-query attention: each of the cache's H_kv heads serves H / H_kv query heads
+    if not (query.dim() == 3 and query.shape[2] == D and H_kv > 0
+            and query.shape[1] % H_kv == 0):
+        raise ValueError(f"query must be [*, H, {D}] with H a multiple of {H_kv} to match the "
+                         f"cache's heads and head_dim, got {tuple(query.shape)}")
     if query.dtype != key_cache.dtype:
         raise TypeError(f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):

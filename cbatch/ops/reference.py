@@ -1,7 +1,8 @@
 """Pure-torch definitions of cbatch's ops: slow, obvious, and the ground truth for tests.
 
-Shapes follow docs/design.md: T new tokens, S sequences, H heads, D head dim; caches are
-``[num_blocks, block_size, H, D]``.  Attention accumulates in fp32.
+Shapes follow docs/design.md: T new tokens, S sequences, H query heads, D head dim; caches are
+``[num_blocks, block_size, H_kv, D]`` with H a multiple of H_kv (grouped-query attention:
+query head h reads KV head ``h // (H // H_kv)``).  Attention accumulates in fp32.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key[t]``/``value[t]`` (``[T, H, D]``) into slot ``slot_mapping[t]``; -1 skips."""
+    """Scatter ``key[t]``/``value[t]`` (``[T, H_kv, D]``) into slot ``slot_mapping[t]``;
+    -1 skips."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
@@ -26,7 +28,7 @@ def write_kv_cache(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first ``seq_len`` cached rows, ``[seq_len, H, D]``, in position order."""
+    """One sequence's first ``seq_len`` cached rows, ``[seq_len, H_kv, D]``, in position order."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
@@ -34,18 +36,21 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             compute_dtype: torch.dtype) -> torch.Tensor:
-    # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H, D].
+    # q: [n, H, D] are the last n positions of a sequence whose keys are k, v: [L, H_kv, D].
     # One query row at a time, over exactly the keys it sees: a token's result is then the
     # same computation whatever chunk (or decode step) it comes in, so the reference is
     # batch-invariant too (one matmul over n rows sums a row differently for different n).
-    n, L = q.shape[0], k.shape[0]
-    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    # The query heads of a KV head are consecutive: q viewed as [n, H_kv, H / H_kv, D].
+    n, H, D = q.shape
+    L, H_kv = k.shape[0], k.shape[1]
+    q = q.to(compute_dtype).reshape(n, H_kv, H // H_kv, D)
+    k, v = k.to(compute_dtype), v.to(compute_dtype)
     rows = []
     for i in range(n):
         visible = L - n + i + 1
-        scores = torch.einsum("hd,lhd->hl", q[i], k[:visible]) * scale
-        rows.append(torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[:visible]))
-    return torch.stack(rows)
+        scores = torch.einsum("kgd,lkd->kgl", q[i], k[:visible]) * scale
+        rows.append(torch.einsum("kgl,lkd->kgd", scores.softmax(dim=-1), v[:visible]))
+    return torch.stack(rows).reshape(n, H, D)
 
 
 def paged_prefill_attention(
@@ -60,10 +65,12 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context; ``[T, H, D]``.
 
-    The new tokens of sequence s are ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at
-    the last positions of its ``seq_lens[s]`` tokens (whose K/V are already in the cache).
-    The maths runs in ``compute_dtype`` (tests use float64 for the truth and the input dtype
-    for the error a plain implementation makes); the output is in query's dtype.
+    ``query`` is ``[T, H, D]`` and the caches ``[num_blocks, block_size, H_kv, D]``, H a
+    multiple of H_kv.  The new tokens of sequence s are
+    ``query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]`` and sit at the last positions of its
+    ``seq_lens[s]`` tokens (whose K/V are already in the cache).  The maths runs in
+    ``compute_dtype`` (tests use float64 for the truth and the input dtype for the error a
+    plain implementation makes); the output is in query's dtype.
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

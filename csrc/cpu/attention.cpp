@@ -1,10 +1,12 @@
 // Paged decode and prefill attention on the CPU.  One work item is a tile of up to kTileRows
-// consecutive query tokens of one sequence and a group of consecutive heads.  The item walks
-// the sequence's blocks once; a block's rows for those heads are contiguous in the cache, so
-// the walk streams memory, and each K/V block serves every row of the tile while it is in
-// cache.  fp16/bf16 blocks are widened to fp32 once per block (not once per query row), and
-// every row keeps an online softmax in fp32 (no buffer grows with the context).  A decode
-// token is a tile of one row.  Items are handed out longest first to whichever thread is free.
+// consecutive query tokens of one sequence and a group of consecutive query heads.  Query head
+// h reads KV head h / (H / H_kv) (grouped-query attention).  The item walks the sequence's
+// blocks once; a block's rows for the item's KV heads are contiguous in the cache, so the walk
+// streams memory, and each K/V block serves every row of the tile and every query head of the
+// item that reads it while it is in cache.  fp16/bf16 blocks are widened to fp32 once per
+// block (not once per query row), and every row keeps an online softmax in fp32 (no buffer
+// grows with the context).  A decode token is a tile of one row.  Items are handed out
+// longest first to whichever thread is free.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -28,7 +30,7 @@ namespace cbatch {
 namespace {
 
 struct CacheView {
-  int64_t num_blocks, block_size, num_heads, head_dim;
+  int64_t num_blocks, block_size, num_kv_heads, head_dim;
 };
 
 // ---- fp16 / bf16 -> fp32 ------------------------------------------------------------------
@@ -114,12 +116,12 @@ struct Tile {
   int64_t seq, row, num_rows, first_pos;
 };
 
-// One unit of work: a tile and the heads [head_begin, head_end).
+// One unit of work: a tile and the query heads [head_begin, head_end).
 struct Item {
   int64_t tile, head_begin, head_end;
 };
 
-// Per-thread scratch, laid out [head of the item, row of the tile, ...].
+// Per-thread scratch, laid out [query head of the item, row of the tile, ...].
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, k, v;
   Scratch(int64_t max_heads, int64_t D, int64_t block_size)
@@ -164,12 +166,13 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t D) {
   }
 }
 
-// out[tile rows, item heads] = softmax(q K^T) V over each row's visible positions.
+// out[tile rows, item heads] = softmax(q K^T) V over each row's visible positions.  `group`
+// consecutive query heads share each KV head.
 template <typename T>
 void attend(const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,
-            const int32_t* table, const CacheView& c, const Tile& tile, const Item& item,
-            float scale, Scratch& sc, T* out) {
-  const int64_t D = c.head_dim, row = c.num_heads * D;  // row: one token's [H, D]
+            const int32_t* table, const CacheView& c, int64_t group, const Tile& tile,
+            const Item& item, float scale, Scratch& sc, T* out) {
+  const int64_t D = c.head_dim, row = c.num_kv_heads * D;  // row: one token's [H_kv, D]
   const int64_t R = tile.num_rows, G = item.head_end - item.head_begin;
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t r = 0; r < R; ++r) {
@@ -187,8 +190,9 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
     const int64_t block_keys = std::min(c.block_size, num_keys - start);
     const int64_t next_start = start + c.block_size;
     const int64_t next_keys = std::min(c.block_size, num_keys - next_start);
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t head_offset = (item.head_begin + g) * D;
+    // the KV heads the item's query heads read, each widened once for all of them
+    for (int64_t kv = item.head_begin / group; kv <= (item.head_end - 1) / group; ++kv) {
+      const int64_t head_offset = kv * D;
       const int64_t offset = table[start / c.block_size] * c.block_size * row + head_offset;
       if (next_keys > 0) {  // this head's rows of the next block, while we work on this one
         const int64_t next =
@@ -208,13 +212,16 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
         }
         k = sc.k.data(), v = sc.v.data(), stride = D;
       }
-      for (int64_t r = 0; r < R; ++r) {
-        // keys of this block that row r may see (causal within the chunk)
-        const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
-        if (n <= 0) continue;
-        const int64_t gr = g * R + r;
-        online_softmax_step(sc.q.data() + gr * D, k, v, stride, n, D, sc.scores.data(),
-                            sc.m[gr], sc.l[gr], sc.acc.data() + gr * D);
+      const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
+      for (int64_t g = std::max(item.head_begin, kv * group) - item.head_begin; g < g_end; ++g) {
+        for (int64_t r = 0; r < R; ++r) {
+          // keys of this block that row r may see (causal within the chunk)
+          const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
+          if (n <= 0) continue;
+          const int64_t gr = g * R + r;
+          online_softmax_step(sc.q.data() + gr * D, k, v, stride, n, D, sc.scores.data(),
+                              sc.m[gr], sc.l[gr], sc.acc.data() + gr * D);
+        }
       }
     }
   }
@@ -222,7 +229,7 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
     for (int64_t r = 0; r < R; ++r) {
       const float inv_l = 1.f / sc.l[g * R + r];
       const float* acc = sc.acc.data() + (g * R + r) * D;
-      T* o = out + ((tile.row + r) * c.num_heads + item.head_begin + g) * D;
+      T* o = out + ((tile.row + r) * c.num_kv_heads * group + item.head_begin + g) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv_l);
     }
   }
@@ -252,13 +259,19 @@ CacheView view_of(const at::Tensor& key_cache) {
   return {key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
 }
 
-// Cuts every tile's heads into groups: as many heads per item as keeps every thread busy
-// (about four items per thread), since a bigger group streams longer runs of the cache.
-std::vector<Item> make_items(const std::vector<Tile>& tiles, int64_t num_heads) {
+// Cuts every tile's query heads into groups: as many heads per item as keeps every thread
+// busy (about four items per thread), since a bigger group streams longer runs of the cache.
+// An item of at least `kv_group` heads holds whole KV groups (each KV block widened once per
+// item); a smaller one is part of a group, and its KV head is then read by several items.
+std::vector<Item> make_items(const std::vector<Tile>& tiles, int64_t num_heads,
+                             int64_t kv_group) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
   const int64_t groups = std::clamp<int64_t>((wanted + num_tiles - 1) / num_tiles, 1, num_heads);
-  const int64_t heads_per_item = (num_heads + groups - 1) / groups;
+  int64_t heads_per_item = (num_heads + groups - 1) / groups;
+  if (heads_per_item > kv_group) {
+    heads_per_item = (heads_per_item + kv_group - 1) / kv_group * kv_group;
+  }
   std::vector<Item> items;
   items.reserve(num_tiles * groups);
   for (int64_t t = 0; t < num_tiles; ++t) {
@@ -284,6 +297,7 @@ struct Job {
   int64_t query_stride, max_blocks;
   const int32_t* block_tables;
   CacheView cache;
+  int64_t group;  // query heads per KV head
   float scale;
   const std::vector<Tile>& tiles;
   const std::vector<Item>& items;
@@ -297,8 +311,8 @@ void work(const Job<T>& job, Scratch& scratch) {
   for (int64_t i = job.next++; i < num_items; i = job.next++) {
     const Tile& tile = job.tiles[job.items[i].tile];
     attend(job.query, job.query_stride, job.key_cache, job.value_cache,
-           job.block_tables + tile.seq * job.max_blocks, job.cache, tile, job.items[i],
-           job.scale, scratch, job.out);
+           job.block_tables + tile.seq * job.max_blocks, job.cache, job.group, tile,
+           job.items[i], job.scale, scratch, job.out);
   }
 }
 
@@ -325,11 +339,12 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_tables, const CacheView& c,
                const std::vector<Tile>& tiles, const std::vector<Item>& items, float scale,
                at::Tensor& out) {
+  const int64_t group = query.size(1) / c.num_kv_heads;
   const int64_t max_heads = items.front().head_end - items.front().head_begin;
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
-                   scale, tiles, items, next, out.data_ptr<T>()};
+                   group, scale, tiles, items, next, out.data_ptr<T>()};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_heads, c.head_dim, c.block_size);
     work_any(job, scratch);
@@ -340,8 +355,9 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_tables,
                const std::vector<Tile>& tiles, double scale) {
   const CacheView c = view_of(key_cache);
-  at::Tensor out = at::empty({query.size(0), c.num_heads, c.head_dim}, query.options());
-  const std::vector<Item> items = make_items(tiles, c.num_heads);
+  at::Tensor out = at::empty({query.size(0), query.size(1), c.head_dim}, query.options());
+  const std::vector<Item> items =
+      make_items(tiles, query.size(1), query.size(1) / c.num_kv_heads);
   const float s = static_cast<float>(scale);
   switch (query.scalar_type()) {
     case at::kFloat:

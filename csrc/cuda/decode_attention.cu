@@ -1,11 +1,14 @@
 // Paged decode attention on CUDA: one query token per sequence over its paged KV cache.
 //
-// Grid (head, sequence, split); one CTA of NUM_WARPS warps per cell.  A token's head row
-// (HEAD_DIM elements) is read by a group of THREADS_PER_TOKEN lanes, 16 bytes each, so a
-// CTA has NUM_GROUPS tokens in flight, UNROLL deep.  Every group keeps its own online
-// softmax state (max, sum, a slice of the output) in fp32 registers — a single pass over the
-// context with no buffer that grows with it — and the groups are merged through shared
-// memory at the end.
+// Grid (query head, sequence, split); one CTA of NUM_WARPS warps per cell.  Grouped-query
+// attention: query head h reads KV head h / (H / H_kv) of a cache that holds H_kv heads.  The
+// H / H_kv CTAs of one KV head are neighbours in the grid, so they run together and all but
+// the first read that head's blocks from L2 (vLLM's paged attention kernels do the same).
+// A token's head row (HEAD_DIM elements) is read by a group of THREADS_PER_TOKEN lanes, 16
+// bytes each, so a CTA has NUM_GROUPS tokens in flight, UNROLL deep.  Every group keeps its
+// own online softmax state (max, sum, a slice of the output) in fp32 registers — a single
+// pass over the context with no buffer that grows with it — and the groups are merged
+// through shared memory at the end.
 //
 // Split-KV: each sequence's context is cut into partitions of kPartitionSize tokens, a size
 // fixed in tokens and never derived from the batch, so a sequence's summation order depends on
@@ -68,8 +71,8 @@ __global__ void __launch_bounds__(NUM_WARPS* kWarpSize)
                         const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                         const int* __restrict__ seq_lens, T* __restrict__ out,
                         float* __restrict__ partial_out, float* __restrict__ partial_lse,
-                        float scale, int64_t query_stride, int num_heads, int block_size,
-                        int max_blocks, int partition, int num_splits) {
+                        float scale, int64_t query_stride, int num_heads, int num_kv_heads,
+                        int block_size, int max_blocks, int partition, int num_splits) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int THREADS_PER_TOKEN = HEAD_DIM / VEC;
   static_assert(HEAD_DIM % VEC == 0 && kWarpSize % THREADS_PER_TOKEN == 0, "bad head_dim");
@@ -94,9 +97,10 @@ __global__ void __launch_bounds__(NUM_WARPS* kWarpSize)
   for (int i = 0; i < VEC; ++i) q[i] = to_float(q_row[i]) * scale;
 
   const int* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
-  const int64_t token_stride = static_cast<int64_t>(num_heads) * HEAD_DIM;
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * HEAD_DIM;
   const int64_t block_stride = token_stride * block_size;
-  const int64_t head_offset = static_cast<int64_t>(head) * HEAD_DIM + lane * VEC;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM + lane * VEC;
 
   float m = -INFINITY, l = 0.f, acc[VEC];
 #pragma unroll
@@ -201,7 +205,7 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
             float scale) {
   constexpr int kNumWarps = 4, kUnroll = 4;
-  const int S = query.size(0), H = query.size(1);
+  const int S = query.size(0), H = query.size(1), H_kv = key_cache.size(2);
   const int block_size = key_cache.size(1), max_blocks = block_tables.size(1);
   const int max_context = max_blocks * block_size;
   const int partition = max_context > kPartitionSize ? kPartitionSize : 0;  // 0: one pass
@@ -224,7 +228,7 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       reinterpret_cast<const T*>(query.data_ptr()), reinterpret_cast<const T*>(key_cache.data_ptr()),
       reinterpret_cast<const T*>(value_cache.data_ptr()), block_tables.data_ptr<int>(),
       seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, scale, query.stride(0), H,
-      block_size, max_blocks, partition ? partition : max_context, num_splits);
+      H_kv, block_size, max_blocks, partition ? partition : max_context, num_splits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (partition) {
     merge_kernel<T, HEAD_DIM><<<dim3(H, S), HEAD_DIM, 0, stream>>>(

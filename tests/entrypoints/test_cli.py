@@ -26,6 +26,7 @@ def imported_modules(importtime_stderr: str) -> set[str]:
             for line in importtime_stderr.splitlines() if line.startswith("import time:")}
 
 
+@pytest.mark.slow
 def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
     plot = tmp_path / "occupancy.png"
     main(["demo", "--model", "random:tiny", "--device", "cpu", "--scale", "0.5",
@@ -144,6 +145,7 @@ def test_stop_token_id_stops_generation(capsys):
     assert f"(stop, {greedy.index(stop) + 1} tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_help_and_argument_errors_import_no_torch():
     """`cbatch --help` and a bad flag answer without importing torch (what made them slow)."""
     help_ = subprocess.run(
@@ -165,6 +167,7 @@ def test_help_and_argument_errors_import_no_torch():
     assert "torch" not in imported_modules(bad.stderr)
 
 
+@pytest.mark.slow
 def test_a_user_error_is_one_line_unless_debugging():
     result = run_cli("generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x")
     assert result.returncode == 2 and result.stdout == ""
@@ -179,6 +182,7 @@ def test_a_user_error_is_one_line_unless_debugging():
               "--debug"])
 
 
+@pytest.mark.slow
 def test_generate_as_a_user_runs_it():
     result = run_cli("generate", "--model", "random:tiny", "--device", "cpu", "--prompt",
                      "hello", "--max-tokens", "4", "--ignore-eos")

@@ -1,5 +1,6 @@
 """Property test: the C++ CPU kernels against the reference on random ragged batches
-(lengths, chunk sizes, block sizes, head counts and widths, dtypes, thread counts)."""
+(lengths, chunk sizes, block sizes, KV head counts, query heads per KV head, head widths,
+dtypes, thread counts)."""
 
 import pytest
 import torch
@@ -22,15 +23,18 @@ def batches(draw):
     return lens, new
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(batch=batches(), block_size=st.sampled_from([1, 5, 8, 16, 32]),
-       heads=st.integers(1, 6), head_dim=st.sampled_from([8, 24, 64, 80]),
+       heads=st.integers(1, 6), group=st.sampled_from([1, 2, 3, 4, 7]),
+       head_dim=st.sampled_from([8, 24, 64, 80]),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        threads=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
-def test_cpu_kernels_match_the_reference(batch, block_size, heads, head_dim, dtype, threads,
-                                         seed):
+def test_cpu_kernels_match_the_reference(batch, block_size, heads, group, head_dim, dtype,
+                                         threads, seed):
     lens, new = batch
-    args = paged_inputs(lens, new, heads, head_dim, block_size, dtype, "cpu", seed)
+    args = paged_inputs(lens, new, heads * group, head_dim, block_size, dtype, "cpu", seed,
+                        num_kv_heads=heads)
     q, kc, vc, tables, cu, seq_lens = args
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

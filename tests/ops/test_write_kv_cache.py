@@ -17,7 +17,13 @@ CUDA_BACKENDS = [b for b in ("cuda", "triton")
 
 
 def _inputs(T, H, D, num_blocks, block_size, dtype, gen, fused=False):
-    if fused:  # k, v as views of a fused [T, 3, H, D] projection: token stride 3*H*D
+    """``fused``: False, True (k, v views of a fused [T, 3, H, D] projection: token stride
+    3*H*D) or "gqa" (views of a grouped-query [T, 4H + 2H, D] projection, 4 query heads per
+    KV head: token stride 6*H*D)."""
+    if fused == "gqa":
+        qkv = torch.randn(T, 6 * H, D, generator=gen).to(dtype)
+        k, v = qkv[:, 4 * H:5 * H], qkv[:, 5 * H:]
+    elif fused:
         k, v = torch.randn(T, 3, H, D, generator=gen).to(dtype).unbind(1)[1:]
     else:
         k, v = (torch.randn(T, H, D, generator=gen).to(dtype) for _ in range(2))
@@ -31,7 +37,7 @@ def _inputs(T, H, D, num_blocks, block_size, dtype, gen, fused=False):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "gqa"])
 def test_matches_reference(backend, dtype, T, fused):
     gen = torch.Generator().manual_seed(T)
     k, v, kc, vc, slots = _inputs(T, 4, 32, 13, 16, dtype, gen, fused)
@@ -46,7 +52,7 @@ def test_matches_reference(backend, dtype, T, fused):
 @pytest.mark.skipif(not CUDA_BACKENDS, reason="needs a GPU")
 @pytest.mark.parametrize("backend", CUDA_BACKENDS or ["cuda"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "gqa"])
 def test_cuda_matches_reference(backend, dtype, fused):
     gen = torch.Generator().manual_seed(1)
     k, v, kc, vc, slots = (t.cuda() for t in _inputs(77, 4, 32, 13, 16, dtype, gen, fused))

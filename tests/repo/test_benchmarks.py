@@ -40,6 +40,7 @@ def _rows(out: Path, name: str) -> list[dict]:
     return data["rows"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,name", [(bench_decode_attention, "decode_attention"),
                                          (bench_prefill_attention, "prefill_attention")])
 def test_attention_benchmarks(tmp_path, module, name):
@@ -53,6 +54,7 @@ def test_attention_benchmarks(tmp_path, module, name):
     assert all(r["us"] > 0 for r in ok)
 
 
+@pytest.mark.slow
 def test_mixed_step_benchmark(tmp_path):
     rows = _rows(bench_mixed_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "mixed_step")
@@ -65,6 +67,7 @@ def test_mixed_step_benchmark(tmp_path):
         assert (r.get("speedup", 0) > 0) == r["impl"].endswith("-split")
 
 
+@pytest.mark.slow
 def test_decode_step_benchmark(tmp_path):
     rows = _rows(bench_decode_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "decode_step")
@@ -73,6 +76,7 @@ def test_decode_step_benchmark(tmp_path):
     assert all(r["floor_ms"] > 0 and 0 <= r["host_ms"] <= r["step_ms"] for r in rows)
 
 
+@pytest.mark.slow
 def test_throughput_benchmark(tmp_path):
     out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                  "--workload", "seed", "longtail",
@@ -95,6 +99,7 @@ def test_throughput_benchmark_sharedprefix(tmp_path):
     assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_batch_invariant(tmp_path):
     out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                  "--workload", "longtail", "--engines", "cbatch-continuous",

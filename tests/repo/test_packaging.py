@@ -60,6 +60,7 @@ print("survived")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(compiled.build_info() is None, reason="compiled extension not built")
 def test_errors_raised_in_cpp_reach_python_as_exceptions():
     result = subprocess.run([sys.executable, "-c", RAISE_FROM_CPP], capture_output=True,
@@ -152,6 +153,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_top_level_kernels_import_is_inert():
     """The probe runs Triton's interpreter (the kernels' first call imports triton)."""
     problem = triton_interpreter_problem()  # a subprocess on a GPU machine: ask only here

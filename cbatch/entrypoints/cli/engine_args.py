@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     # --seed is the sampling seed, not the engine's)
     parser.set_defaults(engine_fields=tuple(names))
     for f in engine_fields():
-        if f.name in exclude:
+        if f.name not in names:
             continue
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"]

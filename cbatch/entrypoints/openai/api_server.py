@@ -118,4 +118,5 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
                                    **engine_kwargs)
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template)
+    print(engine.engine.kv_cache.memory_report(), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -1,0 +1,125 @@
+"""Rotary position embeddings (RoPE) as Llama-family checkpoints use them: the rotate-half
+layout (the two halves of a head are the real and imaginary parts), with the frequency
+scalings their configs name.
+
+A config gives ``rope_theta`` and ``rope_scaling`` (``config.json`` written before
+transformers 5) or one ``rope_parameters`` dict holding both (transformers 5);
+:func:`rope_parameters` reads either.  Types: ``default``, ``linear`` (positions divided by
+``factor``), ``dynamic`` (NTK-aware base, fixed for the longest context the model serves, as
+vLLM does: Hugging Face's version rescales per batch, so a token's rotation would depend on
+its batch-mates' lengths), ``llama3`` (per-frequency smoothing of Llama 3.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_parameters(raw: dict) -> dict:
+    """``{"rope_type", "rope_theta", ...}`` from a Hugging Face config dict, old or new style;
+    ValueError for a type cbatch does not implement."""
+    params = dict(raw.get("rope_parameters") or {})
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+    params["rope_type"] = rope_type
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; cbatch implements "
+                         f"{', '.join(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return params
+
+
+def max_positions(max_position_embeddings: int, params: dict) -> int:
+    """The longest context the scaled embedding serves: linear and dynamic scaling stretch
+    ``max_position_embeddings`` by ``factor`` (as vLLM counts it); llama3 configs already
+    give the stretched length."""
+    if params["rope_type"] in ("linear", "dynamic"):
+        return int(max_position_embeddings * params["factor"])
+    return max_position_embeddings
+
+
+def inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: int
+                        ) -> torch.Tensor:
+    """fp32 ``[head_dim / 2]``: the angle per position of each rotated pair, computed as
+    transformers does (so the cos/sin tables are bitwise theirs)."""
+    base = params["rope_theta"]
+    rope_type = params["rope_type"]
+    if rope_type == "dynamic":
+        factor = params["factor"]
+        longest = max_positions(max_position_embeddings, params)
+        base = base * ((factor * longest / max_position_embeddings) - (factor - 1)) ** (
+            head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, params)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q ``[T, H, D]`` and k ``[T, H_kv, D]`` by their tokens' positions ``[T]``.
+
+    The cos/sin tables ``[max_positions, D / 2]`` are computed in fp32 on first use on a
+    device and cast to the activations' dtype (as transformers casts them), then kept: one
+    table per model, shared by its layers.  Every token is rotated on its own, so the result
+    is independent of the batch.
+    """
+
+    def __init__(self, head_dim: int, max_position_embeddings: int, params: dict):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.params = params
+        self.max_positions = max_positions(max_position_embeddings, params)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+    def tables(self, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        if key not in self._tables:
+            inv_freq = inverse_frequencies(self.head_dim, self.params,
+                                           self.max_position_embeddings)
+            positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+            freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], as transformers'
+            self._tables[key] = tuple(t.to(device=device, dtype=dtype)
+                                      for t in (freqs.cos(), freqs.sin()))
+        return self._tables[key]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(q.device, q.dtype)
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x * [cos, cos] + rotate_half(x) * [sin, sin], as transformers writes it, half by half
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

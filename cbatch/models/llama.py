@@ -1,0 +1,274 @@
+"""The Llama decoder (Llama 2/3, TinyLlama, SmolLM2) in plain torch over the flat step batch.
+
+RMSNorm, rotary position embeddings, grouped-query attention over the paged cache (the
+cache holds ``num_key_value_heads`` heads), a SwiGLU MLP, embeddings tied or not.  Qwen2
+(:mod:`cbatch.models.qwen2`) and Qwen3 (:mod:`cbatch.models.qwen3`) are this model with
+switches of :class:`LlamaConfig`: QKV bias, per-head q/k RMSNorm.
+
+Parameter names are Hugging Face's, except that q/k/v are one ``qkv_proj`` and gate/up one
+``gate_up_proj`` (one matmul each instead of three and two, as vLLM does);
+:meth:`LlamaForCausalLM.convert_hf_state_dict` stacks the checkpoint's tensors into them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cbatch import ops
+from cbatch.layers.attention import PagedAttention
+from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.layernorm import RMSNorm
+from cbatch.layers.linear import Linear
+from cbatch.layers.rotary_embedding import RotaryEmbedding, max_positions, rope_parameters
+from cbatch.layers.step_batch import StepBatch
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family model (Hugging Face ``config.json`` names), plus
+    the switches that make it Qwen2 (``qkv_bias``) or Qwen3 (``qk_norm``)."""
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        rope_parameters({"rope_parameters": self.rope})  # checks the type
+
+    # The names the engine reads of any model's config (KV cache shape, prompt limits).
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model serves (rope scaling may stretch the config's)."""
+        return max_positions(self.max_position_embeddings, self.rope)
+
+    @classmethod
+    def from_hf(cls, raw: dict, **switches) -> LlamaConfig:
+        """From a Hugging Face config dict; ``switches`` are the architecture's fixed ones
+        (qwen2: ``qkv_bias=True``)."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+        if raw.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window=true) is not "
+                             "supported")
+        heads = raw["num_attention_heads"]
+        bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        kwargs = dict(
+            architecture=(raw.get("architectures") or [cls.architecture])[0],
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=rope_parameters(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+        kwargs.update(switches)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_dir(cls, path: Path, **switches) -> LlamaConfig:
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()), **switches)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = D = config.head_dim
+        self.sizes = [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D]
+        self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * D, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary = [rotary]  # shared by every layer; a list keeps it out of the modules
+        self.attn = PagedAttention(layer_idx, 1.0 / math.sqrt(D))
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
+                kernels: ops.BoundKernels) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        # q: [T, H, D]; k, v: [T, H_kv, D] (v a view of the projection: dense rows)
+        q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](batch.positions, q, k)
+        o = self.attn(q, k, v, batch, kv_cache, kernels)  # [T, H, D]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
+                                   bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
+                                bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, batch, kv_cache, kernels):
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# checkpoint name part -> (our fused parameter, its shard index)
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over the flat step batch (the interface GPT-2 has)."""
+
+    config_class = LlamaConfig
+    config_switches: dict = {}  # what the architecture fixes (see Qwen2ForCausalLM)
+
+    def __init__(self, config: LlamaConfig, attention_backend: str | None = None):
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
+        self.batch_invariant = False
+
+    def kernels(self, device: torch.device) -> ops.BoundKernels:
+        if self._kernels is None or self._kernels[0] != device:
+            self._kernels = device, ops.bind_kernels(device, self.config.head_dim,
+                                                     self.attention_backend)
+        return self._kernels[1]
+
+    def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
+        """One step: write the new tokens' K/V into ``kv_cache``; the final hidden states
+        ``[T, hidden_size]`` (after the last RMSNorm)."""
+        kernels = self.kernels(batch.input_ids.device)
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv_cache, kernels)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """As :meth:`GPT2LMHeadModel.set_batch_invariant`: the linear layers and the attention
+        kernel choice; RMSNorm, the rotary embedding and SwiGLU work row by row already."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, (Linear, PagedAttention)):
+                module.batch_invariant = enabled
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @classmethod
+    def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: LlamaConfig
+                              ) -> dict[str, torch.Tensor]:
+        """Hugging Face names → ours: q/k/v and gate/up stacked into the fused projections
+        (each shard's shape checked), ``lm_head`` dropped when tied."""
+        out: dict[str, torch.Tensor] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in raw.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer some old checkpoints saved
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            stacked = next((p for p in parts if p in STACKED), None)
+            if stacked is None:
+                out[name] = tensor
+                continue
+            fused, index = STACKED[stacked]
+            fused_name = ".".join(fused if p == stacked else p for p in parts)
+            shards.setdefault(fused_name, {})[index] = tensor
+        for name, parts in shards.items():
+            count = 3 if ".qkv_proj." in name else 2
+            if sorted(parts) != list(range(count)):
+                raise ValueError(f"checkpoint has only shards {sorted(parts)} of {name}")
+            out[name] = torch.cat([parts[i] for i in range(count)])
+        return out
+
+    def init_random(self, seed: int) -> None:
+        """Seeded random weights (normal, std 0.02; norms 1, biases 0), device-independent."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():  # a tied lm_head is listed once
+                if name.endswith("bias"):
+                    value = torch.zeros(p.shape)
+                elif name.endswith("norm.weight"):
+                    value = torch.ones(p.shape)
+                else:
+                    value = torch.randn(p.shape, generator=gen) * 0.02
+                p.copy_(value)

@@ -1,0 +1,72 @@
+"""Which model class serves a checkpoint, and the ``random:`` models of each family.
+
+A checkpoint names its class in ``config.json``'s ``architectures`` (as vLLM reads it); a
+config without that field falls back to its ``model_type``.  An architecture cbatch does not
+implement is an error that lists the ones it does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+# architecture -> (module, class); GPT2Model is GPT-2 without its head (the head is tied)
+ARCHITECTURES = {
+    "GPT2LMHeadModel": ("cbatch.models.gpt2", "GPT2LMHeadModel"),
+    "GPT2Model": ("cbatch.models.gpt2", "GPT2LMHeadModel"),
+    "LlamaForCausalLM": ("cbatch.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("cbatch.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("cbatch.models.qwen3", "Qwen3ForCausalLM"),
+}
+_MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_of(raw: dict, path: Path | str = "config.json") -> str:
+    """The supported architecture a Hugging Face config dict names."""
+    named = raw.get("architectures") or []
+    for arch in named:
+        if arch in ARCHITECTURES:
+            return arch
+    if not named and raw.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[raw["model_type"]]
+    what = f"architectures {named}" if named else f"model_type {raw.get('model_type')!r}"
+    raise ValueError(f"{path}: {what} is not supported; cbatch runs "
+                     f"{', '.join(sorted(set(ARCHITECTURES) - {'GPT2Model'}))}")
+
+
+def model_class(architecture: str) -> type:
+    module, name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(module), name)
+
+
+def random_llama_configs() -> dict:
+    """``random:<name>`` -> (architecture, LlamaConfig): seeded random weights in the shape of
+    a family (GPT-2's sizes are :data:`cbatch.config.MODEL_CONFIGS`).  Token ids 0-255 are
+    the byte tokenizer's, so every vocabulary is at least 256."""
+    from cbatch.models.llama import LlamaConfig
+
+    default_rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return {
+        # tests: GQA 2:1, untied embeddings, a bias-free Llama
+        "llama-tiny": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, rope=default_rope, bos_token_id=510,
+            eos_token_id=511)),
+        # tests: GQA 4:1, per-head q/k norms, head_dim wider than hidden / heads
+        "qwen3-tiny": ("Qwen3ForCausalLM", LlamaConfig(
+            architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+            rms_norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True, qk_norm=True, bos_token_id=None, eos_token_id=511)),
+        # HuggingFaceTB/SmolLM2-135M's shape (config.json): 30 layers, 9 heads over 3 KV
+        # heads of 64, tied embeddings
+        "smollm2-135m": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+            max_position_embeddings=8192, rms_norm_eps=1e-5,
+            rope={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=0)),
+    }

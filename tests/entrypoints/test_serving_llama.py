@@ -1,0 +1,88 @@
+"""A Qwen2-architecture checkpoint with its own tokenizer and ChatML chat template, served on
+127.0.0.1 and asked through the official openai client (httpx when it is not installed):
+the chat reply is transformers' greedy generate on transformers' rendering of the template."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from tests.serving_utils import running_server
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello there, how are you today?",
+          "Paged attention keeps each sequence's keys and values in fixed-size blocks.",
+          "Continuous batching lets requests join and leave the batch at every step."] * 20
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """(directory, transformers model, tokenizers.Tokenizer): a byte-level BPE of 400 tokens
+    trained here, the chat template in tokenizer_config.json, <|im_end|> the eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos = tok.token_to_id("<|im_end|>")
+    config = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=eos,
+        bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path_factory.mktemp("qwen2-chat")
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path, model, tok
+
+
+def _reference(path, model, tok, messages, max_tokens):
+    """transformers renders the template and generates greedily; the text of the new tokens."""
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    return len(ids), tok.decode(new, skip_special_tokens=False)
+
+
+def test_chat_completions_through_the_checkpoints_template(chat_checkpoint):
+    path, model, tok = chat_checkpoint
+    messages = [{"role": "system", "content": "You are brief."},
+                {"role": "user", "content": "Hello there, how are you today?"}]
+    prompt_len, want = _reference(path, model, tok, messages, 10)
+    with running_server(str(path), "qwen2-chat", max_num_seqs=4) as (url, _):
+        body = {"model": "qwen2-chat", "messages": messages, "max_tokens": 10,
+                "temperature": 0.0, "ignore_eos": True}
+        try:
+            import openai
+        except ImportError:
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+            content = reply["choices"][0]["message"]["content"]
+            usage = reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"]
+        else:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+            reply = client.chat.completions.create(
+                model="qwen2-chat", messages=messages, max_tokens=10, temperature=0.0,
+                extra_body={"ignore_eos": True})
+            content = reply.choices[0].message.content
+            usage = reply.usage.prompt_tokens, reply.usage.completion_tokens
+    assert usage == (prompt_len, 10)
+    assert content == want
