@@ -80,7 +80,7 @@ def test_reference_is_attention_over_repeated_kv_heads():
     """The reference's head mapping, checked against the definition spelled out another way:
     repeat every KV head `group` times (what transformers' repeat_kv does) and run plain
     multi-head attention."""
-    from cbatch import reference
+    from cbatch.ops import reference
 
     group, H_kv = 3, 2
     args = paged_inputs([7, 20], [7, 4], H_kv * group, 16, 4, torch.float64, "cpu", 0,
@@ -140,3 +140,10 @@ def test_compiled_op_checks_the_head_ratio_itself():
         qp, kc, vc, tables, cu, lens = args
         torch.library.opcheck(torch.ops.cbatch.paged_prefill_attention,
                               (qp, kc, vc, tables, cu, lens, 0.1))
+
+
+def test_warmup_takes_query_and_kv_heads():
+    used = ops.warmup(torch.float32, 64, 16, "cpu", num_heads=6, num_kv_heads=2)
+    assert set(used) == {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"}
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ops.warmup(torch.float32, 64, 16, "cpu", num_heads=6, num_kv_heads=4)

@@ -20,7 +20,8 @@ from cbatch.core.async_engine import AsyncEngine, EngineDeadError
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ModelCard, ModelList, OpenAIError)
-from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
+                                                    load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 
@@ -42,10 +43,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     config = engine.engine.config
     max_model_len = engine.engine.model.config.max_model_len
-    template = None if config.model.startswith("random:") else load_chat_template(
-        resolve_checkpoint_dir(config.model))
+    checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
+        config.model)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, template)
+    chat = OpenAIServingChat(engine, served_model_name, load_chat_template(checkpoint),
+                             load_special_tokens(checkpoint))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
