@@ -15,11 +15,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
-PACKAGES = ["cbatch", "cbatch.models", "cbatch.kernels"]
-PACKAGE_DIR = {"cbatch.kernels": "kernels"}  # Triton code: never a top-level `kernels`
+# Every package under cbatch/ ships (a new subpackage needs only its __init__.py), plus the
+# Triton code, which lives in kernels/ and installs as cbatch.kernels: never a top-level
+# `kernels`.  Metadata and the version (cbatch.__version__) are in pyproject.toml.
+PACKAGES = find_packages(str(ROOT), include=["cbatch", "cbatch.*"]) + ["cbatch.kernels"]
+PACKAGE_DIR = {"cbatch.kernels": "kernels"}
 
 
 def toolkit_root_from_nvcc() -> str | None:

@@ -6,7 +6,8 @@
 For each shape every implementation is first checked against the pure-torch reference, then
 timed (warm-up, median, cold cache: see benchmarks/common.py).  Bandwidth counts the bytes
 that must move: the real K/V lengths plus Q and O.  Results land in
-benchmarks/results/<device>/decode_attention.{json,csv,md,png}.
+decode_attention.{json,csv,md,png}, written to a new folder under
+benchmarks/runs/ or to --out (see benchmarks/common.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ final norm, lm_head, greedy sampling, tokens on the host; requests not streamed,
 Beside each: ``host_ms``, the step's time outside the model and the wait for the device
 (``Engine.stats().phase_s``), and the floor: the bytes a decode step must read (every weight
 once plus every sequence's KV cache) divided by the device's measured copy bandwidth.
-Results in benchmarks/results/<device>/decode_step.*.
+Results in decode_step.*, written to a new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ nothing cached.  Both strategies fill one [T, H, D] output (split writes its two
 it).  `auto` is the backend GPT-2 picks on the device (on CUDA: the CUDA decode kernel and
 the Triton prefill kernel).  Each row is checked against the reference, then timed like the
 other kernel benchmarks; `speedup` is unified time / split time for the same backend.
-Results in benchmarks/results/<device>/mixed_step.{json,csv,md,png}.
+Results in mixed_step.{json,csv,md,png}, written to a new folder under benchmarks/runs/ or
+to --out.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ implementation.
 Each sequence has `cached` tokens in the paged cache and a chunk of `chunk` new tokens that
 attend causally to the cache and to each other (chunked prefill).  Checked against the
 reference, then timed like the decode benchmark; results in
-benchmarks/results/<device>/prefill_attention.{json,csv,md,png}.
+prefill_attention.{json,csv,md,png}, written to a new folder under benchmarks/runs/ or to
+--out.
 """
 
 from __future__ import annotations

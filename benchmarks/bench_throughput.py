@@ -20,8 +20,8 @@ start), its wall-time ratio to cbatch-continuous, and the share of requests whos
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
 outside the model (scheduling, building the step tensors, bookkeeping) and the share of
 prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  Results in
-benchmarks/results/<device>/throughput.* (throughput-batch-invariant.* with
---batch-invariant).
+throughput.* (throughput-batch-invariant.* with
+--batch-invariant), written to a new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations

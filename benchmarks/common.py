@@ -1,5 +1,7 @@
 """Shared benchmark plumbing: device naming, timing with a cold cache, copy bandwidth, and
-writing JSON + CSV + markdown + PNG under benchmarks/results/<device>/."""
+writing JSON + CSV + markdown + PNG to a new run folder, benchmarks/runs/<time>-<device>/
+(ignored by git), or where ``--out`` says: ``--out benchmarks/results/<device>/`` replaces
+the committed results, which therefore change only on purpose."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = Path(__file__).resolve().parent / "runs"
+_RUN_STARTED = time.strftime("%Y%m%d-%H%M%S")  # one folder for everything this process writes
 
 
 def device_name(device: torch.device) -> str:
@@ -98,10 +101,17 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     return 2 * nbytes / seconds
 
 
+def run_folder(device: torch.device) -> Path:
+    """This process's own results folder, ``benchmarks/runs/<start time>-<device slug>/``: a
+    run without ``--out`` never overwrites another run or the committed results."""
+    return RUNS / f"{_RUN_STARTED}-{device_slug(device)}"
+
+
 def write_results(name: str, device: torch.device, rows: list[dict], meta: dict,
                   columns: list[str], out_dir: Path | None = None) -> Path:
-    """Write ``<name>.json`` (meta + rows), ``.csv`` and ``.md``; returns the folder."""
-    out = out_dir or (RESULTS / device_slug(device))
+    """Write ``<name>.json`` (meta + rows), ``.csv`` and ``.md`` in ``out_dir`` (default
+    :func:`run_folder`); returns the folder."""
+    out = out_dir or run_folder(device)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     with open(out / f"{name}.csv", "w", newline="") as f:
@@ -168,7 +178,9 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes: checks the harness in seconds, not a measurement")
     parser.add_argument("--reps", type=int, default=20, help="timed runs per point (median)")
-    parser.add_argument("--out", help="output folder (default: results/<device>)")
+    parser.add_argument("--out", help="output folder (default: a new one, benchmarks/runs/"
+                        "<time>-<device>/; benchmarks/results/<device>/ replaces the "
+                        "committed results)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

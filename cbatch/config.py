@@ -129,6 +129,8 @@ class EngineConfig:
                                    "kv_cache_memory)")
     kv_cache_memory: int | float | None = _knob(
         None, "KV-cache bytes, or a fraction of free device memory", cli=False)
+    max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "
+                                      "the model's context length)")
     max_num_seqs: int = _knob(64, "most sequences in one step")
     max_num_batched_tokens: int = _knob(2048, "most new tokens in one step (longer prompts "
                                         "are prefilled in chunks)")
@@ -155,6 +157,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory

@@ -4,8 +4,8 @@
 // ops are registered with torch's dispatcher (torch_bindings.cpp) when the library is loaded,
 // and every call, error included, goes through torch's own bindings.  No pybind11 module:
 // a second pybind11 in the process (a different version, or the same one built by another
-// compiler) shares or splits pybind11's internals with torch's, and the H100 image's
-// toolchain crashed on every C++ exception with one (issue 11).  What the build used is an
+// compiler) shares or splits pybind11's internals with torch's, and a toolchain whose
+// pybind11 differs from torch's can crash on every C++ exception.  What the build used is an
 // op too: torch.ops.cbatch.build_info() returns it as JSON.
 #include <Python.h>
 

@@ -23,7 +23,9 @@ shift
 
 VENV=${VENV:-.venv}
 TORCH_REQUIREMENT=${CBATCH_TORCH:-torch==2.13.0}
+say() { echo "run.sh: $*"; }
 if [ ! -x "$VENV/bin/python" ]; then
+  say "creating the virtualenv $VENV with ${PYTHON:-python3}"
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 py="$VENV/bin/python"  # `python -m pip`, not bin/pip: a copied venv's scripts point elsewhere
@@ -39,18 +41,26 @@ print(h.hexdigest())
 PY
 )
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
-  echo "run.sh: $VENV is up to date (csrc/, setup.py, pyproject.toml, requirements-dev.txt," \
-       "$TORCH_REQUIREMENT unchanged); skipping pip. Delete $stamp_file to reinstall."
+  say "$VENV is up to date (csrc/, setup.py, pyproject.toml, requirements-dev.txt," \
+      "$TORCH_REQUIREMENT unchanged); skipping pip. Delete $stamp_file to reinstall."
 else
   rm -f "$stamp_file"
-  "$py" -m pip install -q "$TORCH_REQUIREMENT"
-  "$py" -m pip install -q -r requirements-dev.txt
-  "$py" -m pip install -q --no-build-isolation --no-deps -e .
+  say "[1/3] installing $TORCH_REQUIREMENT into $VENV"
+  "$py" -m pip install "$TORCH_REQUIREMENT"
+  say "[2/3] installing requirements-dev.txt (transformers, triton, the server, pytest, ...)"
+  "$py" -m pip install -r requirements-dev.txt
+  say "[3/3] building cbatch's C++ extension against that torch and installing cbatch" \
+      "(editable; compiling can take minutes)"
+  "$py" -m pip install --no-build-isolation --no-deps -e .
   echo "$stamp" > "$stamp_file"
+  say "installed: $("$py" -m cbatch --version | tr '\n' ' ')"
+  say "to use cbatch from your shell: source $VENV/bin/activate"
 fi
 
 if [ "$what" = demo ]; then
-  exec "$py" -m cbatch.entrypoints.cli.main demo "$@"
+  say "running the demo: $py -m cbatch demo $*"
+  exec "$py" -m cbatch demo "$@"
 else
+  say "running the tests: $py -m pytest -q $*"
   exec "$py" -m pytest -q "$@"
 fi

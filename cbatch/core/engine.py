@@ -88,6 +88,10 @@ class Engine:
             tokenizer = load_tokenizer(config.model, config.tokenizer,
                                        model.config.eos_token_id)
         self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.max_model_len = config.max_model_len or model.config.max_model_len
+        if self.max_model_len > model.config.max_model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
+                             f"length ({model.config.max_model_len})")
         model.set_batch_invariant(config.batch_invariant)
         num_blocks = num_kv_blocks(config, model.config)
         self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
@@ -126,7 +130,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         cfg = self.model.config
-        ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, cfg.max_model_len,
+        ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
                                params.max_tokens)
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:

@@ -57,6 +57,22 @@ class LLM:
                             on_output=on_output)
 
 
+def validate_prompts(engine: Engine, prompts: list, params_list: list[SamplingParams]
+                     ) -> list[list[int]]:
+    """Each prompt's token ids, once every prompt and its parameters are checked
+    (:meth:`Engine.validate_request`); an error names the prompt it is about, by its place
+    and its start, so that in a batch the user knows which one to fix."""
+    token_ids = []
+    for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+        try:
+            token_ids.append(engine.validate_request(prompt, sp))
+        except (ValueError, TypeError) as e:
+            which = f"prompt {i + 1} of {len(prompts)}" if len(prompts) > 1 else "prompt"
+            start = repr(prompt) if len(repr(prompt)) <= 40 else repr(prompt)[:37] + "..."
+            raise type(e)(f"{which} ({start}): {e}") from None
+    return token_ids
+
+
 def generate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams],
              priorities: list[int] | None = None, progress: Callable[[int], object] | None = None,
              on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
@@ -75,7 +91,7 @@ def generate(engine: Engine, prompts: list, params: SamplingParams | list[Sampli
     priorities = [0] * len(prompts) if priorities is None else list(priorities)
     if len(priorities) != len(prompts):
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-    token_ids = [engine.validate_request(p, sp) for p, sp in zip(prompts, params_list)]
+    token_ids = validate_prompts(engine, prompts, params_list)
     ids: list[str] = []
     done: dict[str, RequestOutput] = {}
     try:

@@ -20,14 +20,14 @@ class EngineReplica:
     """One engine and its app; Ray Serve builds the app once the engine is up."""
 
     def __init__(self, model: str, served_model_name: str, max_waiting: int,
-                 threads: int | None, engine_kwargs: dict):
+                 threads: int | None, engine_kwargs: dict, chat_template: str | None = None):
         import torch
 
         from cbatch.entrypoints.openai.api_server import build_engine
 
         if threads:
             torch.set_num_threads(threads)  # replicas sharing a CPU should not oversubscribe it
-        self.model_name = served_model_name
+        self.model_name, self.chat_template = served_model_name, chat_template
         self.engine, self.metrics = build_engine(model, max_waiting, served_model_name,
                                                  **engine_kwargs)
         self.replica_id = ray_serve.get_replica_context().replica_id.unique_id
@@ -35,7 +35,8 @@ class EngineReplica:
     def __serve_build_asgi_app__(self):
         from cbatch.entrypoints.openai.api_server import build_app
 
-        app = build_app(self.engine, self.metrics, self.model_name)
+        app = build_app(self.engine, self.metrics, self.model_name,
+                        chat_template=self.chat_template)
         replica_id = self.replica_id
 
         @app.middleware("http")
@@ -49,9 +50,11 @@ class EngineReplica:
 
 def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | None = None,
                   num_cpus_per_replica: float = 1.0, num_gpus_per_replica: float = 0.0,
-                  max_waiting: int = 1024, threads: int | None = None, **engine_kwargs):
+                  max_waiting: int = 1024, threads: int | None = None,
+                  chat_template: str | None = None, **engine_kwargs):
     """The Ray Serve application (not started): ``num_replicas`` copies of the engine.
-    Engine keywords are those of :class:`cbatch.config.EngineConfig`."""
+    Engine keywords are those of :class:`cbatch.config.EngineConfig`; ``chat_template``
+    (Jinja) replaces the checkpoint's."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     deployment = ray_serve.deployment(
@@ -60,13 +63,38 @@ def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | No
         # at most this many requests in flight per replica; beyond it the proxy queues them
         max_ongoing_requests=max(1, engine_kwargs.get("max_num_seqs", 64)) * 4)
     return deployment.bind(model, served_model_name or model, max_waiting, threads,
-                           engine_kwargs)
+                           engine_kwargs, chat_template)
+
+
+def check_gpus(num_replicas: int, num_gpus_per_replica: float, device: str | None) -> None:
+    """Raise ValueError unless the Ray cluster (started here if none is) has the GPUs the
+    replicas ask for: Ray Serve would otherwise wait for them forever, saying nothing."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init()
+    have = ray.cluster_resources().get("GPU", 0.0)
+    needed = num_replicas * num_gpus_per_replica
+    problem = None
+    if str(device or "").startswith("cuda") and have == 0:
+        problem = f"device={device!r} but the Ray cluster has no GPU"
+    elif needed > have:
+        problem = (f"{num_replicas} replica(s) x num_gpus_per_replica={num_gpus_per_replica:g} "
+                   f"need {needed:g} GPU(s) but the Ray cluster has {have:g}")
+    if problem is not None:
+        if started_here:
+            ray.shutdown()
+        raise ValueError(f"{problem}; Ray Serve would wait for them forever "
+                         "(use device='cpu', num_gpus_per_replica=0 on a machine without one)")
 
 
 def serve(model: str, num_replicas: int = 1, host: str = "127.0.0.1", port: int = 8000,
-                   blocking: bool = True, **kwargs) -> None:
+          blocking: bool = True, **kwargs) -> None:
     """Start Ray Serve on ``host:port`` with ``num_replicas`` engines (``kwargs``: those of
-    :func:`build_ray_app`).  ``blocking`` serves until interrupted, then shuts Serve down."""
+    :func:`build_ray_app`).  ``blocking`` serves until interrupted, then shuts Serve down.
+    Raises ValueError at once when the cluster lacks the GPUs asked for."""
+    check_gpus(num_replicas, kwargs.get("num_gpus_per_replica", 0.0), kwargs.get("device"))
     ray_serve.start(http_options={"host": host, "port": port})
     ray_serve.run(build_ray_app(model, num_replicas, **kwargs), name="cbatch", route_prefix="/",
-              blocking=blocking)
+                  blocking=blocking)

@@ -3,22 +3,62 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import sys
+import warnings
+from pathlib import Path
 
 import torch  # the extension links against libtorch: load it first
 
-_C = None
-load_error: str | None = None
 
-if os.environ.get("CBATCH_NO_EXT", "0") == "1":
-    load_error = "disabled by CBATCH_NO_EXT=1"
-else:
+def reinstall_command() -> str:
+    """The pip command that rebuilds the extension against the torch installed here: in a
+    source checkout (an editable install) that checkout, else the sdist of this version."""
+    checkout = Path(__file__).resolve().parents[2]  # cbatch/ops/compiled.py
+    if (checkout / "setup.py").is_file():
+        source = f"-e {checkout}"
+    else:
+        from cbatch import __version__
+        source = f"cbatch-{__version__}.tar.gz (the sdist) or a checkout of it"
+    return f"{Path(sys.executable).name} -m pip install --no-build-isolation --no-deps " \
+        f"--force-reinstall {source}"
+
+
+def _why(error: ImportError) -> str:
+    """What an ImportError of cbatch._C usually means, in words a user can act on."""
+    text = str(error)
+    if "undefined symbol" in text or "version `" in text:
+        return ("it was built against another torch (or C++ ABI) than the torch "
+                f"{torch.__version__} that loads it now; a pip build with build isolation "
+                "compiles against the newest torch on the index, not the installed one")
+    if "cannot open shared object file" in text:
+        return "a library it was linked against (e.g. the CUDA runtime) is not found here"
+    return "the extension does not match this Python, torch or machine"
+
+
+def _load():
+    """cbatch._C, or None and the reason; warns once, loudly, when a built extension fails."""
+    if os.environ.get("CBATCH_NO_EXT", "0") == "1":
+        return None, "disabled by CBATCH_NO_EXT=1"
+    if importlib.util.find_spec("cbatch._C") is None:  # installed with CBATCH_NO_EXT=1
+        return None, ("not built (cbatch was installed with CBATCH_NO_EXT=1); to build it: "
+                      + reinstall_command())
     try:
-        _C = importlib.import_module("cbatch._C")
-    except ImportError as e:  # not built (CBATCH_NO_EXT at install time) or ABI mismatch
-        load_error = f"cbatch._C is not importable ({e}); reinstall with " \
-            "`pip install --no-build-isolation -e .`"
+        module = importlib.import_module("cbatch._C")
+    except ImportError as e:
+        reason = f"cbatch._C failed to load: {e}"
+        warnings.warn(
+            f"{reason}\n  Why: {_why(e)}.\n  So the C++ CPU and CUDA kernels are off and "
+            "attention runs the much slower pure-torch reference (or Triton on a GPU).\n  Fix: "
+            f"{reinstall_command()}\n  (cbatch.ops.available_backends() says what is live.)",
+            RuntimeWarning, stacklevel=2)
+        return None, f"{reason}; rebuild it: {reinstall_command()}"
+    return module, None
+
+
+_C, load_error = _load()  # a module is imported once: the warning is given once
 
 _BUILD_INFO: dict | None = None
 

@@ -26,6 +26,7 @@ async def _collect(engine, i):
     return outs
 
 
+@pytest.mark.slow
 def test_concurrent_streams_equal_offline_generate():
     n = 12
     reference = LLM("random:tiny", **KW).generate([_prompt(i) for i in range(n)],

@@ -43,6 +43,7 @@ others = st.lists(st.tuples(st.integers(1, 60),  # prompt length
                   max_size=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(others=others, probe_arrival=st.integers(0, 3), temperature=st.sampled_from([0.0, 0.8]),
        budget=st.integers(1, 80), max_num_seqs=st.integers(1, 6),

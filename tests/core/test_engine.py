@@ -234,7 +234,8 @@ def test_policies_order_admission():
         assert order == expected, policy
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu",
+                                     pytest.param("triton", marks=pytest.mark.slow)])
 def test_every_attention_backend_serves_the_engine(tiny_hf_dir, prompts, hf_greedy, backend):
     """Chunked prefill mixed with decodes, preemption, through each backend's kernels
     (Triton in its interpreter without a GPU)."""

@@ -41,6 +41,7 @@ def _run(prompts, params, **kwargs):
 
 
 # batch sizes at the bucket edges of max_num_seqs=10: 1, a bucket (4), bucket + 1, the max
+@pytest.mark.slow
 @pytest.mark.parametrize("num_requests", [1, 4, 5, 10])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -26,6 +26,7 @@ def imported_modules(importtime_stderr: str) -> set[str]:
             for line in importtime_stderr.splitlines() if line.startswith("import time:")}
 
 
+@pytest.mark.slow
 def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
     plot = tmp_path / "occupancy.png"
     main(["demo", "--model", "random:tiny", "--device", "cpu", "--scale", "0.5",
@@ -144,6 +145,7 @@ def test_stop_token_id_stops_generation(capsys):
     assert f"(stop, {greedy.index(stop) + 1} tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_help_and_argument_errors_import_no_torch():
     """`cbatch --help` and a bad flag answer without importing torch (what made them slow)."""
     help_ = subprocess.run(
@@ -165,6 +167,7 @@ def test_help_and_argument_errors_import_no_torch():
     assert "torch" not in imported_modules(bad.stderr)
 
 
+@pytest.mark.slow
 def test_a_user_error_is_one_line_unless_debugging():
     result = run_cli("generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x")
     assert result.returncode == 2 and result.stdout == ""
@@ -179,9 +182,156 @@ def test_a_user_error_is_one_line_unless_debugging():
               "--debug"])
 
 
+@pytest.mark.slow
 def test_generate_as_a_user_runs_it():
     result = run_cli("generate", "--model", "random:tiny", "--device", "cpu", "--prompt",
                      "hello", "--max-tokens", "4", "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("hello") and result.stdout.endswith("\n")
     assert "(length, 4 tokens" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- vLLM's manners
+
+def _subparsers() -> dict:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return dict(sub.choices)
+
+
+def test_version_names_the_version_and_the_live_backends():
+    import cbatch
+    from cbatch import ops
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"cbatch {cbatch.__version__} (")
+    assert lines[1].startswith("torch ")
+    rows = {line.split()[0]: line.split()[1] for line in lines[3:]}
+    assert rows == {name: "live" if status.available else "off"
+                    for name, status in ops.available_backends().items()}
+
+
+def test_every_flag_has_help_and_its_default_shown():
+    for name, parser in _subparsers().items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"cbatch {name} {action.option_strings or action.dest}: no help"
+            assert "default" in action.help or f"(default: {action.default})" in " ".join(
+                text.split()), (name, action.option_strings)
+
+
+def test_a_setting_has_one_flag_name_in_every_command():
+    """The same setting is spelled the same way wherever it appears (vLLM's engine args)."""
+    flags: dict[str, set] = {}
+    for parser in _subparsers().values():
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                flags.setdefault(action.dest, set()).add(tuple(action.option_strings))
+    assert {dest: names for dest, names in flags.items() if len(names) > 1} == {}
+    assert "policy" not in flags and "scheduling_policy" in flags
+
+
+@pytest.mark.parametrize("argv,suggestion", [
+    (["genrate", "--prompt", "x"], "did you mean 'generate'?"),
+    (["generate", "--prompt", "x", "--mxa-tokens", "3"],
+     "--mxa-tokens: did you mean --max-tokens?"),
+    (["serve", "--max-num-sqes=4"], "did you mean --max-num-seqs?"),
+    (["generate", "--prompt", "x", "--dtype", "flaot16"], "did you mean 'float16'?"),
+])
+def test_a_typo_gets_a_suggestion(argv, suggestion, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert suggestion in err, err
+    if argv[0] == "generate":  # the subcommand's own usage line
+        assert "usage: cbatch generate" in err
+
+
+def test_serve_takes_the_model_as_its_argument():
+    from cbatch.entrypoints.cli.serve import resolve_model
+
+    parse = build_parser().parse_args
+    for argv in (["serve", "gpt2"], ["serve", "--model", "gpt2"], ["serve", "gpt2", "--model",
+                                                                    "gpt2"]):
+        args = parse(argv)
+        resolve_model(args)
+        assert args.model == "gpt2"
+    args = parse(["serve", "gpt2", "--model", "distilgpt2"])
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_model(args)
+    args = parse(["serve", "random:gpt2", "--served-model-name", "gpt2", "--port", "8001"])
+    resolve_model(args)
+    assert (args.model, args.served_model_name, args.port) == ("random:gpt2", "gpt2", 8001)
+
+
+def test_dtype_and_device_auto():
+    import torch
+
+    from cbatch.entrypoints.cli.engine_args import resolve_device_and_dtype
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert (args.device, args.dtype) == ("auto", "auto")
+    resolve_device_and_dtype(args)
+    cuda = torch.cuda.is_available()
+    assert (args.device, args.dtype) == (("cuda", "float16") if cuda else ("cpu", "float32"))
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu",
+                                      "--dtype", "bfloat16"])
+    resolve_device_and_dtype(args)
+    assert (args.device, args.dtype) == ("cpu", "bfloat16")
+
+
+def test_a_prompt_too_long_is_refused_before_anything_is_printed(capsys, monkeypatch):
+    stdout = Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", "random:tiny", "--prompt", "x" * 5500])
+    assert exit_.value.code == 2
+    assert stdout.writes == []  # the prompt is not echoed, streamed or not
+    (line,) = capsys.readouterr().err.splitlines()[-1:]
+    assert line.startswith("cbatch: error: prompt ('xxxx") and "exceeds" in line
+    assert len(line) < 200  # the prompt is named by its start, not printed whole
+
+
+def test_an_error_names_the_prompt_of_a_batch(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "random:tiny", "--prompt", "fine", "--prompt", "y" * 300,
+              "--prompt", "also fine"])
+    err = capsys.readouterr().err
+    assert "cbatch: error: prompt 2 of 3 ('yyyy" in err
+    assert "generate:" not in err  # no progress bar before the check
+
+
+def test_max_model_len_caps_requests(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "random:tiny", "--prompt", "hello", "--max-tokens", "8",
+              "--max-model-len", "10"])
+    assert "maximum length (10)" in capsys.readouterr().err
+    main(["generate", "--model", "random:tiny", "--prompt", "hi", "--max-tokens", "4",
+          "--max-model-len", "10", "--ignore-eos"])
+    assert "(length, 4 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "random:tiny", "--prompt", "hi", "--max-model-len", "300"])
+    assert "exceeds the model's context length (256)" in capsys.readouterr().err
+
+
+def test_chat_template_is_a_file_or_the_template(tmp_path, capsys):
+    from cbatch.entrypoints.openai.serving_chat import read_chat_template
+
+    text = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    path = tmp_path / "chat.jinja"
+    path.write_text(text)
+    assert read_chat_template(str(path)) == text == read_chat_template(text)
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        read_chat_template("{% for m in messages %}")
+    # checked before the model loads: the error comes at once, alone
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "random:tiny", "--chat-template", "{{ unclosed"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("cbatch: error: chat template")

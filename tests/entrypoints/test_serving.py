@@ -214,6 +214,7 @@ def test_chat_template_of_a_checkpoint(tiny_hf_dir, tmp_path):
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_cbatch_serve_command(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve",
@@ -234,6 +235,7 @@ def test_cbatch_serve_command(tmp_path):
     assert "Application shutdown complete" in out.decode()
 
 
+@pytest.mark.slow
 def test_ops_and_hf_import_no_engine_or_server():
     probe = ("import sys, cbatch.ops, cbatch.hf\n"
              "bad = [m for m in sys.modules if m.startswith(('cbatch.core', 'cbatch.entrypoints',"

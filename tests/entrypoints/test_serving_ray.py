@@ -57,3 +57,23 @@ def test_two_replicas_spread_requests_and_match_one_engine():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_serve_refuses_gpus_the_cluster_lacks():
+    """cbatch.serve on a cluster without the GPUs it asks for raises at once; Ray Serve would
+    wait for them forever."""
+    import cbatch
+
+    ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="the Ray cluster has no GPU"):
+            cbatch.serve("random:tiny", port=free_port(), blocking=False, device="cuda",
+                         num_gpus_per_replica=1)
+        with pytest.raises(ValueError, match="need 2 GPU"):
+            cbatch.serve("random:tiny", num_replicas=2, port=free_port(), blocking=False,
+                         num_gpus_per_replica=1)
+        assert ray.is_initialized()  # a cluster it did not start is left alone
+    finally:
+        ray.shutdown()

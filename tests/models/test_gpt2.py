@@ -16,7 +16,8 @@ def _hf_logits(hf_model, tokens):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+@pytest.mark.parametrize("backend", [None, "torch",
+                                     pytest.param("triton", marks=pytest.mark.slow)])
 def test_packed_prefill_then_decode_matches_transformers(tiny_hf_dir, tiny_hf_model,
                                                          block_size, backend):
     device = "cpu"

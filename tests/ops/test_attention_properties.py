@@ -23,6 +23,7 @@ def batches(draw):
     return lens, new
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(batch=batches(), block_size=st.sampled_from([1, 5, 8, 16, 32]),
        heads=st.integers(1, 6), group=st.sampled_from([1, 2, 3, 4, 7]),

@@ -27,6 +27,7 @@ def _decode_inputs(device):
     return q, k, v, kc, vc, slots, tables, lens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [b for b in ("cpu", "triton") if STATUS[b].available
                                      and (b != "triton" or triton_device() == "cpu")])
 def test_fullgraph_compile_cpu(backend):

@@ -38,6 +38,7 @@ def _compile(source: Path, out_dir: Path, includes: list[str]) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cuda_sources_compile(tmp_path):
     assert CU_SOURCES, "no .cu files found"
     includes = _include_dirs(tmp_path)

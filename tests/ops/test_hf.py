@@ -60,6 +60,7 @@ def test_left_padded_logits_match_sdpa(checkpoint, monkeypatch):
     torch.testing.assert_close(ours[real], ref[real], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_left_padded_greedy_generate_matches_sdpa(checkpoint):
     path, pad = checkpoint
     ids, mask = _left_padded(512, pad, seed=1)

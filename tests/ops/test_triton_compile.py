@@ -99,6 +99,7 @@ def main() -> None:
     sys.exit(1 if failures else 0)
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
     bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
-    bench_throughput)
+    bench_throughput, common)
 
 
 # The benchmarks run on the GPU when there is one (their --device default), else the CPU.
@@ -40,6 +40,7 @@ def _rows(out: Path, name: str) -> list[dict]:
     return data["rows"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,name", [(bench_decode_attention, "decode_attention"),
                                          (bench_prefill_attention, "prefill_attention")])
 def test_attention_benchmarks(tmp_path, module, name):
@@ -53,6 +54,7 @@ def test_attention_benchmarks(tmp_path, module, name):
     assert all(r["us"] > 0 for r in ok)
 
 
+@pytest.mark.slow
 def test_mixed_step_benchmark(tmp_path):
     rows = _rows(bench_mixed_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "mixed_step")
@@ -65,6 +67,7 @@ def test_mixed_step_benchmark(tmp_path):
         assert (r.get("speedup", 0) > 0) == r["impl"].endswith("-split")
 
 
+@pytest.mark.slow
 def test_decode_step_benchmark(tmp_path):
     rows = _rows(bench_decode_step.main(["--quick", "--out", str(tmp_path), "--no-progress"]),
                  "decode_step")
@@ -73,6 +76,7 @@ def test_decode_step_benchmark(tmp_path):
     assert all(r["floor_ms"] > 0 and 0 <= r["host_ms"] <= r["step_ms"] for r in rows)
 
 
+@pytest.mark.slow
 def test_throughput_benchmark(tmp_path):
     out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                  "--workload", "seed", "longtail",
@@ -95,6 +99,7 @@ def test_throughput_benchmark_sharedprefix(tmp_path):
     assert off["prefix_cache_hit_rate"] == 0 and on["prefix_cache_hit_rate"] > 0
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_batch_invariant(tmp_path):
     out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                  "--workload", "longtail", "--engines", "cbatch-continuous",
@@ -102,3 +107,18 @@ def test_throughput_benchmark_batch_invariant(tmp_path):
     rows = _rows(out, "throughput-batch-invariant")
     assert [r["engine"] for r in rows] == ["cbatch-continuous", "cbatch-invariant"]
     assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)
+
+
+def test_a_run_without_out_writes_a_new_folder_not_the_committed_results(tmp_path, monkeypatch):
+    """Without --out a benchmark writes under benchmarks/runs/<time>-<device>/ (ignored by
+    git); the committed benchmarks/results/ change only when --out names them."""
+    results = Path(common.__file__).parent / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    monkeypatch.setattr(common, "RUNS", tmp_path / "runs")
+    out = bench_mixed_step.main(["--quick", "--no-progress"])
+    assert out.parent == tmp_path / "runs"
+    assert out.name.endswith("-" + common.device_slug(torch.device(DEVICE)))
+    _rows(out, "mixed_step")
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == before
+    gitignore = (Path(common.__file__).parents[1] / ".gitignore").read_text().split()
+    assert "benchmarks/runs/" in gitignore

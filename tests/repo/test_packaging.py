@@ -1,12 +1,18 @@
-"""Packaging hazards: errors raised from C++ must reach Python as exceptions, not kill it;
-the repository's kernels/ folder seen as a top-level `kernels`; the CUDA toolkit behind a
-wrapper `nvcc`."""
+"""Packaging: the sdist -> wheel -> fresh virtualenv path a user installing from PyPI takes;
+and its hazards: errors raised from C++ must reach Python as exceptions, not kill it; the
+repository's kernels/ folder seen as a top-level `kernels`; the CUDA toolkit behind a wrapper
+`nvcc`."""
 
 import os
+import re
 import runpy
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -54,6 +60,7 @@ print("survived")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(compiled.build_info() is None, reason="compiled extension not built")
 def test_errors_raised_in_cpp_reach_python_as_exceptions():
     result = subprocess.run([sys.executable, "-c", RAISE_FROM_CPP], capture_output=True,
@@ -68,6 +75,48 @@ def test_errors_raised_in_cpp_reach_python_as_exceptions():
         assert [line.split()[0] for line in lines[3:6]] == ["ValueError", "ValueError",
                                                             "TypeError"], lines
         assert "must be on cuda" in lines[3] and "must be on cuda" in lines[4], lines
+
+
+# cbatch._C present but failing to load, as an extension built against another torch does.
+BROKEN_EXTENSION = """
+import importlib.abc, importlib.machinery, sys, warnings
+
+class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "cbatch._C" else None
+    def create_module(self, spec):
+        raise ImportError("/site/cbatch/_C.so: undefined symbol: _ZN3c1015SmallVectorBase")
+    def exec_module(self, module):
+        pass
+
+sys.meta_path.insert(0, Broken())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import cbatch.ops
+    status = cbatch.ops.available_backends()
+    cbatch.ops.available_backends()
+    import cbatch.ops.compiled
+print(len(caught))
+print(caught[0].category.__name__)
+print(status["cpu"].available, status["torch"].available)
+print("detail:", status["cpu"].detail)
+print(caught[0].message)
+"""
+
+
+def test_an_extension_that_fails_to_load_warns_once_with_the_fix():
+    env = {k: v for k, v in os.environ.items() if k != "CBATCH_NO_EXT"}
+    result = subprocess.run([sys.executable, "-c", BROKEN_EXTENSION], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, category, available, detail, *message = result.stdout.splitlines()
+    message = "\n".join(message)
+    assert count == "1" and category == "RuntimeWarning"
+    assert available == "False True"
+    assert "undefined symbol" in detail and "--no-build-isolation" in detail
+    assert "undefined symbol" in message  # the reason, in the loader's words
+    assert "another torch" in message and torch.__version__ in message  # what it means
+    assert f"pip install --no-build-isolation --no-deps --force-reinstall -e {ROOT}" in message
 
 
 @pytest.mark.skipif(compiled.build_info() is None, reason="compiled extension not built")
@@ -104,6 +153,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_top_level_kernels_import_is_inert():
     """The probe runs Triton's interpreter (the kernels' first call imports triton)."""
     problem = triton_interpreter_problem()  # a subprocess on a GPU machine: ask only here
@@ -138,3 +188,113 @@ def test_gpu_check_script_parses():
     if shutil.which("shellcheck"):
         result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout
+
+
+def _clean_copy(dest: Path) -> None:
+    """The checkout's files as a fresh clone would have them (tracked and new files that git
+    does not ignore): no .venv, no build folders, no compiled extension."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, timeout=60)
+    if listed.returncode != 0:  # not a git checkout: copy all but what builds leave behind
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so", "runs"))
+        return
+    for name in listed.stdout.decode().split("\0"):
+        if name and (ROOT / name).is_file():  # a file deleted but not yet committed is skipped
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+
+
+def _run(cmd, **kwargs) -> str:
+    result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
+                            timeout=900, **kwargs)
+    assert result.returncode == 0, (
+        f"{cmd} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A new virtualenv that sees the packages this interpreter has (torch among them), so
+    installing cbatch's wheel downloads nothing.  ``--system-site-packages`` exposes the base
+    interpreter's; when this interpreter is itself a virtualenv, a .pth file adds its
+    site-packages too (a .pth line only extends sys.path: the editable cbatch installed there
+    is not activated)."""
+    _run([sys.executable, "-m", "venv", "--system-site-packages", path])
+    python = path / "bin" / "python"
+    inner = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    outer = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                           sysconfig.get_paths()["platlib"]])
+    Path(inner.strip(), "_cbatch_test_outer_site.pth").write_text("\n".join(outer) + "\n")
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("CBATCH_NO_EXT") == "1", reason="CBATCH_NO_EXT=1 set")
+def test_sdist_builds_a_wheel_that_installs_and_runs(tmp_path):
+    """From a clean copy of the tree: sdist, a wheel built from that sdist (compiling the
+    extension against the installed torch), installed into a fresh virtualenv; from a folder
+    outside the checkout, the `cbatch` command and `cbatch.LLM` run and the C++ kernels load."""
+    pytest.importorskip("build", reason="needs the `build` package (requirements-dev.txt)")
+    import cbatch
+
+    src, dist = tmp_path / "src", tmp_path / "dist"
+    _clean_copy(src)
+    _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", dist, src])
+    (sdist,) = dist.glob("cbatch-*.tar.gz")
+    assert sdist.name == f"cbatch-{cbatch.__version__}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        in_sdist = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    for needed in ("csrc/checks.h", "csrc/ops.h", "csrc/cpu/attention.cpp",
+                   "csrc/cuda/decode_attention.cu", "kernels/decode_attention.py",
+                   "README.md", "LICENSE", "cbatch/core/engine.py", "pyproject.toml"):
+        assert needed in in_sdist, f"{needed} missing from the sdist"
+    assert not [n for n in in_sdist if n.endswith((".so", ".o", ".pyc"))]
+
+    # the wheel from the sdist, the way `pip install cbatch-<version>.tar.gz` builds it
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CBATCH_NO_EXT")}
+    _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+          "--no-index", "--wheel-dir", dist, sdist], env=env, cwd=tmp_path)
+    (wheel,) = dist.glob("cbatch-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        in_wheel = set(whl.namelist())
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "cbatch").rglob("__init__.py")}
+    for package in packages | {"cbatch/kernels"}:  # every package of the tree, found not listed
+        assert f"{package}/__init__.py" in in_wheel, f"{package} missing from the wheel"
+    assert any(n.startswith("cbatch/_C") and n.endswith(".so") for n in in_wheel)
+    assert not [n for n in in_wheel if n.startswith("kernels/")]  # never a top-level kernels
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in in_wheel)
+
+    venv = tmp_path / "venv"
+    python = _fresh_venv(venv)
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+          wheel], env=env)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = dict(env=env, cwd=elsewhere)
+
+    version = _run([venv / "bin" / "cbatch", "--version"], **run)
+    assert version.startswith(f"cbatch {cbatch.__version__}"), version
+    assert re.search(r"^\s*cpu\s+live\b", version, flags=re.M), version
+    generated = _run([venv / "bin" / "cbatch", "generate", "--model", "random:tiny",
+                      "--prompt", "hi", "--max-tokens", "4"], **run)
+    assert generated.startswith("hi") and len(generated) > len("hi"), generated
+    probe = ("import cbatch, cbatch.ops; print(cbatch.__file__); "
+             "print(cbatch.ops.available_backends()['cpu'].available); "
+             "print(repr(cbatch.LLM('random:tiny').generate('hi')[0].text))")
+    where, cpu_loaded, text = _run([python, "-W", "error::RuntimeWarning", "-c", probe],
+                                   **run).splitlines()[-3:]
+    assert Path(where).resolve().is_relative_to(venv.resolve()), where  # not the checkout
+    assert cpu_loaded == "True"
+    assert text.startswith("'") and len(text) > 2, text
+
+
+def test_every_folder_of_python_files_under_cbatch_is_a_package():
+    """setup.py ships the packages find_packages sees: a folder of .py files without an
+    __init__.py would silently stay out of the wheel."""
+    helpers = runpy.run_path(str(ROOT / "setup.py"), run_name="not_main")
+    folders = {p.parent for p in (ROOT / "cbatch").rglob("*.py") if "__pycache__" not in p.parts}
+    missing = [str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()]
+    assert not missing, f"no __init__.py (so not shipped): {missing}"
+    found = {name for name in helpers["PACKAGES"]}
+    expected = {".".join(f.relative_to(ROOT).parts) for f in folders} | {"cbatch.kernels"}
+    assert found == expected

@@ -13,6 +13,7 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, capsys):
     exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})

@@ -26,7 +26,7 @@ def checkout(tmp_path):
         'echo "$*" >> "$PYTHON_LOG"\n'
         'case "$1 $2" in\n'
         '  "-m pip") [ -z "${FAIL_PIP:-}" ]; exit ;;\n'
-        '  "-m pytest"|"-m cbatch.entrypoints.cli.main") exit 0 ;;\n'
+        '  "-m pytest"|"-m cbatch") exit 0 ;;\n'
         "esac\n"
         f'exec "{sys.executable}" "$@"\n')
     (venv_bin / "python").chmod(0o755)
@@ -56,6 +56,12 @@ def test_installs_once_then_only_when_an_input_changes(checkout):
     out, calls = run_sh(checkout, "test", "-k", "x")
     assert pip_installs(calls) == 3 and calls[-1] == "-m pytest -q -k x"
     assert "skipping pip" not in out
+    # one line of its own per step, and pip's own output (progress) not silenced
+    steps = [line for line in out.splitlines() if line.startswith("run.sh: [")]
+    assert [line[:13] for line in steps] == ["run.sh: [1/3]", "run.sh: [2/3]", "run.sh: [3/3]"]
+    assert not [c for c in calls if c.startswith("-m pip") and " -q" in c]
+    assert "-m cbatch --version" in calls
+    assert "source " + str(checkout / "venv") + "/bin/activate" in out
 
     out, calls = run_sh(checkout, "test")
     assert pip_installs(calls) == 0 and calls == ["-m pytest -q"]
@@ -63,10 +69,10 @@ def test_installs_once_then_only_when_an_input_changes(checkout):
 
     out, calls = run_sh(checkout, "demo", "--scale", "0.5")
     assert pip_installs(calls) == 0
-    assert calls == ["-m cbatch.entrypoints.cli.main demo --scale 0.5"]
+    assert calls == ["-m cbatch demo --scale 0.5"]
 
     _, calls = run_sh(checkout, "test", CBATCH_TORCH="torch==2.14.1")
-    assert pip_installs(calls) == 3 and "-m pip install -q torch==2.14.1" in calls
+    assert pip_installs(calls) == 3 and "-m pip install torch==2.14.1" in calls
 
     kernel = next(p for p in sorted((checkout / "csrc").rglob("*.cpp")))
     kernel.write_text(kernel.read_text() + "\n// changed\n")

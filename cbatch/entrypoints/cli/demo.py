@@ -99,6 +99,8 @@ def add_demo_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser("demo", parents=parents,
                           help="static vs continuous batching on the `seed` workload")
     demo.add_argument("--scale", type=float, default=1.0, help="fraction of the 32 requests")
-    demo.add_argument("--plot", default="cbatch-demo-occupancy.png")
-    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.add_argument("--plot", default="cbatch-demo-occupancy.png",
+                      help="where to write the plot of batch occupancy per step")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads (default: None, torch's own choice)")
     demo.set_defaults(run=run_demo)

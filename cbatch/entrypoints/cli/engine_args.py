@@ -12,17 +12,22 @@ from cbatch.config import engine_fields
 def model_parser() -> argparse.ArgumentParser:
     """The model flags, as a parent parser of the commands that load a model."""
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", default="random:gpt2",
+    model.add_argument("--model", default=DEFAULT_MODEL,
                        help="random:<size>, a local HF checkpoint dir, or a hub id")
     model.add_argument("--tokenizer", default=None,
                        help="a tokenizer dir or hub id (default: the model's own)")
-    model.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when "
-                       "available, else cpu)")
-    model.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                       help="default: float16 on CUDA, float32 on the CPU")
+    model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "
+                       "cuda when available, else cpu)")
+    model.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="weights and activations (default: auto, float16 on CUDA, "
+                            "float32 on the CPU)")
     model.add_argument("--debug", action="store_true",
                        help="show the Python traceback of an error (or CBATCH_DEBUG=1)")
     return model
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MODEL = "random:gpt2"
 
 
 _TYPES = {"int": int, "str": str, "float": float}
@@ -32,8 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     """One flag per :class:`EngineConfig` field that has one: ``--max-num-seqs`` for
     ``max_num_seqs``; switches as ``--name`` / ``--no-name``."""
     group = parser.add_argument_group("engine (cbatch.EngineConfig)")
+    names = [f.name for f in engine_fields() if f.name not in exclude]
+    # what engine_kwargs reads: an excluded field's name may be another flag's (generate's
+    # --seed is the sampling seed, not the engine's)
+    parser.set_defaults(engine_fields=tuple(names))
     for f in engine_fields():
-        if f.name in exclude:
+        if f.name not in names:
             continue
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"]
@@ -48,19 +57,22 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of ``args`` (and the model's) as :class:`EngineConfig` keywords."""
-    kwargs = {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+    kwargs = {name: getattr(args, name) for name in getattr(args, "engine_fields", ())}
     return dict(kwargs, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
 
 
 def resolve_device_and_dtype(args: argparse.Namespace) -> None:
-    """Fill in ``args.device`` (None: CUDA when present) and ``args.dtype`` (None: float16 on
-    CUDA, float32 on the CPU), checking that this machine has the device."""
+    """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": float16
+    on CUDA, float32 on the CPU), checking that this machine has the device."""
     import torch
 
     from cbatch.config import check_device
 
-    args.device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.dtype = args.dtype or ("float16" if args.device.startswith("cuda") else "float32")
+    if args.device in (None, "auto"):
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = check_device(args.device)
+    if args.dtype in (None, "auto"):
+        args.dtype = "float16" if args.device.startswith("cuda") else "float32"
 
 
 def load_llm(args: argparse.Namespace, **kwargs):

@@ -26,7 +26,8 @@ def _summary(out) -> str:
 
 def stream(llm, prompt: str, params: SamplingParams):
     """Run one request, writing its text to stdout as it grows (the engine's incremental
-    detokenizer holds back a character until its last byte); returns the final output."""
+    detokenizer holds back a character until its last byte); returns the final output.
+    The prompt must have been checked (``validate_prompts``): it is written first."""
     sys.stdout.write(prompt)
     sys.stdout.flush()
     printed = [0]
@@ -43,8 +44,12 @@ def stream(llm, prompt: str, params: SamplingParams):
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    params = sampling_params(args)
+    params = sampling_params(args)  # checked before torch and the model load
     llm = load_llm(args)
+    from cbatch.entrypoints.llm import validate_prompts
+
+    # every prompt checked before any output (a progress bar, a streamed prompt)
+    validate_prompts(llm.engine, args.prompt, [params] * len(args.prompt))
     if len(args.prompt) == 1:
         out = stream(llm, args.prompt[0], params)
         print(_summary(out), file=sys.stderr)
@@ -59,11 +64,15 @@ def add_generate_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
                          description="Generate for each --prompt.  One prompt streams its "
                          "text as it is generated; several run as one batch.")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=16,
+                     help="new tokens per prompt at most (as SamplingParams and the server)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens holding this probability")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely "
+                     "tokens; 0 = off")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed (default: None, the engine's per request)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop before this text (repeatable)")
     gen.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",

@@ -16,12 +16,48 @@ import warnings
 from cbatch.entrypoints.cli.demo import add_demo_parser
 from cbatch.entrypoints.cli.engine_args import model_parser
 from cbatch.entrypoints.cli.generate import add_generate_parser
+from cbatch.entrypoints.cli.parser import CLIParser
 from cbatch.entrypoints.cli.serve import add_serve_parser
 
 
+def version_report() -> str:
+    """What ``cbatch --version`` prints: cbatch's version and where it is installed, the torch
+    and Python it runs on, and each kernel backend: live here, or off and why."""
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    import cbatch
+    from cbatch import ops
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    lines = [f"cbatch {cbatch.__version__} ({Path(cbatch.__file__).parent})",
+             f"torch {torch.__version__} ({cuda}), Python {platform.python_version()}",
+             "attention backends:"]
+    for name, status in ops.available_backends().items():
+        lines.append(f"  {name:<7} {'live' if status.available else 'off':<5} {status.detail}")
+    return "\n".join(lines)
+
+
+class VersionAction(argparse.Action):
+    """``--version``: print :func:`version_report` and exit (torch loads only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CLIParser(
         prog="cbatch", description="Continuous-batching inference for GPT-2-family models.")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the version, the torch it runs on and which attention "
+                             "backends are live, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model = model_parser()
     add_demo_parser(sub, [model])

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a thin FastAPI layer over one :class:`AsyncEngine`.
 
-    cbatch serve --model gpt2 --host 127.0.0.1 --port 8000
+    cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus).  Every error is OpenAI's error JSON.
@@ -36,17 +36,21 @@ def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | N
 
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
-              shutdown_timeout: float = 0.0) -> FastAPI:
+              shutdown_timeout: float = 0.0, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``.  When the app shuts
-    down it shuts the engine down, giving running requests ``shutdown_timeout`` seconds."""
+    down it shuts the engine down, giving running requests ``shutdown_timeout`` seconds.
+    ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any."""
     from cbatch.models.loader import resolve_checkpoint_dir
 
     config = engine.engine.config
-    max_model_len = engine.engine.model.config.max_model_len
+    max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
         config.model)
+    template = chat_template
+    if template is None and checkpoint is not None:
+        template = load_chat_template(checkpoint)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, load_chat_template(checkpoint),
+    chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint))
 
     @contextlib.asynccontextmanager
@@ -107,7 +111,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
-def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict) -> None:
+def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
+               chat_template: str | None = None) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
     import torch
     import uvicorn
@@ -116,6 +121,6 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
         torch.set_num_threads(args.threads)
     engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
                                    **engine_kwargs)
-    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout)
-    print(engine.engine.kv_cache.memory_report(), flush=True)
+    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template)
+    print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

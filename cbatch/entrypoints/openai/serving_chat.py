@@ -44,6 +44,24 @@ def load_special_tokens(checkpoint_dir: Path | None) -> dict[str, str]:
     return tokens
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file holding a Jinja template, or the template itself; checked
+    (it must parse) before any model loads."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value)
+    is_file = len(value) < 4096 and "\n" not in value and path.is_file()
+    template = path.read_text() if is_file else value
+    if not is_file and "{{" not in template and "{%" not in template:
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value!r:.60} does not parse: {e}") from None
+    return template
+
+
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None):
