@@ -12,6 +12,7 @@ import torch
 
 from tests.serving_utils import running_server
 
+pytestmark = pytest.mark.slow  # a server and a checkpoint
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 

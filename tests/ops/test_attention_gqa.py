@@ -26,8 +26,9 @@ def _backends(op):
     pairs = []
     if STATUS["cpu"].available:
         pairs.append(("cpu", "cpu"))
-    if TRITON_DEVICE is not None:
-        pairs.append(("triton", TRITON_DEVICE))
+    if TRITON_DEVICE is not None:  # the interpreter takes seconds per case
+        pairs.append(pytest.param("triton", TRITON_DEVICE, marks=pytest.mark.slow,
+                                  id=f"triton-{TRITON_DEVICE}"))
     if STATUS["cuda"].available and HAS_CUDA and op == "paged_decode_attention":
         pairs.append(("cuda", "cuda"))
     return pairs
@@ -41,15 +42,12 @@ CASES = [(group, dtype, (64, 128)[(i + group) % 2])
          for group in GROUPS for i, dtype in enumerate(DTYPES)]
 
 
-def _ids(pairs):
-    return [f"{b}-{d}" for b, d in pairs]
-
-
 def _seed():
     return torch.randint(0, 2**31, ()).item()  # fresh inputs every run
 
 
-@pytest.mark.parametrize("backend,device", DECODE, ids=_ids(DECODE))
+@pytest.mark.slow  # the float64 reference loops over query rows in Python
+@pytest.mark.parametrize("backend,device", DECODE)
 @pytest.mark.parametrize("group,dtype,head_dim", CASES)
 def test_decode_gqa(backend, device, group, dtype, head_dim):
     lens = [1, B - 1, B, B + 1, 300]
@@ -62,7 +60,8 @@ def test_decode_gqa(backend, device, group, dtype, head_dim):
     assert_attention_close(out, *args)
 
 
-@pytest.mark.parametrize("backend,device", PREFILL, ids=_ids(PREFILL))
+@pytest.mark.slow  # the float64 reference loops over query rows in Python
+@pytest.mark.parametrize("backend,device", PREFILL)
 @pytest.mark.parametrize("group,dtype,head_dim", CASES)
 def test_prefill_gqa(backend, device, group, dtype, head_dim):
     # (seq_len, new tokens): fresh prompts, a chunk over a cached prefix, decode tokens
