@@ -103,7 +103,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
-                       model.attention_backend, cfg.num_kv_heads)
+                       model.attention_backend, cfg.num_heads, cfg.num_kv_heads)
             if cuda_graphs:
                 self.setup_graphs()
 
