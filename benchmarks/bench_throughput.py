@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Unavailable, base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
+from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
@@ -171,12 +172,14 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
 
 
 def hf_model(args, model_like):
-    """transformers' GPT2LMHeadModel with the same weights as cbatch's model."""
+    """transformers' model (GPT-2, Llama, Qwen2, Qwen3) with the same weights as cbatch's."""
     import transformers
 
     if not args.model.startswith("random:"):
         return transformers.AutoModelForCausalLM.from_pretrained(
             args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    if not isinstance(model_like, GPT2LMHeadModel):
+        return _hf_llama_family(args, model_like)
     c = model_like.config
     config = transformers.GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
@@ -187,6 +190,40 @@ def hf_model(args, model_like):
     state = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v)
              for k, v in model_like.state_dict().items()}
     hf.load_state_dict(state, strict=False)
+    return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+
+
+def _hf_llama_family(args, model_like):
+    """A random: Llama-family model as transformers' class of its architecture: the config's
+    fields by their Hugging Face names, the fused projections split back into q/k/v and
+    gate/up."""
+    import transformers
+
+    c = model_like.config
+    config_class = getattr(transformers, c.architecture.replace("ForCausalLM", "Config"))
+    config = config_class(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope),
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.o_bias,
+        mlp_bias=c.mlp_bias, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+    state = {}
+    for name, tensor in model_like.state_dict().items():
+        if ".qkv_proj." in name:
+            sizes = model_like.model.layers[0].self_attn.sizes
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
+                state[name.replace("qkv_proj", part)] = t
+        elif ".gate_up_proj." in name:
+            for part, t in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                state[name.replace("gate_up_proj", part)] = t
+        else:
+            state[name] = tensor
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
     return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
 
 
