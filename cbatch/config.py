@@ -54,6 +54,10 @@ class GPT2Config:
         return self.n_layer
 
     @property
+    def num_heads(self) -> int:
+        return self.n_head
+
+    @property
     def num_kv_heads(self) -> int:
         return self.n_head
 

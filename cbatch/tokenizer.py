@@ -15,7 +15,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     eos_token_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -26,8 +26,8 @@ class ByteTokenizer:
     def __init__(self, eos_token_id: int):
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # (it has no special tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         out, run = [], bytearray()
@@ -56,8 +56,11 @@ class HFTokenizer:
             self._tok = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
+        Llama tokenizer's BOS; GPT-2's and Qwen's add nothing), as vLLM does for a prompt; a
+        rendered chat template has them in its text already, and is encoded without."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=False)

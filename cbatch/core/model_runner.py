@@ -95,13 +95,15 @@ class ModelRunner:
         # CPU: threads on the cores others leave free (fixed in batch-invariant mode)
         self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
             if self.device.type == "cpu" else None
-        if self.device.type == "cpu" and not model.batch_invariant:
+        if self.device.type == "cpu" and model.batch_invariant:
+            cpu_linear.unpack_linears(model)  # the invariant linear pads rows on dense weights
+        elif self.device.type == "cpu":
             cpu_linear.pack_linears(model)  # oneDNN on packed weights where it is faster
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
-                       model.attention_backend, cfg.num_kv_heads)
+                       model.attention_backend, cfg.num_heads, cfg.num_kv_heads)
             if cuda_graphs:
                 self.setup_graphs()
 

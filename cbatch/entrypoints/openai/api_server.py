@@ -37,7 +37,8 @@ from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ModelCard, ModelList, OpenAIError)
-from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
+                                                    load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
 
@@ -67,11 +68,14 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
+    checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
+        config.model)
     template = chat_template
-    if template is None and not config.model.startswith("random:"):
-        template = load_chat_template(resolve_checkpoint_dir(config.model))
+    if template is None and checkpoint is not None:
+        template = load_chat_template(checkpoint)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, template)
+    chat = OpenAIServingChat(engine, served_model_name, template,
+                             load_special_tokens(checkpoint))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -216,7 +220,7 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
                                    on_dead=on_dead, **engine_kwargs)
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
                     **guard_settings(args))
-    print(engine.engine.kv_cache.memory_report(), flush=True)
+    print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.limit_concurrency, args.header_timeout)
     server = _server_class()(config)

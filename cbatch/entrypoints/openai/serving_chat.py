@@ -3,6 +3,7 @@ is then generated like a completion.  GPT-2 ships no template, so it gets a 400 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -33,6 +34,18 @@ def load_chat_template(checkpoint_dir: Path | None) -> str | None:
     return None
 
 
+def load_special_tokens(checkpoint_dir: Path | None) -> dict[str, str]:
+    """The ``bos_token`` and ``eos_token`` strings of ``tokenizer_config.json`` (templates
+    write them into the prompt: Llama's begins with ``{{ bos_token }}``); "" when absent."""
+    config = None if checkpoint_dir is None else checkpoint_dir / "tokenizer_config.json"
+    raw = json.loads(config.read_text()) if config is not None and config.is_file() else {}
+    tokens = {}
+    for name in ("bos_token", "eos_token"):
+        value = raw.get(name) or ""
+        tokens[name] = value.get("content", "") if isinstance(value, dict) else value
+    return tokens
+
+
 def read_chat_template(value: str) -> str:
     """``--chat-template``: a file holding a Jinja template, or the template itself; checked
     (it must parse) before any model loads."""
@@ -58,9 +71,11 @@ def _raise_template_error(message: str):
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None):
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
+                 special_tokens: dict[str, str] | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
         self._template = None
         if chat_template is not None:
             # a sandbox, as transformers renders templates: a template is data, not code
@@ -80,13 +95,16 @@ class OpenAIServingChat:
 
         try:
             return self._template.render(messages=[m.model_dump() for m in req.messages],
-                                         add_generation_prompt=True, bos_token="", eos_token="")
+                                         add_generation_prompt=True, **self.special_tokens)
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
                               param="messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        prompt = self.render(req)
+        # the template wrote the special tokens it wants: encode without adding more (in a
+        # worker thread, as the engine does for a string prompt: the loop serves on meanwhile)
+        prompt = await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
+                                         add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
         streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream)
