@@ -107,7 +107,7 @@ class Engine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
         self.runner = ModelRunner(model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                  config.use_cuda_graphs)
+                                  config.use_cuda_graphs, config.threads)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()

@@ -15,6 +15,7 @@ it from the previous step's sampled tokens, on the device.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 
 from cbatch import ops
+from cbatch.core.cpu_threads import ThreadPolicy
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
+from cbatch.layers import cpu_linear
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch
 
@@ -63,7 +66,8 @@ class SampledTokens:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: bool = False):
+                 max_num_batched_tokens: int, cuda_graphs: bool = False,
+                 threads: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
@@ -78,6 +82,11 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
+        # CPU: threads on the cores others leave free (fixed in batch-invariant mode)
+        self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
+            if self.device.type == "cpu" else None
+        if self.device.type == "cpu" and not model.batch_invariant:
+            cpu_linear.pack_linears(model)  # oneDNN on packed weights where it is faster
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
@@ -143,10 +152,11 @@ class ModelRunner:
             seeds=[item.seq.seed for item in scheduled],
             positions=[item.seq.num_output_tokens for item in scheduled],
         )
-        logits = self.logits(batch)
-        tokens = sample(logits, sampling)
         num_logprobs = [p.logprobs for p in params]
-        logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+        with self.threads.step() if self.threads else contextlib.nullcontext():
+            logits = self.logits(batch)
+            tokens = sample(logits, sampling)
+            logprobs = logprobs_tensors(logits, tokens, num_logprobs)
         samples = [item.samples for item in scheduled]
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)

@@ -15,6 +15,7 @@ from torch import nn
 
 from cbatch import ops
 from cbatch.config import GPT2Config
+from cbatch.layers import cpu_linear
 from cbatch.layers.attention import PagedAttention
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
@@ -115,6 +116,8 @@ class GPT2LMHeadModel(nn.Module):
         whatever else is in the step (:func:`cbatch.layers.linear.linear` for the linear
         layers, :meth:`PagedAttention.kernel_for` for attention)."""
         self.batch_invariant = enabled
+        if enabled:  # the invariant linear pads rows on the dense weights
+            cpu_linear.unpack_linears(self)
         for module in self.modules():
             if isinstance(module, (Linear, PagedAttention)):
                 module.batch_invariant = enabled

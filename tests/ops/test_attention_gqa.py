@@ -80,7 +80,7 @@ def test_reference_is_attention_over_repeated_kv_heads():
     """The reference's head mapping, checked against the definition spelled out another way:
     repeat every KV head `group` times (what transformers' repeat_kv does) and run plain
     multi-head attention."""
-    from cbatch import reference
+    from cbatch.ops import reference
 
     group, H_kv = 3, 2
     args = paged_inputs([7, 20], [7, 4], H_kv * group, 16, 4, torch.float64, "cpu", 0,
