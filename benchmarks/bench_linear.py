@@ -45,9 +45,11 @@ SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
 def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
     """Route name -> callable(x) for one weight ``[N, K]`` and bias ``[N]`` (or None)."""
     out = {"torch": lambda x: F.linear(x, weight, bias)}
-    if weight.dtype == torch.float32:
+    if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, M)
         out["mkl-packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, M)
+    if not torch.backends.mkldnn.is_available():
+        return out
     out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(

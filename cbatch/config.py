@@ -54,6 +54,10 @@ class GPT2Config:
         return self.n_layer
 
     @property
+    def num_heads(self) -> int:
+        return self.n_head
+
+    @property
     def num_kv_heads(self) -> int:
         return self.n_head
 
@@ -146,6 +150,7 @@ class EngineConfig:
     threads: int | None = _knob(None, "CPU threads per step (default: the cores this process "
                                 "may run on, fewer while other processes take them)",
                                 cli=False)
+    max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -163,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory

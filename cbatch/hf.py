@@ -8,7 +8,8 @@ Any model that calls attention through transformers' ``AttentionInterface`` (GPT
 …) then runs cbatch's paged kernels.  The mask function registered beside it hands the
 attention the plain 2-D padding mask; the attention packs each row's real keys into a paged
 cache and each row's real queries into one ragged batch, so padded positions cost nothing
-in the kernel.  Grouped-query attention (fewer KV heads) is handled by repeating KV heads.
+in the kernel.  Grouped-query attention (fewer KV heads) runs natively: the paged cache
+holds the KV heads only and the kernels map each query head to its KV head.
 Transformers keeps its own dense KV cache here: the paged cache is rebuilt per call.
 """
 
@@ -130,9 +131,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Hkv, Lk = key.shape[1], key.shape[2]
     if H % Hkv:
         raise ValueError(f"{H} query heads cannot share {Hkv} KV heads")
-    if Hkv != H:  # grouped-query attention: each KV head serves H // Hkv query heads
-        key = key.repeat_interleave(H // Hkv, dim=1)
-        value = value.repeat_interleave(H // Hkv, dim=1)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("cbatch attention needs the 2-D padding mask of its mask function; "
                          "load the model with attn_implementation='cbatch' after "
@@ -142,8 +140,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # The paged cache of this call: each row's real keys, block-aligned.
     k_tok = _tokens(key.transpose(1, 2))
     v_tok = _tokens(value.transpose(1, 2))
-    key_cache = key.new_empty(lay.num_blocks, BLOCK_SIZE, H, D)
-    value_cache = value.new_empty(lay.num_blocks, BLOCK_SIZE, H, D)
+    key_cache = key.new_empty(lay.num_blocks, BLOCK_SIZE, Hkv, D)  # each serves H // Hkv
+    value_cache = value.new_empty(lay.num_blocks, BLOCK_SIZE, Hkv, D)
     ops.write_kv_cache(k_tok, v_tok, key_cache, value_cache, lay.slot_mapping, backend=_backend)
     q = query.transpose(1, 2)  # [B, L, H, D]
     q_packed = _tokens(q) if lay.query_valid is None else q[lay.query_valid]

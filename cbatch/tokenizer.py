@@ -15,7 +15,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     eos_token_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -26,8 +26,8 @@ class ByteTokenizer:
     def __init__(self, eos_token_id: int):
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # (it has no special tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         out, run = [], bytearray()
@@ -56,8 +56,11 @@ class HFTokenizer:
             self._tok = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
+        Llama tokenizer's BOS; GPT-2's and Qwen's add nothing), as vLLM does for a prompt; a
+        rendered chat template has them in its text already, and is encoded without."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=False)
@@ -116,11 +119,12 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
                         f"{type(prompt).__name__} {prompt!r:.40}")
     if not ids:
         raise ValueError("prompt is empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
-    if len(ids) + max_tokens > max_model_len:
+    if len(ids) + max_tokens > max_model_len:  # before reading a long list
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
                          f"= {len(ids) + max_tokens} exceeds the model's maximum length "
                          f"({max_model_len})")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
     return ids

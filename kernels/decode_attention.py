@@ -1,10 +1,9 @@
 """Paged decode attention in Triton: one query token per sequence, ragged contexts.
 
-One program handles one (query head, sequence, KV partition).  Grouped-query attention: the
-cache holds H_kv heads and query head h reads KV head ``h // (H // H_kv)`` in place (no copy
-of KV heads); the programs of one KV head's query heads are neighbours in the grid, so all
-but the first read its blocks from L2 (as in vLLM's paged attention).  Each sequence's
-context is cut into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens
+One program handles one (head, sequence, KV partition).  Grouped-query attention (a cache
+of H_kv < H heads, query head h reading KV head ``h // (H // H_kv)``) runs the kernel of
+:mod:`cbatch.kernels.grouped_decode_attention` instead, one program per KV head.  Each
+sequence's context is cut into partitions of :data:`PARTITION_SIZE` tokens, a size fixed in tokens
 (never derived from the batch), so a sequence's reduction order depends on its own length
 only and its output is bitwise the same whatever it is batched with.  Each program writes
 its partial output and log-sum-exp and ``_merge_kernel`` combines them in partition order;
@@ -19,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cbatch.kernels._utils import autotuning, configs, paged_offsets
+from cbatch.kernels._utils import autotuning, configs, paged_offsets, upcast
+from cbatch.kernels.grouped_decode_attention import block_g, grouped_decode_launch
 
 TILE_N_SPACE = [32, 64, 128]
 PARTITION_SIZE = 256  # tokens; a multiple of every TILE_N, so tiles never straddle partitions
@@ -30,7 +30,7 @@ PARTITION_SIZE = 256  # tokens; a multiple of every TILE_N, so tiles never strad
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale, num_splits, partition, kv_group,
+    scale, num_splits, partition,
     stride_q_t, stride_q_h,
     stride_c_block, stride_c_tok, stride_c_head,
     stride_bt, stride_o_t, stride_o_h,
@@ -55,12 +55,11 @@ def _paged_decode_kernel(
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    kv_head = head // kv_group  # kv_group query heads share each KV head
     for tile in range(start, end, TILE_N):
         offs_n = tile + tl.arange(0, TILE_N)
         mask_n = offs_n < end
         row = (paged_offsets(table, offs_n, mask_n, PAGE_SIZE, stride_c_block, stride_c_tok)
-               + kv_head * stride_c_head)
+               + head * stride_c_head)
         mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # [TILE_N]
@@ -161,7 +160,10 @@ def paged_decode_attention(
     max_context = block_tables.shape[1] * page
     if partition_size is not None and partition_size % 128:
         raise ValueError(f"partition_size must be a multiple of 128, got {partition_size}")
+    H_kv = key_cache.shape[2]
     out = torch.empty((S, H, D), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:  # no sequences, no heads or an empty head: no grid to launch
+        return out
     split = partition_size is not None and max_context > partition_size
     partition = partition_size if split else max_context
     num_splits = triton.cdiv(max_context, partition)
@@ -171,16 +173,25 @@ def paged_decode_attention(
     else:
         partial_out = partial_lse = out  # unused
     block_d = triton.next_power_of_2(D)
-    kernel, meta = decode_launch(D)
-    kernel[(H, S, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse,
-        scale, num_splits, partition, H // key_cache.shape[2],
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_D=block_d, PAGE_SIZE=page, SPLIT=split, **meta,
-    )
+    strides = (query.stride(0), query.stride(1),
+               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+               block_tables.stride(0), out.stride(0), out.stride(1))
+    if H_kv == H:
+        kernel, meta = decode_launch(D)
+        kernel[(H, S, num_splits)](
+            query, key_cache, value_cache, block_tables, seq_lens,
+            out, partial_out, partial_lse, scale, num_splits, partition, *strides,
+            HEAD_DIM=D, BLOCK_D=block_d, PAGE_SIZE=page, SPLIT=split, **meta,
+        )
+    else:  # grouped-query attention: one program per KV head serves its query heads
+        kernel, meta = grouped_decode_launch(D)
+        kernel[(H_kv, S, num_splits)](
+            query, key_cache, value_cache, block_tables, seq_lens,
+            out, partial_out, partial_lse, scale, num_splits, partition, H // H_kv, *strides,
+            HEAD_DIM=D, BLOCK_D=max(16, block_d), PAGE_SIZE=page, BLOCK_G=block_g(H // H_kv),
+            UPCAST=upcast(query.dtype),
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLIT=split, **meta,
+        )
     if split:
         _merge_kernel[(S, H)](
             partial_out, partial_lse, seq_lens, out,

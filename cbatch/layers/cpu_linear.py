@@ -8,12 +8,13 @@ AMX), and reads a weight reordered once by ``torch.ops.mkldnn._reorder_linear_we
 no per-call packing.  Measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
 routes", ``benchmarks/bench_linear.py``).
 
-:func:`pack_linears` turns a model's :class:`~cbatch.layers.linear.Linear` layers over to it at
-load time, on a CPU where it is the faster route (:func:`cpu_linear_route`): the packed
-weight replaces the dense one (same bytes), except for a weight shared with another module
-(GPT-2's ``lm_head``, tied to the token embedding, which needs the dense rows), which keeps
-its dense weight and gets a packed copy beside it.  :func:`unpack_linears` undoes it (the
-batch-invariant linear pads rows on the dense weight).  Results differ from ``F.linear``'s
+:func:`pack_linears` turns a model's :class:`~cbatch.layers.linear.Linear` layers over to it
+when an engine's model runner is built (any model), on a CPU where it is the faster route
+(:func:`cpu_linear_route`): the packed weight replaces the dense one (same bytes), except for
+a weight shared with another module (a ``lm_head`` tied to the token embedding, which needs
+the dense rows), which keeps its dense weight and gets a packed copy beside it.
+:func:`unpack_linears` undoes it (the batch-invariant linear pads rows on the dense weight;
+the runner of a batch-invariant engine unpacks).  Results differ from ``F.linear``'s
 only in summation order (fp32: ~1e-6 relative).
 
 ``$CBATCH_CPU_LINEAR`` (``onednn`` or ``torch``) overrides the choice.

@@ -58,13 +58,15 @@ class KVCache:
         """Tokens the cache holds, over all sequences."""
         return self.num_blocks * self.block_size
 
-    def memory_report(self) -> str:
-        """One line: how many tokens fit, in how many bytes, and where the bytes per token come
-        from (grouped-query models keep only their KV heads)."""
+    def memory_report(self, max_model_len: int | None = None) -> str:
+        """One line: how many tokens fit (and sequences of ``max_model_len``, default the
+        model's), in how many bytes, and where the bytes per token come from (grouped-query
+        models keep only their KV heads)."""
         c, itemsize = self.config, self.data.dtype.itemsize
-        full = self.num_tokens // c.max_model_len
+        max_model_len = max_model_len or c.max_model_len
+        full = self.num_tokens // max_model_len
         return (f"KV cache: {self.num_tokens} tokens ({self.num_blocks} blocks of "
-                f"{self.block_size}; {full} sequences of max_model_len {c.max_model_len}) in "
+                f"{self.block_size}; {full} sequences of max_model_len {max_model_len}) in "
                 f"{self.data.nbytes / 2**20:.1f} MiB: {bytes_per_token(c, self.data.dtype)} "
                 f"bytes per token = 2 x {c.num_layers} layers x {c.num_kv_heads} KV heads x "
                 f"head_dim {c.head_dim} x {itemsize} bytes")

@@ -71,6 +71,10 @@ class LlamaConfig:
         return self.num_hidden_layers
 
     @property
+    def num_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
     def num_kv_heads(self) -> int:
         return self.num_key_value_heads
 

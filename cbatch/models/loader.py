@@ -92,8 +92,8 @@ def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str,
         return state
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location=device, weights_only=True)
-    raise FileNotFoundError(f"{path} holds neither model.safetensors (or shards with "
-                            "model.safetensors.index.json) nor pytorch_model.bin")
+    raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin "
+                            "(nor shards listed in model.safetensors.index.json)")
 
 
 def convert_hf_state_dict(raw: dict[str, torch.Tensor], config: GPT2Config

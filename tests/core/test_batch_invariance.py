@@ -20,6 +20,7 @@ PROBE = [(5 * i + 3) % 500 for i in range(37)]
 
 def _run(requests, model="random:tiny", **engine_kwargs) -> dict:
     """Run ``requests`` (prompt, params, arrival step) to the end; outputs by index."""
+    engine_kwargs.setdefault("max_logprobs", VOCAB)  # the probe asks for every logprob
     return run_arrivals(Engine(model, **engine_kwargs),
                         [Arrival(prompt, params, step) for prompt, params, step in requests])
 

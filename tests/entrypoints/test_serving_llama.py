@@ -1,6 +1,8 @@
 """A Qwen2-architecture checkpoint with its own tokenizer and ChatML chat template, served on
 127.0.0.1 and asked through the official openai client (httpx when it is not installed):
-the chat reply is transformers' greedy generate on transformers' rendering of the template."""
+the chat reply is transformers' greedy generate on transformers' rendering of the template.
+The tokenizer adds a BOS to a text, as Llama's do: a completion's prompt gets it, a chat
+prompt gets the one its template writes (``{{ bos_token }}``) and no second one."""
 
 import json
 
@@ -10,11 +12,13 @@ import torch
 
 from tests.serving_utils import running_server
 
+pytestmark = pytest.mark.slow  # a server and a checkpoint
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = ("{{ bos_token }}{% for m in messages %}"
+          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello there, how are you today?",
           "Paged attention keeps each sequence's keys and values in fixed-size blocks.",
@@ -25,7 +29,7 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello there, how are 
 def chat_checkpoint(tmp_path_factory):
     """(directory, transformers model, tokenizers.Tokenizer): a byte-level BPE of 400 tokens
     trained here, the chat template in tokenizer_config.json, <|im_end|> the eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -34,6 +38,9 @@ def chat_checkpoint(tmp_path_factory):
         vocab_size=400, special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     eos = tok.token_to_id("<|im_end|>")
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
     config = transformers.Qwen2Config(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
@@ -45,7 +52,7 @@ def chat_checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        {"chat_template": CHATML, "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path, model, tok
 
@@ -86,3 +93,13 @@ def test_chat_completions_through_the_checkpoints_template(chat_checkpoint):
             usage = reply.usage.prompt_tokens, reply.usage.completion_tokens
     assert usage == (prompt_len, 10)
     assert content == want
+
+
+def test_a_completion_prompt_gets_the_tokenizers_bos(chat_checkpoint):
+    path, model, tok = chat_checkpoint
+    ids = transformers.AutoTokenizer.from_pretrained(path)("Hello there").input_ids
+    assert ids[0] == tok.token_to_id("<|endoftext|>")
+    with running_server(str(path), "qwen2-chat", max_num_seqs=4) as (url, _):
+        reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "qwen2-chat", "prompt": "Hello there", "max_tokens": 2}).json()
+    assert reply["usage"]["prompt_tokens"] == len(ids)

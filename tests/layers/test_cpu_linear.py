@@ -173,4 +173,4 @@ def test_auto_dtype():
     assert EngineConfig(dtype="auto").dtype == auto_dtype("cpu")
     assert EngineConfig().dtype == "float32"
     if torch.cuda.is_available():
-        assert auto_dtype("cuda") == "float32"
+        assert auto_dtype("cuda") == "float16"

@@ -96,6 +96,7 @@ def test_loaded_model_is_the_right_class_and_shares_no_kv_heads(checkpoint):
     assert tied == hf.config.tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_packed_prefill_then_decode_logits_match_transformers(checkpoint):
     """One packed prefill of ragged prompts over shuffled blocks of a NaN-filled cache, then
     decode steps: every logit row against transformers' forward of the whole sequence."""
@@ -127,6 +128,7 @@ def test_packed_prefill_then_decode_logits_match_transformers(checkpoint):
                 torch.testing.assert_close(logits[s], ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["chunked-prefill", "preempting"])
 def test_greedy_generate_matches_transformers(checkpoint, config):
     """24 prompts of mixed lengths, some sharing prefixes, under chunked prefill (7 tokens a
@@ -165,15 +167,16 @@ def test_logprobs_match_transformers(checkpoint):
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["random:llama-tiny", "random:qwen3-tiny"])
 def test_batch_invariant_mode_is_bitwise(model):
     """A probe's logits (all-vocabulary logprobs) alone and among batch-mates, chunked by a
     small token budget and preempted by a small pool: bitwise the same."""
     probe = [(7 * i + 3) % 500 for i in range(37)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=512)
-    alone = Engine(model, batch_invariant=True, block_size=4)
+    alone = Engine(model, batch_invariant=True, block_size=4, max_logprobs=512)
     crowded = Engine(model, batch_invariant=True, block_size=4, num_blocks=14,
-                     max_num_batched_tokens=11, max_num_seqs=4)
+                     max_num_batched_tokens=11, max_num_seqs=4, max_logprobs=512)
     crowded.occupancy_trace = []
     results = []
     for engine, mates in ((alone, 0), (crowded, 5)):
@@ -211,6 +214,7 @@ def test_kv_cache_holds_kv_heads_only(checkpoint):
 # ----------------------------------------------------------------------------- loading
 
 
+@pytest.mark.slow
 def test_sharded_half_precision_checkpoint(tmp_path):
     """bf16 and fp16 weights in several shards with an index, loaded into fp32 and bf16."""
     prompt = _prompts()[9]
@@ -259,6 +263,7 @@ def test_unsupported_rope_type_is_refused(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
                                   {"rope_type": "default"}])
 def test_linear_and_default_rope_match_transformers(rope, tmp_path):
@@ -291,6 +296,7 @@ def test_dynamic_rope_is_fixed_at_the_longest_context():
                                ).max_model_len == 1024
 
 
+@pytest.mark.slow
 def test_random_models():
     for name, arch, layers, kv_heads in (("llama-tiny", "LlamaForCausalLM", 2, 2),
                                          ("qwen3-tiny", "Qwen3ForCausalLM", 2, 1),

@@ -26,8 +26,9 @@ def _backends(op):
     pairs = []
     if STATUS["cpu"].available:
         pairs.append(("cpu", "cpu"))
-    if TRITON_DEVICE is not None:
-        pairs.append(("triton", TRITON_DEVICE))
+    if TRITON_DEVICE is not None:  # the interpreter takes seconds per case
+        pairs.append(pytest.param("triton", TRITON_DEVICE, marks=pytest.mark.slow,
+                                  id=f"triton-{TRITON_DEVICE}"))
     if STATUS["cuda"].available and HAS_CUDA and op == "paged_decode_attention":
         pairs.append(("cuda", "cuda"))
     return pairs
@@ -41,15 +42,12 @@ CASES = [(group, dtype, (64, 128)[(i + group) % 2])
          for group in GROUPS for i, dtype in enumerate(DTYPES)]
 
 
-def _ids(pairs):
-    return [f"{b}-{d}" for b, d in pairs]
-
-
 def _seed():
     return torch.randint(0, 2**31, ()).item()  # fresh inputs every run
 
 
-@pytest.mark.parametrize("backend,device", DECODE, ids=_ids(DECODE))
+@pytest.mark.slow  # the float64 reference loops over query rows in Python
+@pytest.mark.parametrize("backend,device", DECODE)
 @pytest.mark.parametrize("group,dtype,head_dim", CASES)
 def test_decode_gqa(backend, device, group, dtype, head_dim):
     lens = [1, B - 1, B, B + 1, 300]
@@ -62,7 +60,8 @@ def test_decode_gqa(backend, device, group, dtype, head_dim):
     assert_attention_close(out, *args)
 
 
-@pytest.mark.parametrize("backend,device", PREFILL, ids=_ids(PREFILL))
+@pytest.mark.slow  # the float64 reference loops over query rows in Python
+@pytest.mark.parametrize("backend,device", PREFILL)
 @pytest.mark.parametrize("group,dtype,head_dim", CASES)
 def test_prefill_gqa(backend, device, group, dtype, head_dim):
     # (seq_len, new tokens): fresh prompts, a chunk over a cached prefix, decode tokens
@@ -140,3 +139,34 @@ def test_compiled_op_checks_the_head_ratio_itself():
         qp, kc, vc, tables, cu, lens = args
         torch.library.opcheck(torch.ops.cbatch.paged_prefill_attention,
                               (qp, kc, vc, tables, cu, lens, 0.1))
+
+
+def test_warmup_takes_query_and_kv_heads():
+    used = ops.warmup(torch.float32, 64, 16, "cpu", num_heads=6, num_kv_heads=2)
+    assert set(used) == {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"}
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ops.warmup(torch.float32, 64, 16, "cpu", num_heads=6, num_kv_heads=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="Triton cannot run here")
+@pytest.mark.parametrize("group", [2, 7, 20])
+def test_triton_grouped_decode_split_kv_and_batch_invariance(group):
+    """The grouped kernel (one program per KV head) with split-KV forced (partitions of 128
+    tokens) and without; a group wider than 16 rows; each sequence's output bitwise the same
+    alone and in the batch."""
+    from cbatch.kernels import decode_attention
+
+    lens = [1, 127, 129, 300]
+    args = paged_inputs(lens, [1] * len(lens), 2 * group, 64, B, torch.float32, TRITON_DEVICE,
+                        group, num_kv_heads=2)
+    q, kc, vc, tables, _, seq_lens = args
+    for partition in (128, None):
+        out = decode_attention.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125,
+                                                      partition_size=partition)
+        assert_attention_close(out, *args)
+        for s in range(len(lens)):
+            alone = decode_attention.paged_decode_attention(
+                q[s:s + 1], kc, vc, tables[s:s + 1], seq_lens[s:s + 1], 0.125,
+                partition_size=partition)
+            assert torch.equal(alone, out[s:s + 1])

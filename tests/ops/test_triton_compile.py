@@ -21,7 +21,8 @@ def _cases():
     """(name, kernel, pointer types, constexprs) for every kernel variant the GPU can run."""
     import torch
 
-    from cbatch.kernels import cache, decode_attention, matmul, prefill_attention
+    from cbatch.kernels import (cache, decode_attention, grouped_decode_attention, matmul,
+                                prefill_attention)
 
     def ptrs(dtype, **extra):
         return {"*": DTYPES[dtype], "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -35,6 +36,14 @@ def _cases():
                        decode_attention._paged_decode_kernel, ptrs(dtype),
                        {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "PAGE_SIZE": 16,
                         "SPLIT": split, **decode_attention.decode_config(head_dim)})
+        for head_dim in (64, 128):  # grouped-query attention: a group of up to 16 heads
+            for split in (False, True):
+                yield (f"grouped decode {dtype} D={head_dim} split={split}",
+                       grouped_decode_attention._paged_decode_grouped_kernel, ptrs(dtype),
+                       {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "PAGE_SIZE": 16,
+                        "BLOCK_G": 16, "UPCAST": dtype == "fp32",
+                        "PRECISION": "ieee" if dtype == "fp32" else "tf32", "SPLIT": split,
+                        **grouped_decode_attention.grouped_decode_config(head_dim)})
         yield (f"merge {dtype}", decode_attention._merge_kernel, ptrs(dtype),
                {"HEAD_DIM": 64, "BLOCK_D": 64})
         fp32 = dtype == "fp32"
