@@ -33,7 +33,9 @@ def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
           "--plot", str(plot)])
     captured = capsys.readouterr()
     out = captured.out
-    assert "loading random:tiny on cpu (float32)" in captured.err
+    from cbatch.config import auto_dtype
+
+    assert f"loading random:tiny on cpu ({auto_dtype('cpu')})" in captured.err
     for stage in ("warming up", "static batching: 2 batches of 8", "static: done in",
                   "continuous batching:", "continuous: done in"):
         assert stage in out, stage
