@@ -35,6 +35,7 @@ def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
     out = captured.out
     from cbatch.config import auto_dtype
 
+    # --dtype defaults to auto: bfloat16 on a CPU with native bf16, else float32
     assert f"loading random:tiny on cpu ({auto_dtype('cpu')})" in captured.err
     for stage in ("warming up", "static batching: 2 batches of 8", "static: done in",
                   "continuous batching:", "continuous: done in"):
