@@ -19,9 +19,12 @@ Each reports wall time, output tokens/s, TTFT and TPOT p50/p99 (every request ar
 start), its wall-time ratio to cbatch-continuous, and the share of requests whose tokens equal
 cbatch-continuous's; for cbatch-continuous also the fraction of step time spent in Python
 outside the model (scheduling, building the step tensors, bookkeeping) and the share of
-prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  Results in
-throughput.* (throughput-batch-invariant.* with
---batch-invariant), written to a new folder under benchmarks/runs/ or to --out.
+prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  On the CPU
+cbatch's engines also print the decode step (median at the most common decode batch size)
+beside the weight-streaming floor (every weight read once at the copy bandwidth measured at
+the start of this run), and the share of the step spent in the linear layers (GEMMs).  Results
+in throughput.* (throughput-batch-invariant.* with --batch-invariant), written to a new
+folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Unavailable, base_parser, environment, publish, pyplot, save_figure)
+    Unavailable, base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
 from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
-           "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate", "status"]
+           "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate",
+           "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "gemm_share",
+           "status"]
 
 
 def _pct(values, q):
@@ -84,6 +89,7 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
     if policy != "static":
         llm.engine.block_manager.reset_prefix_cache()  # the timed run finds nothing cached
         before = llm.engine.stats()
+    clock = StepClock(llm.engine.runner) if policy == "fcfs" and on_cpu(args) else None
     _settle()
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, wl.params, use_tqdm=not args.no_progress)
@@ -91,6 +97,9 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
     per = [{"token_ids": o.token_ids, "ttft": o.metrics.first_token_time - start,
             "finish": o.metrics.finished_time - start} for o in outs]
     summary = _summary(per, wall)
+    if clock is not None:
+        summary.update(clock.decode_summary(args.floor_bytes_per_s))
+        summary["gemm_share"] = gemm_share(llm, wl)
     if policy != "static":
         stats = llm.engine.stats()
         summary["host_overhead"] = stats.host_overhead
@@ -98,6 +107,68 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
         hits = stats.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
         summary["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
     return summary, [o.token_ids for o in outs]
+
+
+def on_cpu(args) -> bool:
+    return torch.device(args.device).type == "cpu"
+
+
+class StepClock:
+    """Wall time of every step's model call (CPU: the call returns when the step is done),
+    and the rows and kind of the step, kept beside the engine's own runner."""
+
+    def __init__(self, runner):
+        self.steps: list[tuple[bool, int, float]] = []  # (is_decode, rows, seconds)
+        self.model = runner.model
+        logits = runner.logits
+
+        def timed(batch):
+            start = time.perf_counter()
+            out = logits(batch)
+            self.steps.append((batch.is_decode, batch.num_seqs - batch.num_padded_seqs,
+                               time.perf_counter() - start))
+            return out
+
+        runner.logits = timed
+
+    def decode_summary(self, bytes_per_s: float) -> dict:
+        """The median decode step at the most common decode batch size, beside the floor:
+        every weight read once at the copy bandwidth measured in this run."""
+        decode = [(rows, s) for is_decode, rows, s in self.steps if is_decode]
+        if not decode:
+            return {}
+        rows = statistics.mode(r for r, _ in decode)
+        step = statistics.median(s for r, s in decode if r == rows)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        floor = weight_bytes / bytes_per_s
+        return {"decode_batch": rows, "decode_step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
+                "step_over_floor": step / floor}
+
+
+def gemm_share(llm, wl, num_requests: int = 8) -> float:
+    """The share of the model's step time spent in its linear layers (lm_head included),
+    timed by hooks around each layer over a rerun of the first ``num_requests`` requests
+    (after the timed run, so the hooks do not slow it)."""
+    from cbatch.layers.linear import Linear
+
+    spent, starts = [0.0], {}
+    handles = []
+    for module in llm.engine.model.modules():
+        if isinstance(module, Linear):
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a: starts.__setitem__(id(m), time.perf_counter())))
+            handles.append(module.register_forward_hook(
+                lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter()
+                                                  - starts[id(m)])))
+    clock = StepClock(llm.engine.runner)
+    llm.engine.block_manager.reset_prefix_cache()
+    try:
+        llm.generate(wl.prompts[:num_requests], wl.params[:num_requests], use_tqdm=False)
+    finally:
+        for h in handles:
+            h.remove()
+    total = sum(s for _, _, s in clock.steps)
+    return spent[0] / total if total else float("nan")
 
 
 def hf_model(args, model_like):
@@ -250,6 +321,7 @@ def make_workload(name, tokenizer, vocab, args):
 
 def run(args) -> Path:
     device = torch.device(args.device)
+    args.floor_bytes_per_s = copy_bandwidth(device, (64 << 20) if args.quick else None)
     probe = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=1)
     hf = None
     rows = []
@@ -288,6 +360,11 @@ def run(args) -> Path:
             print(f"  {engine:18s} {row.get('wall_s', float('nan')):8.2f} s  "
                   f"{row.get('tokens_per_s', float('nan')):8.1f} tok/s  {row['status']}",
                   flush=True)
+            if "decode_step_ms" in row:
+                print(f"  {'':18s} decode step at batch {row['decode_batch']}: "
+                      f"{row['decode_step_ms']:.1f} ms, weight-streaming floor "
+                      f"{row['floor_ms']:.1f} ms ({row['step_over_floor']:.2f}x); "
+                      f"GEMM share of the step {100 * row['gemm_share']:.0f}%", flush=True)
         base = results.get("cbatch-continuous")
         for row in rows:
             if row["workload"] == name and base and row.get("wall_s"):
@@ -297,7 +374,15 @@ def run(args) -> Path:
             "max_num_seqs": args.max_num_seqs or "the workload's batch size",
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
             "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
-                      "each timed run, whichever the engine"}
+                      "each timed run, whichever the engine",
+            "copy_bandwidth_GBps": args.floor_bytes_per_s / 1e9,
+            "load_average_at_end": Path("/proc/loadavg").read_text().split()[0]
+            if Path("/proc/loadavg").exists() else None,
+            "decode_step_ms": "CPU: median model call (forward + lm_head) of the decode steps at "
+                              "the most common decode batch size, in the timed run",
+            "floor_ms": "every weight read once (parameter bytes) / copy_bandwidth_GBps",
+            "gemm_share": "CPU: time inside the linear layers (hooks) / model-call time, over a "
+                          "rerun of the first 8 requests after the timed run"}
     name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
     return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))

@@ -147,18 +147,29 @@ class EngineConfig:
                                         "prefixes")
     batch_invariant: bool = _knob(False, "a request's output never depends on what it is "
                                   "batched with")
+    threads: int | None = _knob(None, "CPU threads per step (default: the cores this process "
+                                "may run on, fewer while other processes take them)",
+                                cli=False)
+    max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
             self.dtype = str(self.dtype).removeprefix("torch.")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
+                             f"{self.dtype!r}")
         self.device = check_device(self.device)
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory
@@ -218,6 +229,21 @@ def engine_fields(cli_only: bool = True) -> list:
     """The fields of :class:`EngineConfig` (those with a command-line flag when ``cli_only``),
     each with ``.default`` and ``.metadata["help"]``."""
     return [f for f in fields(EngineConfig) if not cli_only or f.metadata.get("cli", True)]
+
+
+def auto_dtype(device: str) -> str:
+    """What ``dtype="auto"`` means on ``device``: float16 on CUDA; bfloat16 on a CPU that
+    computes in it natively (AVX512-BF16 or AMX; weights, activations and KV cache in bf16,
+    matmuls accumulating in fp32: benchmarks/NOTES.md, "bf16 on the CPU"); float32 on other
+    CPUs."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return "float16"
+    if torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return "bfloat16"
+    return "float32"
 
 
 def available_devices() -> list[str]:

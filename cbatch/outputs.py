@@ -53,7 +53,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far (all of them once finished)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    # "stop" | "length" | "abort" once finished; "error" when processing this request alone
+    # failed (its text is then empty, ``error`` says why; the engine serves on)
+    finish_reason: str | None
     metrics: RequestMetrics
     # SamplingParams(logprobs=k): per generated token, {token id: log-probability} of the k
     # most likely tokens (most likely first) and the sampled one; the log-softmax of the raw
@@ -62,6 +64,7 @@ class RequestOutput:
     # (number of output tokens, finished) -> their text: the request's incremental
     # detokenizer, which decodes each token once however many snapshots read it
     text_of: Callable[[int, bool], str] | None = field(default=None, repr=False, compare=False)
+    error: str | None = None  # why it failed (finish_reason "error")
 
     @cached_property
     def text(self) -> str:

@@ -119,11 +119,12 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
                         f"{type(prompt).__name__} {prompt!r:.40}")
     if not ids:
         raise ValueError("prompt is empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
-    if len(ids) + max_tokens > max_model_len:
+    if len(ids) + max_tokens > max_model_len:  # before reading a long list
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
                          f"= {len(ids) + max_tokens} exceeds the model's maximum length "
                          f"({max_model_len})")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
     return ids

@@ -29,7 +29,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``key, value [T, H, D]`` into ``*_cache [num_blocks, block_size, H, D]``; see cbatch.ops."""
     T, H, D = key.shape
-    if T == 0:
+    if key.numel() == 0:  # no tokens, no heads or an empty head: nothing to copy
         return
     _write_kv_cache_kernel[(T,)](
         key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),

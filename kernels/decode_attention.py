@@ -162,6 +162,8 @@ def paged_decode_attention(
         raise ValueError(f"partition_size must be a multiple of 128, got {partition_size}")
     H_kv = key_cache.shape[2]
     out = torch.empty((S, H, D), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:  # no sequences, no heads or an empty head: no grid to launch
+        return out
     split = partition_size is not None and max_context > partition_size
     partition = partition_size if split else max_context
     num_splits = triton.cdiv(max_context, partition)

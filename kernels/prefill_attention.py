@@ -128,7 +128,7 @@ def paged_prefill_attention(
     T, H, D = query.shape
     S = seq_lens.shape[0]
     out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
-    if T == 0:
+    if out.numel() == 0:  # no new tokens, no heads or an empty head: no grid to launch
         return out
     rows = T if max_query_len is None else max_query_len
     grid = lambda meta: (S, H, triton.cdiv(rows, meta["BLOCK_M"]))  # noqa: E731

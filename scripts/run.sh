@@ -53,7 +53,8 @@ else
       "(editable; compiling can take minutes)"
   "$py" -m pip install --no-build-isolation --no-deps -e .
   echo "$stamp" > "$stamp_file"
-  say "installed: $("$py" -m cbatch --version | tr '\n' ' ')"
+  say "installed; cbatch --version says:"
+  "$py" -m cbatch --version | sed 's/^/    /'
   say "to use cbatch from your shell: source $VENV/bin/activate"
 fi
 

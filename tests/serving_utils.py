@@ -31,16 +31,19 @@ def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def running_server(model: str = "random:tiny", name: str = "tiny", max_waiting: int = 1024,
+                   app_kwargs: dict | None = None, server_kwargs: dict | None = None,
                    **engine_kwargs):
-    """Yields (base_url, AsyncEngine)."""
+    """Yields (base_url, AsyncEngine).  ``app_kwargs`` go to ``build_app`` (limits, API key,
+    allowed hosts), ``server_kwargs`` to ``uvicorn_config`` (timeouts, concurrency)."""
     import uvicorn
 
-    from cbatch.entrypoints.openai.api_server import build_app, build_engine
+    from cbatch.entrypoints.openai.api_server import build_app, build_engine, uvicorn_config
 
     engine, metrics = build_engine(model, max_waiting, name, **engine_kwargs)
-    app = build_app(engine, metrics, name)
+    app = build_app(engine, metrics, name, **(app_kwargs or {}))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning",
+                                           **(server_kwargs or {})))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 import uuid
@@ -21,6 +22,8 @@ from cbatch.core.engine import Engine
 from cbatch.core.stats import EngineStats
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -82,6 +85,12 @@ class AsyncEngine:
     the engine thread for every finished request (metrics).  Other keywords are those of
     :class:`cbatch.config.EngineConfig`.
 
+    Faults, as in vLLM v1: an error that belongs to one request (its detokenization, stop
+    strings, logprobs) ends that request alone, with ``finish_reason="error"``; an error of
+    the step itself kills the loop: every caller gets :class:`EngineDeadError`, and
+    ``on_dead(exc)`` is called on the engine thread (a server exits, so that its supervisor
+    restarts it).
+
     >>> async def main():
     ...     engine = AsyncEngine("random:tiny", max_num_seqs=4)
     ...     async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
@@ -93,13 +102,15 @@ class AsyncEngine:
     """
 
     def __init__(self, model: str = "random:gpt2", *, max_waiting: int = 1024,
-                 on_finished: Callable[[RequestOutput], None] | None = None, **engine_kwargs):
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None, **engine_kwargs):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = Engine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self.max_waiting = max_waiting
         self.on_finished = on_finished
+        self.on_dead = on_dead
         self.stats: EngineStats = self.engine.stats()  # a snapshot after the latest step
         self._commands: collections.deque = collections.deque()  # appended from any thread
         self._wakeup = threading.Event()
@@ -127,6 +138,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down" if self._error is None else
                                   f"the engine loop failed: {self._error!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        if isinstance(prompt, str):  # tokenised here, in a worker: a long prompt stalls no step
+            prompt = await asyncio.to_thread(self.tokenizer.encode, prompt)
         queue: asyncio.Queue = asyncio.Queue()
         self._post(("add", request_id, prompt, params, priority, stream,
                     asyncio.get_running_loop(), queue))
@@ -151,17 +164,23 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (a no-op if it has finished)."""
+        """Abort a request (a no-op if it has finished); its stream ends with an output of
+        reason "abort"."""
         self._post(("abort", str(request_id)))
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Begin :meth:`shutdown` without waiting for it: refuse new requests now, abort the
+        running ones ``timeout`` seconds from now (an earlier deadline stands)."""
+        self._deadline = min(self._deadline, time.monotonic() + timeout)
+        self._stopping = True
+        self._wakeup.set()
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Stop taking requests, let running ones finish for up to ``timeout`` seconds, abort
         the rest (their streams end with reason "abort"), and stop the engine thread.  Every
         KV block is free afterwards.  Blocks the calling thread: from a coroutine use
         ``await asyncio.to_thread(engine.shutdown, timeout)``."""
-        self._deadline = time.monotonic() + timeout
-        self._stopping = True
-        self._wakeup.set()
+        self.stop(timeout)
         self._thread.join()
         if self._error is None:
             self.engine.block_manager.check_whole()
@@ -181,7 +200,7 @@ class AsyncEngine:
                 self._handle_commands(pending)
                 if self._stopping and time.monotonic() >= self._deadline:
                     for request_id in list(self._streams):  # every unfinished request
-                        engine.abort(request_id)
+                        self._abort(request_id)
                 if engine.has_unfinished_requests():
                     self._collect(engine.step(), pending)
                     self.stats = engine.stats()
@@ -192,20 +211,33 @@ class AsyncEngine:
                     self._wakeup.wait()
         except BaseException as exc:  # the loop is dead: every caller must hear of it
             self._error = exc
+            logger.critical("the engine loop failed; the engine takes no more requests",
+                            exc_info=exc)
             pending = collections.defaultdict(list)
             for loop, queue in self._streams.values():
                 pending[loop].append((queue, EngineDeadError(f"the engine loop failed: {exc!r}")))
             self._streams.clear()
             self._deliver(pending)
-            raise
+            if self.on_dead is not None:
+                self.on_dead(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request the engine still runs; its stream stays until the engine reports
+        the abort (the stream's last output)."""
+        if request_id in self._streams:
+            try:
+                self.engine.abort(request_id)
+            except KeyError:  # already ended; its last output is on its way
+                pass
 
     def _handle_commands(self, pending: dict) -> None:
         engine = self.engine
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "abort":
-                if self._streams.pop(command[1], None) is not None:
-                    engine.abort(command[1])
+                self._abort(command[1])
                 continue
             _, request_id, prompt, params, priority, stream, loop, queue = command
             try:
@@ -223,9 +255,15 @@ class AsyncEngine:
 
     def _collect(self, outputs: list[RequestOutput], pending: dict) -> None:
         for out in outputs:
-            out.text  # decoded here, on the engine thread that owns the detokenizer
+            try:
+                out.text  # decoded here, on the engine thread that owns the detokenizer
+            except Exception as exc:  # this request's own fault: it alone ends
+                out = self.engine.fail_output(out, exc)
             if out.finished and self.on_finished is not None:
-                self.on_finished(out)
+                try:
+                    self.on_finished(out)
+                except Exception:
+                    logger.exception("on_finished failed for request %s", out.request_id)
             target = (self._streams.pop if out.finished else self._streams.get)(out.request_id,
                                                                                  None)
             if target is not None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import gc
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +40,8 @@ from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import ByteTokenizer, load_tokenizer, prompt_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 def freeze_long_lived_objects() -> None:
@@ -107,7 +111,7 @@ class Engine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
         self.runner = ModelRunner(model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                  config.use_cuda_graphs)
+                                  config.use_cuda_graphs, config.threads)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
@@ -132,6 +136,10 @@ class Engine:
         cfg = self.model.config
         ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
                                params.max_tokens)
+        max_logprobs = min(self.config.max_logprobs, cfg.vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
+                             f"max_logprobs ({max_logprobs})")
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -167,6 +175,19 @@ class Engine:
         if report:
             self._aborted.append(seq)
 
+    def fail_output(self, out: RequestOutput, error: Exception) -> RequestOutput:
+        """The final output, reason "error", of the request of ``out`` whose processing raised
+        ``error`` (reading its text, say): the request alone ends (its blocks are freed now if
+        it was running) and the engine serves on."""
+        seq = self._requests.pop(out.request_id, None)
+        if seq is not None:
+            self._fail(seq, error)
+        else:
+            logger.error("request %s failed: %s", out.request_id, _describe(error),
+                         exc_info=error)
+        return dataclasses.replace(out, finished=True, finish_reason="error", text_of=None,
+                                   error=_describe(error))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
 
@@ -181,6 +202,14 @@ class Engine:
         seq.finish_reason = reason
         seq.finished_time = time.perf_counter()
         self._counters.num_finished += 1
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End an unfinished sequence (already out of ``_requests``) whose own processing
+        failed: an error of one request never reaches the step that all of them share."""
+        logger.error("request %s failed: %s", seq.request_id, _describe(error), exc_info=error)
+        self.scheduler.remove(seq)
+        self._finish(seq, "error")
+        seq.error = _describe(error)
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed (with async
@@ -241,12 +270,17 @@ class Engine:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
             seq.num_inflight -= 1
             seq.token_ids.append(token)
-            if logprobs is not None and logprobs[i] is not None:
-                seq.output_logprobs.append(logprobs[i])
             self._counters.num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.output_processor.stop_reason(seq, token)
+            try:  # what can fail for this request alone: its logprobs, its stop strings
+                if logprobs is not None and logprobs[i] is not None:
+                    seq.output_logprobs.append(logprobs[i])
+                reason = self.output_processor.stop_reason(seq, token)
+            except Exception as exc:
+                del self._requests[seq.request_id]
+                self._fail(seq, exc)
+                reason = None
             if reason is not None:
                 self.scheduler.remove(seq)
                 del self._requests[seq.request_id]
@@ -274,3 +308,7 @@ class Engine:
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
         )
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

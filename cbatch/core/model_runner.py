@@ -11,22 +11,35 @@ exercised without a GPU.
 the host is under way, so the engine can schedule and launch the next step before it reads
 them (async scheduling).  A token of that next step that is still on the device is fed to
 it from the previous step's sampled tokens, on the device.
+
+Graphs are an optimisation, never a reason the engine cannot run: if capturing them fails, if
+a replay at start-up differs from the eager forward of the same batch, or if a replay raises
+later, the runner warns and runs every step eagerly from then on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 
 import torch
 
 from torch import nn
 
 from cbatch import ops
+from cbatch.core.cpu_threads import ThreadPolicy
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
+from cbatch.layers import cpu_linear
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch
+
+
+# How far a graph's logits may be from the eager forward's on the same padded batch (the
+# same kernels run either way; this allows for a different reduction order, no more).
+GRAPH_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -63,7 +76,8 @@ class SampledTokens:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: bool = False):
+                 max_num_batched_tokens: int, cuda_graphs: bool = False,
+                 threads: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
@@ -78,12 +92,20 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
+        # CPU: threads on the cores others leave free (fixed in batch-invariant mode)
+        self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
+            if self.device.type == "cpu" else None
+        if self.device.type == "cpu" and model.batch_invariant:
+            cpu_linear.unpack_linears(model)  # the invariant linear pads rows on dense weights
+        elif self.device.type == "cpu":
+            cpu_linear.pack_linears(model)  # oneDNN on packed weights where it is faster
+        self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
             ops.warmup(model.dtype, cfg.head_dim, kv_cache.block_size, self.device,
                        model.attention_backend, cfg.num_heads, cfg.num_kv_heads)
             if cuda_graphs:
-                self.capture_graphs()
+                self.setup_graphs()
 
     # -------------------------------------------------------------- batches
 
@@ -119,14 +141,26 @@ class ModelRunner:
 
     # -------------------------------------------------------------- running
 
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """One forward of a padding row (it writes nothing) through every layer and the
+        logits: an engine whose settings cannot run here (attention backend, dtype, device)
+        fails when it is made, before a server reports healthy, not in its first request."""
+        batch = self.builder.build([], pad_to=1, full_width=True)
+        self.model.compute_logits(self.model(batch, self.kv_cache))
+
     def logits(self, batch: StepBatch) -> torch.Tensor:
         """``[S, vocab]`` logits of each real sequence's last new token (a graph replay when
         one was captured for this batch)."""
         num_real = batch.num_seqs - batch.num_padded_seqs
         graph = self._graphs.get(batch.num_seqs) if batch.is_decode else None
         if graph is not None:
-            graph[0].replay()
-            return graph[1][:num_real]
+            try:
+                graph[0].replay()
+                return graph[1][:num_real]
+            except Exception as exc:  # the same padded batch runs eagerly instead
+                self.disable_graphs(f"replaying the CUDA graph of {batch.num_seqs} rows "
+                                    f"failed ({type(exc).__name__}: {exc})")
         hidden = self.model(batch, self.kv_cache)
         return self.model.compute_logits(hidden[batch.logits_indices[:num_real]])
 
@@ -143,10 +177,11 @@ class ModelRunner:
             seeds=[item.seq.seed for item in scheduled],
             positions=[item.seq.num_output_tokens for item in scheduled],
         )
-        logits = self.logits(batch)
-        tokens = sample(logits, sampling)
         num_logprobs = [p.logprobs for p in params]
-        logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+        with self.threads.step() if self.threads else contextlib.nullcontext():
+            logits = self.logits(batch)
+            tokens = sample(logits, sampling)
+            logprobs = logprobs_tensors(logits, tokens, num_logprobs)
         samples = [item.samples for item in scheduled]
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
@@ -154,6 +189,39 @@ class ModelRunner:
         return SampledTokens(tokens, samples, logprobs, num_logprobs)
 
     # -------------------------------------------------------------- CUDA graphs
+
+    def setup_graphs(self) -> None:
+        """Capture the decode graphs and check them against the eager forward; on any
+        failure, warn and run eagerly."""
+        try:
+            self.capture_graphs()
+            self.check_graphs()
+        except Exception as exc:
+            self.disable_graphs(f"CUDA graphs failed at start-up ({type(exc).__name__}: "
+                                f"{exc})")
+
+    @torch.inference_mode()
+    def check_graphs(self) -> None:
+        """Replay each captured graph on its all-padding batch and compare its logits with
+        the eager forward of the same batch; RuntimeError if they differ beyond the dtype's
+        :data:`GRAPH_TOLERANCE`."""
+        tol = GRAPH_TOLERANCE.get(self.model.dtype, 1e-2)
+        for size, (graph, logits) in self._graphs.items():
+            batch = self.builder.build([], pad_to=size, full_width=True)
+            graph.replay()
+            replayed = logits.clone()
+            eager = self.model.compute_logits(self.model(batch, self.kv_cache))
+            if not torch.allclose(replayed, eager, rtol=tol, atol=tol, equal_nan=True):
+                diff = (replayed.float() - eager.float()).abs().nan_to_num(float("inf")).max()
+                raise RuntimeError(f"the graph of {size} rows replays logits up to {diff:.3g} "
+                                   f"away from the eager forward's (tolerance {tol})")
+
+    def disable_graphs(self, why: str) -> None:
+        """Drop every graph and bucket: from now on every step runs eagerly, unpadded."""
+        warnings.warn(f"{why}; decode steps run eagerly from now on", RuntimeWarning,
+                      stacklevel=2)
+        self._graphs.clear()
+        self.buckets = []
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

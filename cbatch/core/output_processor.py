@@ -46,5 +46,7 @@ class OutputProcessor:
                                    seq.first_token_time, seq.finished_time, len(out),
                                    seq.num_preemptions),
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-            text_of=detokenizer_for(seq, self.tokenizer).text_at,
+            # a request that failed is not decoded again (its text is empty)
+            text_of=None if seq.error else detokenizer_for(seq, self.tokenizer).text_at,
+            error=seq.error,
         )

@@ -36,7 +36,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]  # a k past the vocab = all
     drop = rank >= k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens

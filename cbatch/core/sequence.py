@@ -43,6 +43,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of its first cached blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error"), for the log
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

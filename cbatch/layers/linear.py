@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cbatch.layers import cpu_linear
+
 ROW_MULTIPLE = 16
 
 
@@ -44,11 +46,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs)."""
+    """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs),
+    and oneDNN on a packed weight once :func:`cbatch.layers.cpu_linear.pack_linears` packed it.
+
+    ``forward(x, gelu=None, residual=None)``: ``gelu`` (``"tanh"`` or ``"none"``, as
+    ``F.gelu``'s ``approximate``) applies GELU to the output, ``residual`` is added to it; on
+    packed weights both run inside the matmul (one parallel region instead of two, which
+    matters most on a busy CPU).  Not both at once.
+    """
 
     batch_invariant = False
+    packed_weight: torch.Tensor | None = None  # oneDNN's layout: the weight itself, or a copy
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, gelu: str | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant:  # on the dense weight (the engine unpacks)
+            y = linear(x, self.weight, self.bias)
+        elif self.packed_weight is not None:
+            if residual is not None:
+                return cpu_linear.linear_add(x, self.packed_weight, self.bias, residual)
+            if gelu is not None:
+                return cpu_linear.linear(x, self.packed_weight, self.bias, "gelu", gelu)
+            return cpu_linear.linear(x, self.packed_weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if gelu is not None:
+            y = F.gelu(y, approximate=gelu)
+        return y if residual is None else residual + y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_mkldnn:  # checkpoints hold the dense layout
+            destination[prefix + "weight"] = self.weight.to_dense()

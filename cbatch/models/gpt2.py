@@ -20,12 +20,8 @@ from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
 from cbatch.layers.step_batch import StepBatch
 
-_ACT = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
+# activation -> F.gelu's ``approximate`` (fused into c_fc), or None for ReLU (applied after)
+_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none", "relu": None}
 
 
 class Attention(nn.Module):
@@ -37,12 +33,13 @@ class Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, 1.0 / math.sqrt(config.head_dim))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
-                kernels: ops.BoundKernels) -> torch.Tensor:
+                kernels: ops.BoundKernels, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + attention(x)``, the add fused into c_proj."""
         T = x.shape[0]
         # q, k, v: [T, H, D] views of the fused projection (dense rows, token stride 3C)
         q, k, v = self.c_attn(x).view(T, 3, self.n_head, self.head_dim).unbind(1)
         o = self.attn(q, k, v, batch, kv_cache, kernels)  # [T, H, D]
-        return self.c_proj(o.reshape(T, -1))
+        return self.c_proj(o.reshape(T, -1), residual=residual)
 
 
 class MLP(nn.Module):
@@ -50,10 +47,12 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Linear(config.n_embd, config.mlp_dim)
         self.c_proj = Linear(config.mlp_dim, config.n_embd)
-        self.act = _ACT[config.activation_function]
+        self.gelu = _GELU[config.activation_function]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)``: GELU fused into c_fc, the add into c_proj."""
+        h = self.c_fc(x, gelu=self.gelu) if self.gelu else F.relu(self.c_fc(x))
+        return self.c_proj(h, residual=residual)
 
 
 class Block(nn.Module):
@@ -65,8 +64,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, batch, kv_cache, kernels):
-        x = x + self.attn(self.ln_1(x), batch, kv_cache, kernels)
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(self.ln_1(x), batch, kv_cache, kernels, residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
 
 class GPT2Model(nn.Module):

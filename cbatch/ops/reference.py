@@ -20,11 +20,20 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter ``key[t]``/``value[t]`` (``[T, H_kv, D]``) into slot ``slot_mapping[t]``;
-    -1 skips."""
+    -1 skips.
+
+    Slots outside ``[-1, num_slots)`` raise, as the compiled kernels do (indexing would wrap
+    a negative slot or skip it silently).
+    """
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):
+        raise ValueError(f"slot_mapping holds slots outside [-1, {num_slots}): "
+                         f"{slot_mapping[bad][:5].tolist()}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+    key_cache.flatten(0, 1)[slots] = key[keep]  # a view: the cache is contiguous
+    value_cache.flatten(0, 1)[slots] = value[keep]
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -75,10 +84,20 @@ def paged_prefill_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     bounds = cu_seqlens_q.tolist()
+    num_blocks, block_size = key_cache.shape[:2]
     for s, seq_len in enumerate(seq_lens.tolist()):
         start, end = bounds[s], bounds[s + 1]
         if end == start:
             continue
+        # the checks the compiled kernels make: indexing would wrap a block id of -1
+        if not (end - start <= seq_len <= block_tables.shape[1] * block_size):
+            raise ValueError(f"sequence {s}: seq_len {seq_len} must be in "
+                             f"[{end - start} new tokens, {block_tables.shape[1] * block_size}] "
+                             "(the block table's capacity)")
+        used = block_tables[s, :-(-seq_len // block_size)]
+        if bool(((used < 0) | (used >= num_blocks)).any()):
+            raise ValueError(f"block_tables[{s}] holds block ids outside [0, {num_blocks}): "
+                             f"{used.tolist()}")
         k = gather_kv(key_cache, block_tables[s], seq_len)
         v = gather_kv(value_cache, block_tables[s], seq_len)
         out[start:end] = _attend(query[start:end], k, v, scale, compute_dtype)

@@ -356,6 +356,9 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
                const std::vector<Tile>& tiles, double scale) {
   const CacheView c = view_of(key_cache);
   at::Tensor out = at::empty({query.size(0), query.size(1), c.head_dim}, query.options());
+  // Nothing to compute (no new tokens, no heads, or an empty head): an empty result, not a
+  // division by zero tiles (or KV heads) or an empty item list below.
+  if (tiles.empty() || out.numel() == 0) return out;
   const std::vector<Item> items =
       make_items(tiles, query.size(1), query.size(1) / c.num_kv_heads);
   const float s = static_cast<float>(scale);

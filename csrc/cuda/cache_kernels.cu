@@ -55,7 +55,7 @@ bool aligned_to(const at::Tensor& t, int64_t bytes) {
 void write_kv_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                          at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_write_kv_cache_args(key, value, key_cache, value_cache, slot_mapping);
-  if (key.size(0) == 0) return;
+  if (key.numel() == 0) return;  // no tokens, no heads or an empty head: nothing to copy
   const c10::cuda::CUDAGuard guard(key.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();

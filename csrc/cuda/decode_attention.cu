@@ -265,6 +265,7 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
   TORCH_CHECK_VALUE(query.size(0) > 0, "empty batch: seq_lens has no sequences");
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
+  if (out.numel() == 0) return out;  // no heads or an empty head: no kernel to launch
   const float s = static_cast<float>(scale);
   switch (query.scalar_type()) {
     case at::kFloat:

@@ -272,13 +272,16 @@ def test_serve_takes_the_model_as_its_argument():
 def test_dtype_and_device_auto():
     import torch
 
+    from cbatch.config import auto_dtype
     from cbatch.entrypoints.cli.engine_args import resolve_device_and_dtype
 
     args = build_parser().parse_args(["generate", "--prompt", "x"])
     assert (args.device, args.dtype) == ("auto", "auto")
     resolve_device_and_dtype(args)
     cuda = torch.cuda.is_available()
-    assert (args.device, args.dtype) == (("cuda", "float16") if cuda else ("cpu", "float32"))
+    expected = ("cuda", "float16") if cuda else ("cpu", auto_dtype("cpu"))
+    assert (args.device, args.dtype) == expected
+    assert auto_dtype("cpu") in ("float32", "bfloat16")  # bfloat16 where the CPU computes in it
     args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu",
                                       "--dtype", "bfloat16"])
     resolve_device_and_dtype(args)

@@ -216,17 +216,31 @@ def test_chat_template_of_a_checkpoint(tiny_hf_dir, tmp_path):
 
 @pytest.mark.slow
 def test_cbatch_serve_command(tmp_path):
+    """As the README runs it offline: the model as the argument, served under another name,
+    with a chat template from a file and a shorter max_model_len."""
     port = free_port()
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
     proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve",
-                             "--model", "random:tiny", "--port", str(port), "--threads", "1",
-                             "--batch-invariant"],
+                             "random:tiny", "--served-model-name", "tiny", "--port", str(port),
+                             "--threads", "1", "--batch-invariant", "--chat-template",
+                             str(template), "--max-model-len", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout=120)
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 64)]
         r = httpx.post(f"{url}/v1/completions",
-                       json={"model": "random:tiny", "prompt": "hi", "max_tokens": 3})
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+        r = httpx.post(f"{url}/v1/completions",
+                       json={"model": "tiny", "prompt": "x" * 60, "max_tokens": 8})
+        assert r.status_code == 400 and "maximum length (64)" in r.text
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)

@@ -174,9 +174,9 @@ def test_batch_invariant_mode_is_bitwise(model):
     small token budget and preempted by a small pool: bitwise the same."""
     probe = [(7 * i + 3) % 500 for i in range(37)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=512)
-    alone = Engine(model, batch_invariant=True, block_size=4)
+    alone = Engine(model, batch_invariant=True, block_size=4, max_logprobs=512)
     crowded = Engine(model, batch_invariant=True, block_size=4, num_blocks=14,
-                     max_num_batched_tokens=11, max_num_seqs=4)
+                     max_num_batched_tokens=11, max_num_seqs=4, max_logprobs=512)
     crowded.occupancy_trace = []
     results = []
     for engine, mates in ((alone, 0), (crowded, 5)):

@@ -13,8 +13,8 @@ from cbatch import ops
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
-    bench_decode_attention, bench_decode_step, bench_mixed_step, bench_prefill_attention,
-    bench_throughput, common)
+    bench_decode_attention, bench_decode_step, bench_linear, bench_mixed_step,
+    bench_prefill_attention, bench_throughput, common)
 
 
 # The benchmarks run on the GPU when there is one (their --device default), else the CPU.
@@ -86,6 +86,20 @@ def test_throughput_benchmark(tmp_path):
     assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
     for r in rows:  # same weights, greedy: every engine produces the same tokens
         assert r["same_tokens_as_continuous"] == f"{r['requests']}/{r['requests']}"
+    if DEVICE == "cpu":  # the decode step beside its floor, and the GEMM share
+        for r in (r for r in rows if r["engine"] == "cbatch-continuous"):
+            assert r["decode_step_ms"] > 0 and r["floor_ms"] > 0 and r["decode_batch"] >= 1
+            assert 0 < r["gemm_share"] < 1
+
+
+def test_linear_benchmark(tmp_path):
+    rows = _rows(bench_linear.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                    "--reps", "2"]), "linear")
+    routes = {"torch"} | ({"onednn", "onednn-packed"} if torch.backends.mkldnn.is_available()
+                          else set())
+    assert routes <= {r["route"] for r in rows}
+    assert all(r["status"] == "ok" and r["min_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert all(r["max_abs_err"] < (1e-4 if r["dtype"] == "float32" else 0.1) for r in rows)
 
 
 def test_throughput_benchmark_sharedprefix(tmp_path):

@@ -41,12 +41,35 @@ def test_readme_cli_commands_parse():
 
     from cbatch.entrypoints.cli.main import build_parser
 
-    commands = re.findall(r"`(cbatch (?:demo|generate)[^`]*)`", README.read_text())
-    assert commands
+    text = README.read_text()
+    commands = re.findall(r"`(cbatch (?:demo|generate|serve)[^`]*)`", text)
+    # and the command lines of ```bash blocks
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        commands += [line.split("#")[0].strip() for line in block.splitlines()
+                     if line.startswith("cbatch ") and "--version" not in line]
+    assert any(c.startswith("cbatch serve") for c in commands)
     for command in commands:
         args = shlex.split(command)[1:]
         if "--help" not in args:
             build_parser().parse_args(args)
+
+
+def test_readme_offline_server_answers_to_the_examples_model_name():
+    """The offline `cbatch serve random:gpt2 ...` serves the model name that the curl and
+    OpenAI-client examples ask for (a different name would get 404)."""
+    import shlex
+
+    from cbatch.entrypoints.cli.main import build_parser
+    from cbatch.entrypoints.cli.serve import resolve_model
+
+    text = README.read_text()
+    (offline,) = re.findall(r"`(cbatch serve random:[^`]*)`", text)
+    args = build_parser().parse_args(shlex.split(offline)[1:])
+    resolve_model(args)
+    served = args.served_model_name or args.model
+    asked = set(re.findall(r'"model": "([^"]+)"', text)) | set(
+        re.findall(r'model="([^"]+)"', text))
+    assert asked == {served}, (asked, served)
 
 
 def test_readme_demo_timings_name_their_machine():

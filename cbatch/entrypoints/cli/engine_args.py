@@ -19,8 +19,9 @@ def model_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "
                        "cuda when available, else cpu)")
     model.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="weights and activations (default: auto, float16 on CUDA, "
-                            "float32 on the CPU)")
+                       help="weights, activations and KV cache (default: auto: float16 on "
+                            "CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), "
+                            "else float32)")
     model.add_argument("--debug", action="store_true",
                        help="show the Python traceback of an error (or CBATCH_DEBUG=1)")
     return model
@@ -62,17 +63,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def resolve_device_and_dtype(args: argparse.Namespace) -> None:
-    """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": float16
-    on CUDA, float32 on the CPU), checking that this machine has the device."""
+    """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": see
+    :func:`cbatch.config.auto_dtype`), checking that this machine has the device."""
     import torch
 
-    from cbatch.config import check_device
+    from cbatch.config import auto_dtype, check_device
 
     if args.device in (None, "auto"):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.device = check_device(args.device)
     if args.dtype in (None, "auto"):
-        args.dtype = "float16" if args.device.startswith("cuda") else "float32"
+        args.dtype = auto_dtype(args.device)
 
 
 def load_llm(args: argparse.Namespace, **kwargs):

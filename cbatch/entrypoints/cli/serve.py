@@ -7,6 +7,8 @@ import argparse
 
 from cbatch.entrypoints.cli.engine_args import (DEFAULT_MODEL, add_engine_args, engine_kwargs,
                                                 resolve_device_and_dtype)
+from cbatch.entrypoints.openai.cli_args import (add_server_args, check_serve_args,  # no torch
+                                                guard_settings)
 
 
 def resolve_model(args: argparse.Namespace) -> None:
@@ -24,6 +26,7 @@ def run_serve(args: argparse.Namespace) -> None:
     """One engine behind the OpenAI API, or ``--num-replicas`` engines behind Ray Serve."""
     from cbatch.entrypoints.openai.serving_chat import read_chat_template
 
+    check_serve_args(args)  # before anything loads, and before uvicorn would trip on them
     resolve_model(args)
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     resolve_device_and_dtype(args)
@@ -34,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> None:
         gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
         serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
               num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
-              chat_template=template, **engine_kwargs(args))
+              chat_template=template, guard=guard_settings(args), **engine_kwargs(args))
         return
     from cbatch.entrypoints.openai.api_server import run_server
 
@@ -57,11 +60,13 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
                              "/v1/chat/completions (default: the checkpoint's own)")
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="requests waiting beyond this are refused with 503")
-    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
-                        help="seconds running requests get to finish at shutdown")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds running requests get to finish at shutdown (SIGTERM, "
+                             "Ctrl-C); a second signal exits at once")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: None, torch's own choice)")
     parser.add_argument("--num-replicas", type=int, default=1,
                         help="> 1: that many engines behind one route with Ray Serve")
+    add_server_args(parser)  # limits, timeouts, authentication
     add_engine_args(parser)
     parser.set_defaults(run=run_serve)

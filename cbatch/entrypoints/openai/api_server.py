@@ -3,7 +3,16 @@
     cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus).  Every error is OpenAI's error JSON.
+``GET /health``, ``GET /metrics`` (Prometheus).  Every error, of every route, is OpenAI's
+error JSON; an internal error's text goes to the log, not to the client.
+
+No client can take the server down: requests pass :class:`RequestGuard` first (host
+allow-list, API key, body size and read time), half-sent headers time out, and a failure
+of one request ends that request alone.  If the engine itself fails, ``/health`` fails and
+the process exits with status 1 within seconds, so that a supervisor restarts it.  The first
+SIGTERM or SIGINT stops accepting connections and gives running requests
+``--shutdown-timeout`` seconds before they are aborted (streams end with reason "abort"); a
+second one exits at once.
 """
 
 from __future__ import annotations
@@ -11,35 +20,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
+import math
+import os
+import sys
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
+from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_settings
+from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ModelCard, ModelList, OpenAIError)
 from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
                                                     load_special_tokens)
-from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
+                                                          OpenAIServingCompletion)
+
+logger = logging.getLogger("cbatch.server")
 
 
 def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | None = None,
-                 **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
+                 on_dead=None, **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
     """An AsyncEngine whose finished requests feed a fresh set of server metrics."""
     metrics = ServerMetrics(served_model_name or model)
     engine = AsyncEngine(model, max_waiting=max_waiting, on_finished=metrics.observe,
-                         **engine_kwargs)
+                         on_dead=on_dead, **engine_kwargs)
     metrics.attach(engine)
     return engine, metrics
 
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
-              shutdown_timeout: float = 0.0, chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` as model ``served_model_name``.  When the app shuts
-    down it shuts the engine down, giving running requests ``shutdown_timeout`` seconds.
-    ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any."""
+              shutdown_timeout: float = 0.0, chat_template: str | None = None, *,
+              api_key: str | None = None, allowed_hosts: list[str] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_timeout: float = 30.0) -> FastAPI:
+    """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
+    :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
+    down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
+    replaces the one the checkpoint ships, if any."""
     from cbatch.models.loader import resolve_checkpoint_dir
 
     config = engine.engine.config
@@ -60,6 +84,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     app = FastAPI(title="cbatch", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes,
+                       body_timeout=body_timeout, api_key=api_key, allowed_hosts=allowed_hosts)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -81,8 +107,20 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):
-        return JSONResponse(OpenAIError(503, str(exc), "service_unavailable").body(),
+        return JSONResponse(OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable").body(),
                             status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, ...
+        error = OpenAIError(exc.status_code, str(exc.detail),
+                            "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(OpenAIError(500, "internal server error; see the server log",
+                                        "server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -111,16 +149,85 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 0.0,
+                   limit_concurrency: int | None = 512, header_timeout: float = 10.0,
+                   log_level: str = "info"):
+    """uvicorn's settings for ``app``: half-sent headers time out, at most
+    ``limit_concurrency`` connections and requests at once (503 beyond), and a graceful
+    shutdown that waits at most a second longer than the engine gives running requests."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # uvicorn's own choice without httptools
+        base = H11Protocol
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=timed_protocol(base, header_timeout),
+                          limit_concurrency=limit_concurrency,
+                          timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 1)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose first signal also starts the engine's bounded shutdown
+        and whose second exits at once; :meth:`engine_failed` makes it exit as well."""
+
+        engine: AsyncEngine
+        shutdown_timeout: float
+        failed = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                print(f"cbatch: signal {sig} again: exiting now", file=sys.stderr, flush=True)
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            # (here, not in the signal handler, which may interrupt the engine's own locks)
+            self.engine.stop(self.shutdown_timeout)
+            await super().shutdown(sockets)
+
+        def engine_failed(self, exc: BaseException) -> None:
+            logger.critical("the engine failed (%s: %s); the server exits so that its "
+                            "supervisor can restart it", type(exc).__name__, exc)
+            self.failed = True
+            self.should_exit = True
+            # should a graceful exit hang, the process still ends
+            timer = threading.Timer(self.shutdown_timeout + 10, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
+
+    return Server
+
+
 def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
                chat_template: str | None = None) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
     import torch
-    import uvicorn
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    server_box = []  # the server, once made: an engine that fails stops it
+
+    def on_dead(exc: BaseException) -> None:
+        for server in server_box:
+            server.engine_failed(exc)
+
     engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
-                                   **engine_kwargs)
-    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template)
+                                   on_dead=on_dead, **engine_kwargs)
+    app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
+                    **guard_settings(args))
     print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
+                            args.limit_concurrency, args.header_timeout)
+    server = _server_class()(config)
+    server.engine, server.shutdown_timeout = engine, args.shutdown_timeout
+    server_box.append(server)
+    if not engine.is_running:  # it failed before the server existed
+        server.engine_failed(engine._error)
+    server.run()
+    if server.failed:
+        raise SystemExit(1)

@@ -39,8 +39,8 @@ class ServerMetrics:
         """Called on the engine thread for every finished request."""
         m = out.metrics
         self.finished.labels(self.model_name, out.finish_reason).inc()
-        if out.finish_reason == "abort":
-            return  # an aborted request's latencies say how long the client waited, not us
+        if out.finish_reason in ("abort", "error"):
+            return  # an aborted or failed request's latencies are not the server's pace
         for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
             if value is not None:
                 histogram.labels(self.model_name).observe(value)

@@ -88,7 +88,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
 
 

@@ -3,6 +3,7 @@ is then generated like a completion.  GPT-2 ships no template, so it gets a 400 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,8 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cbatch.core.async_engine import AsyncEngine
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta, OpenAIError)
-from cbatch.entrypoints.openai.serving_completion import (merge, open_streams, sampling_params,
-                                                          sse, unless_disconnected, usage)
+from cbatch.entrypoints.openai.serving_completion import (open_streams, results, sampling_params,
+                                                          sse, sse_or_error,
+                                                          unless_disconnected, usage)
 from cbatch.outputs import RequestOutput
 
 
@@ -62,6 +64,12 @@ def read_chat_template(value: str) -> str:
     return template
 
 
+def _raise_template_error(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None):
@@ -74,29 +82,41 @@ class OpenAIServingChat:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # templates refuse messages they cannot render with raise_exception(message)
+            # (Llama-2 and Mistral's do, for roles out of order), as in transformers
+            env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(chat_template)
 
     def render(self, req: ChatCompletionRequest) -> str:
         if self._template is None:
             raise OpenAIError(400, f"model {self.model_name!r} has no chat template (plain "
                                    "GPT-2 ships none); use /v1/completions", param="messages")
-        return self._template.render(messages=[m.model_dump() for m in req.messages],
-                                     add_generation_prompt=True, **self.special_tokens)
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=[m.model_dump() for m in req.messages],
+                                         add_generation_prompt=True, **self.special_tokens)
+        except TemplateError as exc:  # the messages do not fit the template: the caller's
+            raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
+                              param="messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        # the template wrote the special tokens it wants: encode without adding more
-        prompt = self.engine.tokenizer.encode(self.render(req), add_special_tokens=False)
+        # the template wrote the special tokens it wants: encode without adding more (in a
+        # worker thread, as the engine does for a string prompt: the loop serves on meanwhile)
+        prompt = await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
+                                         add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
         streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream)
         if req.stream:
-            return StreamingResponse(self._stream(req, streams), media_type="text/event-stream")
+            return StreamingResponse(sse_or_error(self._stream(req, streams)),
+                                     media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))
         return JSONResponse(response.model_dump()) if response is not None else None
 
     async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
+        async for i, out in results(streams):
             if out.finished:
                 finals[i] = out
         choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content=out.text),
@@ -113,7 +133,7 @@ class OpenAIServingChat:
             yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)]}))
         sent = [""] * len(streams)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
+        async for i, out in results(streams):
             delta = out.text[len(sent[i]):]
             if not delta and not out.finished:
                 continue

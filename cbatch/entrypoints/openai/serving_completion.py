@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -15,6 +16,9 @@ from cbatch.entrypoints.openai.protocol import (CompletionChoice, CompletionLogp
                                                 OpenAIError, UsageInfo, _SamplingFields)
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
+
+# what a client hears when the engine failed (the failure itself is in the server's log)
+ENGINE_UNAVAILABLE = "the engine is not available; see the server log"
 
 
 def sampling_params(req: _SamplingFields, choice: int, logprobs: int | None = None,
@@ -49,7 +53,7 @@ async def open_streams(engine: AsyncEngine, prompts: list, params: list[Sampling
         if isinstance(exc, QueueFullError):
             raise OpenAIError(503, str(exc), "server_overloaded") from None
         if isinstance(exc, EngineDeadError):
-            raise OpenAIError(503, str(exc), "service_unavailable") from None
+            raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
         if isinstance(exc, ValueError):
             raise OpenAIError(400, str(exc)) from None
         raise
@@ -83,6 +87,31 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             t.cancel()
         for s in streams:
             s.abort()
+
+
+async def results(streams: list[RequestStream]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """:func:`merge`, with the failures a client may hear of as OpenAI errors: a request
+    that failed alone is a 500, a failed engine a 503 (the reasons are in the log)."""
+    try:
+        async for i, out in merge(streams):
+            if out.finish_reason == "error":
+                raise OpenAIError(500, f"the engine failed to process this request (choice "
+                                       f"{i}); see the server log", "server_error")
+            yield i, out
+    except EngineDeadError:
+        raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
+
+
+async def sse_or_error(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's SSE chunks; an OpenAIError mid-stream ends it with an error chunk and
+    ``[DONE]`` (the status line is sent already)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except OpenAIError as exc:
+        yield sse(json.dumps(exc.body()))
+        yield "data: [DONE]\n\n"
 
 
 async def unless_disconnected(raw_request: Request, coro):
@@ -137,6 +166,11 @@ class OpenAIServingCompletion:
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        # a list of token ids longer than the model is refused before anything reads it
+        max_len = self.engine.engine.max_model_len
+        if any(not isinstance(p, str) and len(p) > max_len for p in prompts):
+            raise OpenAIError(400, f"a prompt of token ids is longer than the model's "
+                                   f"maximum length ({max_len})", param="prompt")
         return prompts
 
     async def create(self, req: CompletionRequest, raw_request: Request):
@@ -147,14 +181,14 @@ class OpenAIServingCompletion:
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:
-            return StreamingResponse(self._stream(req, streams, echo),
+            return StreamingResponse(sse_or_error(self._stream(req, streams, echo)),
                                      media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams, echo))
         return JSONResponse(response.model_dump()) if response is not None else None
 
     async def _full(self, req: CompletionRequest, streams, echo) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
+        async for i, out in results(streams):
             if out.finished:
                 finals[i] = out
         choices = [CompletionChoice(
@@ -169,7 +203,7 @@ class OpenAIServingCompletion:
         chunk_id = CompletionResponse(model=self.model_name, choices=[])
         sent = [""] * len(streams)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
+        async for i, out in results(streams):
             delta = out.text[len(sent[i]):]
             if not delta and not out.finished:
                 continue  # this token completed no character yet

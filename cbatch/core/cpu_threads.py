@@ -1,0 +1,100 @@
+"""How many CPU threads a step uses: the cores this process may run on that others leave free.
+
+A CPU step is a few hundred parallel regions (one per op), each split evenly across torch's
+threads and finished when its slowest thread is.  When another process holds one of the
+cores, the thread on that core waits for a scheduler time slice in every region, and the
+step slows many times over, not in proportion (benchmarks/NOTES.md, "Thread policy").  One
+thread fewer then loses only that core's share.  So before each step :class:`ThreadPolicy`
+sets torch's thread count to the cores that are free: it reads, every
+:data:`SAMPLE_S` seconds, how busy the allowed cores were (``/proc/stat``) less what this
+process used itself (``time.process_time``), and runs a core's thread only while others
+left at least :data:`FREE_SHARE` of that core idle.
+
+``threads`` fixed (``EngineConfig.threads``) or batch-invariant mode (a row's sums must not
+depend on the machine's load) turn the adaptation off.  The ceiling is torch's own thread
+count at each step (so ``torch.set_num_threads`` and ``--threads`` keep working) within the
+process's CPU affinity (``os.sched_getaffinity``); the caller's count is restored after the
+step.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+SAMPLE_S = 0.25  # how often the load is read: long enough for jiffies, short enough to react
+FREE_SHARE = 0.7  # a core runs a thread of ours when others leave it at least this idle
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask; all CPUs where that is unknown)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _busy_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds spent busy (not idle, not waiting on I/O) on ``cpus`` since boot."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = {f"cpu{c}" for c in cpus}
+    ticks = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            values = [int(v) for v in fields[1:8]]  # user nice system idle iowait irq softirq
+            ticks += sum(values) - values[3] - values[4]
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadPolicy:
+    """Chooses each step's thread count (see the module docstring)."""
+
+    def __init__(self, threads: int | None = None, adaptive: bool = True):
+        self.fixed = threads
+        self.cpus = allowed_cpus()
+        self.adaptive = adaptive and threads is None and _busy_seconds(self.cpus) is not None
+        self.free_cores = float(len(self.cpus))  # estimate from the last completed sample
+        self._last = (time.monotonic(), _busy_seconds(self.cpus) or 0.0, time.process_time())
+        self.steps_by_threads: collections.Counter[int] = collections.Counter()
+
+    def _sample(self) -> None:
+        now, busy, mine = time.monotonic(), _busy_seconds(self.cpus), time.process_time()
+        t0, busy0, mine0 = self._last
+        if now - t0 < SAMPLE_S or busy is None:
+            return
+        others = max(0.0, (busy - busy0) - (mine - mine0)) / (now - t0)  # cores' worth
+        self.free_cores = max(0.0, len(self.cpus) - others)
+        self._last = (now, busy, mine)
+
+    def choose(self) -> int:
+        """The thread count for the next step."""
+        ceiling = max(1, min(torch.get_num_threads(), len(self.cpus)))
+        if self.fixed is not None:
+            return self.fixed
+        if not self.adaptive:
+            return ceiling
+        self._sample()
+        return max(1, min(ceiling, int(self.free_cores + (1 - FREE_SHARE))))
+
+    @contextmanager
+    def step(self):
+        """Run the body with this step's thread count, then give the caller's back."""
+        before = torch.get_num_threads()
+        n = self.choose()
+        self.steps_by_threads[n] += 1
+        if n != before:
+            torch.set_num_threads(n)
+        try:
+            yield n
+        finally:
+            if n != before:
+                torch.set_num_threads(before)

@@ -1,0 +1,68 @@
+"""The flags of ``cbatch serve`` that bound what clients can do to the server (limits,
+timeouts, authentication), and the check of every serve flag before anything loads.
+
+Parsing them imports nothing but argparse, like the rest of the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1 routes (default: "
+                             "$CBATCH_API_KEY; /health and /metrics stay open)")
+    parser.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                        help="the Host names this server answers, '*' for any (default: "
+                             "loopback names when bound to a loopback address, else any)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="larger request bodies get 413 before they are parsed")
+    parser.add_argument("--limit-concurrency", type=int, default=512,
+                        help="connections and requests at once; more get 503")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's headers")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive (else 408)")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first serve flag out of range (before any model loads, and
+    before uvicorn would fail on it with a traceback)."""
+    def need(ok: bool, flag: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{flag} must be {what}, got {getattr(args, _dest(flag))!r}")
+
+    need(0 <= args.port <= 65535, "--port", "in [0, 65535]")
+    need(args.threads is None or args.threads >= 1, "--threads", ">= 1")
+    need(math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0,
+         "--shutdown-timeout", "a number of seconds >= 0")
+    need(args.max_waiting >= 1, "--max-waiting", ">= 1")
+    need(args.num_replicas >= 1, "--num-replicas", ">= 1")
+    need(args.max_request_bytes >= 1, "--max-request-bytes", ">= 1")
+    need(args.limit_concurrency >= 1, "--limit-concurrency", ">= 1")
+    for flag in ("--header-timeout", "--body-timeout"):
+        value = getattr(args, _dest(flag))
+        need(math.isfinite(value) and value > 0, flag, "a number of seconds > 0")
+    if args.api_key is not None:
+        need(bool(args.api_key.strip()), "--api-key", "a non-empty string")
+
+
+def guard_settings(args: argparse.Namespace) -> dict:
+    """The keywords of ``build_app`` (its :class:`RequestGuard`) that the serve flags set."""
+    import os
+
+    from cbatch.entrypoints.openai.guard import default_allowed_hosts
+
+    allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
+               else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+    return dict(api_key=args.api_key or os.environ.get("CBATCH_API_KEY") or None,
+                allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
+                body_timeout=args.body_timeout)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")

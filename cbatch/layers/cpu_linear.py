@@ -1,0 +1,124 @@
+"""CPU linear layers on oneDNN, with each weight packed once into oneDNN's blocked layout.
+
+torch's fp32 ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2
+code path even where the CPU has AVX-512; and every call re-blocks the weight for the
+micro-kernel.  oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the route vLLM's and
+IPEX's CPU backends take) dispatches on the CPU's own instruction set (AVX-512, AVX512-BF16,
+AMX), and reads a weight reordered once by ``torch.ops.mkldnn._reorder_linear_weight`` with
+no per-call packing.  Measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
+routes", ``benchmarks/bench_linear.py``).
+
+:func:`pack_linears` turns a model's :class:`~cbatch.layers.linear.Linear` layers over to it
+when an engine's model runner is built (any model), on a CPU where it is the faster route
+(:func:`cpu_linear_route`): the packed weight replaces the dense one (same bytes), except for
+a weight shared with another module (a ``lm_head`` tied to the token embedding, which needs
+the dense rows), which keeps its dense weight and gets a packed copy beside it.
+:func:`unpack_linears` undoes it (the batch-invariant linear pads rows on the dense weight;
+the runner of a batch-invariant engine unpacks).  Results differ from ``F.linear``'s
+only in summation order (fp32: ~1e-6 relative).
+
+``$CBATCH_CPU_LINEAR`` (``onednn`` or ``torch``) overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+ROUTES = ("onednn", "torch")
+
+
+def cpu_linear_route(dtype: torch.dtype) -> str:
+    """``"onednn"`` (packed weights) or ``"torch"`` (``F.linear``) for ``dtype`` on this CPU.
+
+    oneDNN where this torch has it and the CPU has AVX-512 (where it was measured faster at
+    every shape) and, for bf16, native bf16 support; ``F.linear`` elsewhere.
+    """
+    forced = os.environ.get("CBATCH_CPU_LINEAR")
+    if forced:
+        if forced not in ROUTES:
+            raise ValueError(f"CBATCH_CPU_LINEAR must be one of {ROUTES}, got {forced!r}")
+        if forced == "onednn" and not torch.backends.mkldnn.is_available():
+            raise ValueError("CBATCH_CPU_LINEAR=onednn but this torch has no oneDNN")
+        return forced
+    if not torch.backends.mkldnn.is_available() or not torch.cpu._is_avx512_supported():
+        return "torch"
+    if dtype == torch.float32:
+        return "onednn"
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "onednn"
+    return "torch"
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A dense ``[N, K]`` weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           activation: str = "none", approximate: str = "") -> torch.Tensor:
+    """``act(x @ W.T + bias)`` on a packed weight.
+
+    x: ``[M, K]``; packed: from :func:`pack` of ``[N, K]``; bias: ``[N]`` or None;
+    activation: ``"none"`` or ``"gelu"`` (with ``approximate`` ``"tanh"`` or ``"none"``, as
+    ``F.gelu``),
+    applied inside the matmul's epilogue → ``[M, N]``.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], approximate)
+
+
+def linear_add(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ W.T + bias`` on a packed weight, the add in the matmul's epilogue.
+
+    x: ``[M, K]``; residual: ``[M, N]`` → ``[M, N]`` (a new tensor).
+    """
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def pack_linears(model: nn.Module) -> bool:
+    """Pack every :class:`~cbatch.layers.linear.Linear` of a CPU model whose dtype oneDNN runs
+    fastest here (see :func:`cpu_linear_route`); idempotent.  Returns whether it packed."""
+    from cbatch.layers.linear import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers or layers[0].weight.device.type != "cpu":
+        return False
+    dtype = layers[0].weight.dtype
+    if cpu_linear_route(dtype) != "onednn":
+        return False
+    shared = _shared_weights(model)
+    with torch.no_grad():
+        for layer in layers:
+            if layer.packed_weight is not None:
+                continue
+            packed = pack(layer.weight)
+            if id(layer.weight) in shared:
+                layer.packed_weight = packed  # the dense weight stays for its other user
+            else:
+                layer.weight = nn.Parameter(packed, requires_grad=False)
+                layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
+    return True
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Give every packed :class:`~cbatch.layers.linear.Linear` its dense weight back."""
+    from cbatch.layers.linear import Linear
+
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, Linear) and layer.packed_weight is not None:
+                if layer.weight.is_mkldnn:
+                    layer.weight = nn.Parameter(layer.weight.to_dense())
+                layer.packed_weight = None

@@ -1,0 +1,85 @@
+"""The CPU thread policy: fixed counts, the caller's count restored, and the choice from the
+load that other processes put on the allowed cores (a fake /proc/stat clock)."""
+
+import pytest
+import torch
+
+from cbatch import LLM, SamplingParams
+from cbatch.core import cpu_threads
+from cbatch.core.cpu_threads import ThreadPolicy
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeClock:
+    """Monotonic time, busy CPU seconds on the allowed cores, and this process's CPU time,
+    advanced by hand."""
+
+    def __init__(self, monkeypatch, cpus=2):
+        self.now = self.busy = self.mine = 0.0
+        monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: list(range(cpus)))
+        monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cpus: self.busy)
+        monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.mine)
+
+    def advance(self, seconds, others_cores, my_cores):
+        self.now += seconds
+        self.mine += seconds * my_cores
+        self.busy += seconds * (others_cores + my_cores)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_threads_follow_the_cores_others_leave_free(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    policy = ThreadPolicy()
+    assert policy.adaptive and policy.choose() == 2  # nothing measured yet: every core
+    clock.advance(1.0, others_cores=1.0, my_cores=2.0)  # a busy loop holds one core
+    assert policy.choose() == 1
+    clock.advance(0.1, others_cores=0.0, my_cores=1.0)  # too soon to sample again
+    assert policy.choose() == 1
+    clock.advance(1.0, others_cores=0.1, my_cores=1.0)  # it stopped
+    assert policy.choose() == 2
+    clock.advance(1.0, others_cores=0.5, my_cores=2.0)  # half a core taken: one thread
+    assert policy.choose() == 1
+    clock.advance(1.0, others_cores=3.0, my_cores=0.2)  # oversubscribed: still one thread
+    assert policy.choose() == 1
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_fixed_threads_and_the_ceiling(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    assert ThreadPolicy(threads=1).choose() == 1
+    assert not ThreadPolicy(adaptive=False).adaptive
+    torch.set_num_threads(1)  # the caller's count (--threads) is the ceiling
+    policy = ThreadPolicy()
+    clock.advance(1.0, others_cores=0.0, my_cores=1.0)
+    assert policy.choose() == 1
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_engine_steps_run_with_the_chosen_count_and_restore_the_callers():
+    llm = LLM("random:tiny", threads=1)
+    seen = []
+    model = llm.engine.model
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2
+    assert llm.engine.runner.threads.steps_by_threads[1] == len(seen)
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        LLM("random:tiny", threads=0)

@@ -1,0 +1,176 @@
+"""CPU linear layers on oneDNN packed weights (cbatch.layers.cpu_linear), and dtype="auto"."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cbatch import LLM, Engine, KVCache, SamplingParams
+from cbatch.config import EngineConfig, auto_dtype
+from cbatch.core.input_batch import make_step_batch
+from cbatch.layers import cpu_linear
+from cbatch.layers.linear import Linear
+from cbatch.models.loader import load_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+needs_onednn = pytest.mark.skipif(
+    cpu_linear.cpu_linear_route(torch.float32) != "onednn",
+    reason="this CPU runs F.linear (oneDNN is chosen on AVX-512 CPUs)")
+needs_bf16 = pytest.mark.skipif(
+    cpu_linear.cpu_linear_route(torch.bfloat16) != "onednn",
+    reason="this CPU has no native bf16 for oneDNN")
+
+# (dtype, error allowed beyond twice F.linear's own, relative to the largest output)
+DTYPES = [pytest.param(torch.float32, 2e-6, marks=needs_onednn),
+          pytest.param(torch.bfloat16, 1e-2, marks=needs_bf16)]
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 17, 64])
+@pytest.mark.parametrize("N,K", [(123, 5), (96, 64), (2304, 768), (768, 3072)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_f_linear(dtype, atol, M, N, K, bias):
+    """Against the float64 product: at most twice the error of F.linear in the same dtype
+    (another summation order, so a little more)."""
+    gen = torch.Generator().manual_seed(M * N + K)
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)
+    b = (torch.randn(N, generator=gen) * 0.05).to(dtype) if bias else None
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    truth = F.linear(x.double(), w.double(), None if b is None else b.double())
+    ours = cpu_linear.linear(x, cpu_linear.pack(w), b)
+    assert ours.dtype == dtype and ours.shape == (M, N)
+    torch_err = (F.linear(x, w, b).double() - truth).abs().max().item()
+    allowed = 2 * torch_err + atol * truth.abs().max().item()
+    assert (ours.double() - truth).abs().max().item() <= allowed
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_fused_epilogues(dtype, atol):
+    """GELU (tanh and exact) and a residual add inside the matmul, against the unfused ops."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=gen) * 0.1).to(dtype)
+    b = (torch.randn(96, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype)
+    packed = cpu_linear.pack(w)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for approximate in ("tanh", "none"):
+        want = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate=approximate)
+        got = cpu_linear.linear(x, packed, b, "gelu", approximate)
+        torch.testing.assert_close(got.float(), want, **tol)
+    want = residual.float() + F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(cpu_linear.linear_add(x, packed, b, residual).float(), want,
+                               **tol)
+
+
+@needs_onednn
+def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
+    """Packed weights take the dense weights' place (the tied lm_head keeps its dense weight,
+    which the embedding reads, and gets a packed copy); state_dict and unpacking give the
+    dense weights back bitwise."""
+    model = load_model("random:tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert cpu_linear.pack_linears(model)
+    assert cpu_linear.pack_linears(model)  # idempotent
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert c_fc.weight.is_mkldnn and c_fc.packed_weight is not None
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not model.lm_head.weight.is_mkldnn and model.lm_head.packed_weight.is_mkldnn
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == nbytes
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    cpu_linear.unpack_linears(model)
+    assert not any(isinstance(m, Linear) and (m.weight.is_mkldnn or m.packed_weight is not None)
+                   for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@needs_onednn
+def test_engine_packs_on_the_cpu_and_batch_invariant_mode_unpacks():
+    model = load_model("random:tiny")
+    Engine(model, max_num_seqs=2)
+    assert model.transformer.h[1].attn.c_attn.weight.is_mkldnn
+    Engine(model, max_num_seqs=2, batch_invariant=True)  # pads rows on the dense weights
+    assert not model.transformer.h[1].attn.c_attn.weight.is_mkldnn
+
+
+def test_route_override(monkeypatch):
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
+    model = load_model("random:tiny")
+    Engine(model, max_num_seqs=2)
+    assert not model.transformer.h[0].attn.c_attn.weight.is_mkldnn
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR must be one of"):
+        cpu_linear.cpu_linear_route(torch.float32)
+
+
+def _step_logits(model, prompts, block_size=4):
+    """All-token logits of one prefill step, then the last-token logits of one decode step
+    of token 7 per prompt."""
+    lens = [len(p) + 1 for p in prompts]
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    cache = KVCache(model.config, num_blocks, block_size, dtype=model.dtype)
+    tables, start = [], 0
+    for n in lens:
+        tables.append(list(range(start, start + -(-n // block_size))))
+        start += len(tables[-1])
+    with torch.no_grad():
+        batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
+        prefill = model.compute_logits(model(batch, cache))
+        batch = make_step_batch([[7]] * len(prompts), [len(p) for p in prompts], tables,
+                                block_size)
+        decode = model.compute_logits(model(batch, cache)[batch.logits_indices])
+    return prefill.float(), decode.float()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_onednn),
+                                   pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype):
+    """Prefill and decode logits of the packed model against transformers' GPT2LMHeadModel:
+    fp32 within 1e-4 (as the unpacked model); bf16 against transformers in fp32, with an
+    error at most twice that of transformers' own model run in bf16 (plus 1e-2)."""
+    prompts = [[(5 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([1, 3, 4, 9])]
+    model = load_model(str(tiny_hf_dir), dtype=dtype)
+    assert cpu_linear.pack_linears(model)
+    prefill, decode = _step_logits(model, prompts)
+    hf_bf16 = copy.deepcopy(tiny_hf_model).to(torch.bfloat16)  # the fixture stays fp32
+    with torch.no_grad():
+        offset = 0
+        for s, p in enumerate(prompts):
+            ids = torch.tensor([p + [7]])
+            truth = tiny_hf_model(ids).logits[0]
+            ours = torch.cat([prefill[offset:offset + len(p)], decode[s:s + 1]])
+            offset += len(p)
+            if dtype == torch.float32:
+                torch.testing.assert_close(ours, truth, atol=1e-4, rtol=1e-4)
+            else:
+                hf_err = (hf_bf16(ids).logits[0].float() - truth).abs().max().item()
+                assert (ours - truth).abs().max().item() <= 2 * hf_err + 1e-2
+
+
+@needs_bf16
+def test_bf16_engine_greedy_tokens_match_transformers_bf16(tiny_hf_dir, tiny_hf_model):
+    """dtype="auto" picks bf16 on this CPU; its greedy tokens agree with transformers' bf16
+    model on most steps (bf16 ties may flip a token; then the continuations part)."""
+    prompt = [(5 * i + 3) % 500 for i in range(20)]
+    llm = LLM(str(tiny_hf_dir), dtype="auto")
+    assert llm.engine.config.dtype == "bfloat16" and llm.engine.model.dtype == torch.bfloat16
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    hf_bf16 = copy.deepcopy(tiny_hf_model).to(torch.bfloat16)  # the fixture stays fp32
+    with torch.no_grad():
+        ids = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=511)[0, len(prompt):].tolist()
+    assert out.token_ids[:4] == ids[:4]
+
+
+def test_auto_dtype():
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert auto_dtype("cpu") == ("bfloat16" if native else "float32")
+    assert EngineConfig(dtype="auto").dtype == auto_dtype("cpu")
+    assert EngineConfig().dtype == "float32"
+    if torch.cuda.is_available():
+        assert auto_dtype("cuda") == "float16"
