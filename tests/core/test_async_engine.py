@@ -46,6 +46,7 @@ def test_concurrent_streams_equal_offline_generate():
         assert outs[-1].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_stream_of_the_final_output_only():
     async def main():
         engine = AsyncEngine("random:tiny", **KW)
