@@ -18,7 +18,8 @@ once per round, round-robin, with the last-level cache flushed before each call,
 busy machine's load falls on all routes alike; the table gives the minimum and the median
 over rounds, the floor (weight bytes / measured copy bandwidth, the time to stream the
 weights once) and ``floor / min`` (1.0 = at the floor).  The error column is the largest
-absolute difference to the float64 product.  Results in benchmarks/results/<device>/linear.*.
+absolute difference to the float64 product.  Results in linear.*, written to a new folder
+under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations

@@ -150,7 +150,8 @@ class EngineConfig:
     threads: int | None = _knob(None, "CPU threads per step (default: the cores this process "
                                 "may run on, fewer while other processes take them)",
                                 cli=False)
-    max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default)")
+    max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default; "
+                              "-1: the whole vocabulary)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -168,8 +169,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for the whole "
+                             f"vocabulary, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory

@@ -136,7 +136,8 @@ class Engine:
         cfg = self.model.config
         ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
                                params.max_tokens)
-        max_logprobs = min(self.config.max_logprobs, cfg.vocab_size)
+        max_logprobs = cfg.vocab_size if self.config.max_logprobs == -1 else min(
+            self.config.max_logprobs, cfg.vocab_size)
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")

@@ -86,8 +86,9 @@ class RotaryEmbedding(nn.Module):
 
     The cos/sin tables ``[max_positions, D / 2]`` are computed in fp32 on first use on a
     device and cast to the activations' dtype (as transformers casts them), then kept: one
-    table per model, shared by its layers.  Every token is rotated on its own, so the result
-    is independent of the batch.
+    table per model.  :meth:`angles` gathers a step's rows once; every layer then calls
+    :meth:`forward` with them.  Every token is rotated on its own, so the result is
+    independent of the batch.
     """
 
     def __init__(self, head_dim: int, max_position_embeddings: int, params: dict):
@@ -112,10 +113,15 @@ class RotaryEmbedding(nn.Module):
                                       for t in (freqs.cos(), freqs.sin()))
         return self._tables[key]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(q.device, q.dtype)
-        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D/2]
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D / 2]`` of a step's positions (gathered once per step)."""
+        cos, sin = self.tables(positions.device, dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def forward(self, angles: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = angles
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

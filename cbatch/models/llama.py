@@ -117,7 +117,7 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = D = config.head_dim
@@ -128,18 +128,18 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary = [rotary]  # shared by every layer; a list keeps it out of the modules
         self.attn = PagedAttention(layer_idx, 1.0 / math.sqrt(D))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
-                kernels: ops.BoundKernels) -> torch.Tensor:
+                kernels: ops.BoundKernels, rotary: RotaryEmbedding,
+                angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         # q: [T, H, D]; k, v: [T, H_kv, D] (v a view of the projection: dense rows)
         q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](batch.positions, q, k)
+        q, k = rotary(angles, q, k)
         o = self.attn(q, k, v, batch, kv_cache, kernels)  # [T, H, D]
         return self.o_proj(o.reshape(T, -1))
 
@@ -158,15 +158,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, batch, kv_cache, kernels):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, kernels)
+    def forward(self, x, batch, kv_cache, kernels, rotary, angles):
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, kernels, rotary, angles)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -176,7 +176,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -214,8 +214,10 @@ class LlamaForCausalLM(nn.Module):
         ``[T, hidden_size]`` (after the last RMSNorm)."""
         kernels = self.kernels(batch.input_ids.device)
         x = self.model.embed_tokens(batch.input_ids)
+        rotary = self.model.rotary
+        angles = rotary.angles(batch.positions, x.dtype)  # one gather for every layer
         for layer in self.model.layers:
-            x = layer(x, batch, kv_cache, kernels)
+            x = layer(x, batch, kv_cache, kernels, rotary, angles)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

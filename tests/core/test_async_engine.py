@@ -46,6 +46,7 @@ def test_concurrent_streams_equal_offline_generate():
         assert outs[-1].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_stream_of_the_final_output_only():
     async def main():
         engine = AsyncEngine("random:tiny", **KW)
@@ -105,12 +106,17 @@ def test_bad_requests_and_a_full_queue_are_refused_and_serving_goes_on():
         # one request may already run when the rest arrive; never more than 2 wait
         assert len(streams) <= 3 and len(refused) == 6 - len(streams)
         assert "waiting queue is full" in str(refused[0])
-        finals = [[o async for o in s][-1] for s in streams]
+        finals = [await _last(s) for s in streams]
         assert all(o.finish_reason == "length" and len(o.token_ids) == 50 for o in finals)
         assert (await _collect(engine, 1))[-1].finish_reason == "length"
         await asyncio.to_thread(engine.shutdown)
 
     asyncio.run(main())
+
+
+async def _last(stream):
+    """The final output of a stream (read to its end)."""
+    return [o async for o in stream][-1]
 
 
 def test_shutdown_aborts_in_flight_requests_and_frees_every_block():
@@ -120,7 +126,7 @@ def test_shutdown_aborts_in_flight_requests_and_frees_every_block():
         streams = [await engine.add_request([i + 1, 2], long) for i in range(5)]
         await anext(streams[0])
         await asyncio.to_thread(engine.shutdown, 0.0)  # checks the block pool is whole
-        finals = [[o async for o in s][-1] for s in streams]
+        finals = [await _last(s) for s in streams]
         assert all(o.finished and o.finish_reason == "abort" for o in finals)
         assert all(len(o.token_ids) < 200 for o in finals)
         with pytest.raises(EngineDeadError):

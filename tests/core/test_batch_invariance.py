@@ -184,6 +184,7 @@ def test_transformers_backend_attention_rows_do_not_depend_on_the_batch():
     assert torch.equal(step[0, 0], alone[0, -1])
 
 
+@pytest.mark.slow
 def test_static_baseline_logprobs_and_invariant_mode():
     """Static batching is a scheduling policy of the same engine: logprobs and the
     batch-invariant guarantee hold there too."""

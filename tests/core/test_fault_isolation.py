@@ -51,7 +51,12 @@ def test_logprobs_above_max_logprobs_are_refused():
     with pytest.raises(ValueError, match="max_logprobs"):  # 10**6 > the default 20 too
         Engine("random:tiny", **KW).add_request([1], SamplingParams(logprobs=10**6))
     with pytest.raises(ValueError, match="max_logprobs"):
-        Engine("random:tiny", max_logprobs=-1, **KW)
+        Engine("random:tiny", max_logprobs=-2, **KW)
+    # -1: the whole vocabulary, as in vLLM
+    Engine("random:tiny", max_logprobs=-1, **KW).add_request([1], SamplingParams(logprobs=512))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        Engine("random:tiny", max_logprobs=-1, **KW).add_request([1], SamplingParams(
+            logprobs=513))
 
 
 def test_a_prompt_list_longer_than_the_model_is_refused_before_it_is_read():

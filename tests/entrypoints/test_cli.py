@@ -202,6 +202,7 @@ def _subparsers() -> dict:
     return dict(sub.choices)
 
 
+@pytest.mark.slow
 def test_version_names_the_version_and_the_live_backends():
     import cbatch
     from cbatch import ops

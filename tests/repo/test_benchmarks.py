@@ -92,6 +92,7 @@ def test_throughput_benchmark(tmp_path):
             assert 0 < r["gemm_share"] < 1
 
 
+@pytest.mark.slow
 def test_linear_benchmark(tmp_path):
     rows = _rows(bench_linear.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                     "--reps", "2"]), "linear")
@@ -102,6 +103,7 @@ def test_linear_benchmark(tmp_path):
     assert all(r["max_abs_err"] < (1e-4 if r["dtype"] == "float32" else 0.1) for r in rows)
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_sharedprefix(tmp_path):
     out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                  "--workload", "sharedprefix",
@@ -123,6 +125,7 @@ def test_throughput_benchmark_batch_invariant(tmp_path):
     assert all(r["status"] == "ok" and r["wall_vs_continuous"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_a_run_without_out_writes_a_new_folder_not_the_committed_results(tmp_path, monkeypatch):
     """Without --out a benchmark writes under benchmarks/runs/<time>-<device>/ (ignored by
     git); the committed benchmarks/results/ change only when --out names them."""

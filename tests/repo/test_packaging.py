@@ -104,6 +104,7 @@ print(caught[0].message)
 """
 
 
+@pytest.mark.slow
 def test_an_extension_that_fails_to_load_warns_once_with_the_fix():
     env = {k: v for k, v in os.environ.items() if k != "CBATCH_NO_EXT"}
     result = subprocess.run([sys.executable, "-c", BROKEN_EXTENSION], capture_output=True,
