@@ -34,7 +34,8 @@ def cpu_linear_route(dtype: torch.dtype) -> str:
     """``"onednn"`` (packed weights) or ``"torch"`` (``F.linear``) for ``dtype`` on this CPU.
 
     oneDNN where this torch has it and the CPU has AVX-512 (where it was measured faster at
-    every shape) and, for bf16, native bf16 support; ``F.linear`` elsewhere.
+    every shape but one) and, for bf16, where oneDNN runs bf16 on this CPU; ``F.linear``
+    elsewhere (not measured there) and for other dtypes.
     """
     forced = os.environ.get("CBATCH_CPU_LINEAR")
     if forced:
