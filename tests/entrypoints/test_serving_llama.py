@@ -103,3 +103,33 @@ def test_a_completion_prompt_gets_the_tokenizers_bos(chat_checkpoint):
         reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "qwen2-chat", "prompt": "Hello there", "max_tokens": 2}).json()
     assert reply["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_cbatch_serve_command_serves_the_checkpoint(chat_checkpoint):
+    """`cbatch serve <checkpoint>` in its own process: the memory report names the KV heads,
+    and the chat reply is the one the in-process server gives (transformers' greedy reply)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.serving_utils import free_port, wait_healthy
+
+    path, model, tok = chat_checkpoint
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    _, want = _reference(path, model, tok, messages, 6)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve",
+                             str(path), "--served-model-name", "chat", "--port", str(port),
+                             "--threads", "1", "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout=120)
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "chat", "messages": messages, "max_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True}).json()
+        assert reply["choices"][0]["message"]["content"] == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "x 1 KV heads x head_dim 16" in out.decode(), out.decode()[-2000:]
