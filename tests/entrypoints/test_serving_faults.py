@@ -268,6 +268,21 @@ from cbatch.entrypoints.cli.main import main
 main(sys.argv[1:])
 """
 
+# A server whose every step takes at least 20 ms, so that LONG requests (250 steps each) outlast
+# the shutdown tests' timeouts on a machine of any speed.
+SLOW_STEPS = """
+import sys, time
+from cbatch.core import model_runner
+execute = model_runner.ModelRunner.execute
+def slow(self, batch, scheduled):
+    time.sleep(0.02)
+    return execute(self, batch, scheduled)
+model_runner.ModelRunner.execute = slow
+from cbatch.entrypoints.cli.main import main
+main(sys.argv[1:])
+"""
+SLOW_SERVE = [sys.executable, "-c", SLOW_STEPS, *SERVE[3:]]
+
 
 def _start(args: list[str], argv0: list[str] = SERVE) -> tuple[subprocess.Popen, str]:
     port = free_port()
@@ -319,7 +334,7 @@ def test_a_failed_engine_makes_the_process_exit_1_without_telling_clients_why():
 
 @pytest.mark.slow
 def test_sigterm_aborts_what_is_left_after_the_shutdown_timeout_and_exits():
-    proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"])
+    proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"], SLOW_SERVE)
     try:
         r = httpx.get(f"{url}/v1/models", headers={"Host": "rebind.example"})
         _assert_openai_error(r, 400)  # a loopback server refuses foreign host names
@@ -355,7 +370,7 @@ def test_sigterm_aborts_what_is_left_after_the_shutdown_timeout_and_exits():
 
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once():
-    proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "120"])
+    proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "120"], SLOW_SERVE)
     try:
         _post_in_background(url, [LONG] * 8)
         time.sleep(1.0)
