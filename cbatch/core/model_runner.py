@@ -32,8 +32,8 @@ from cbatch.core.cpu_threads import ThreadPolicy
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
-from cbatch.layers import cpu_linear
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.linear import pack_linears, unpack_linears
 from cbatch.layers.step_batch import StepBatch
 
 
@@ -96,9 +96,9 @@ class ModelRunner:
         self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
             if self.device.type == "cpu" else None
         if self.device.type == "cpu" and model.batch_invariant:
-            cpu_linear.unpack_linears(model)  # the invariant linear pads rows on dense weights
+            unpack_linears(model)  # the invariant linear pads rows on dense weights
         elif self.device.type == "cpu":
-            cpu_linear.pack_linears(model)  # oneDNN on packed weights where it is faster
+            pack_linears(model)  # oneDNN on packed weights where it is faster
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config

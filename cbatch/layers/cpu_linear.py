@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import nn
 
 ROUTES = ("onednn", "torch")
 
@@ -77,49 +76,3 @@ def linear_add(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     x: ``[M, K]``; residual: ``[M, N]`` → ``[M, N]`` (a new tensor).
     """
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
-
-
-def _shared_weights(model: nn.Module) -> set[int]:
-    """ids of parameters that more than one module holds (tied weights)."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {pid for pid, n in seen.items() if n > 1}
-
-
-def pack_linears(model: nn.Module) -> bool:
-    """Pack every :class:`~cbatch.layers.linear.Linear` of a CPU model whose dtype oneDNN runs
-    fastest here (see :func:`cpu_linear_route`); idempotent.  Returns whether it packed."""
-    from cbatch.layers.linear import Linear
-
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if not layers or layers[0].weight.device.type != "cpu":
-        return False
-    dtype = layers[0].weight.dtype
-    if cpu_linear_route(dtype) != "onednn":
-        return False
-    shared = _shared_weights(model)
-    with torch.no_grad():
-        for layer in layers:
-            if layer.packed_weight is not None:
-                continue
-            packed = pack(layer.weight)
-            if id(layer.weight) in shared:
-                layer.packed_weight = packed  # the dense weight stays for its other user
-            else:
-                layer.weight = nn.Parameter(packed, requires_grad=False)
-                layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
-    return True
-
-
-def unpack_linears(model: nn.Module) -> None:
-    """Give every packed :class:`~cbatch.layers.linear.Linear` its dense weight back."""
-    from cbatch.layers.linear import Linear
-
-    with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, Linear) and layer.packed_weight is not None:
-                if layer.weight.is_mkldnn:
-                    layer.weight = nn.Parameter(layer.weight.to_dense())
-                layer.packed_weight = None

@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs),
-    and oneDNN on a packed weight once :func:`cbatch.layers.cpu_linear.pack_linears` packed it.
+    and oneDNN on a packed weight once :func:`pack_linears` packed it.
 
     ``forward(x, gelu=None, residual=None)``: ``gelu`` (``"tanh"`` or ``"none"``, as
     ``F.gelu``'s ``approximate``) applies GELU to the output, ``residual`` is added to it; on
@@ -78,3 +78,46 @@ class Linear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.weight.is_mkldnn:  # checkpoints hold the dense layout
             destination[prefix + "weight"] = self.weight.to_dense()
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def pack_linears(model: nn.Module) -> bool:
+    """Pack every :class:`Linear` of a CPU model whose dtype oneDNN runs fastest here (see
+    :func:`cbatch.layers.cpu_linear.cpu_linear_route`); idempotent.  Returns whether it
+    packed."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers or layers[0].weight.device.type != "cpu":
+        return False
+    dtype = layers[0].weight.dtype
+    if cpu_linear.cpu_linear_route(dtype) != "onednn":
+        return False
+    shared = _shared_weights(model)
+    with torch.no_grad():
+        for layer in layers:
+            if layer.packed_weight is not None:
+                continue
+            packed = cpu_linear.pack(layer.weight)
+            if id(layer.weight) in shared:
+                layer.packed_weight = packed  # the dense weight stays for its other user
+            else:
+                layer.weight = nn.Parameter(packed, requires_grad=False)
+                layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
+    return True
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Give every packed :class:`Linear` its dense weight back."""
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, Linear) and layer.packed_weight is not None:
+                if layer.weight.is_mkldnn:
+                    layer.weight = nn.Parameter(layer.weight.to_dense())
+                layer.packed_weight = None

@@ -20,8 +20,9 @@ def reinstall_command() -> str:
     if (checkout / "setup.py").is_file():
         source = f"-e {checkout}"
     else:
-        from cbatch import __version__
-        source = f"cbatch-{__version__}.tar.gz (the sdist) or a checkout of it"
+        from importlib.metadata import version  # the installed distribution's
+
+        source = f"cbatch-{version('cbatch')}.tar.gz (the sdist) or a checkout of it"
     return f"{Path(sys.executable).name} -m pip install --no-build-isolation --no-deps " \
         f"--force-reinstall {source}"
 

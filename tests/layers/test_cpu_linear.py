@@ -10,6 +10,7 @@ from cbatch import LLM, Engine, KVCache, SamplingParams
 from cbatch.config import EngineConfig, auto_dtype
 from cbatch.core.input_batch import make_step_batch
 from cbatch.layers import cpu_linear
+from cbatch.layers.linear import pack_linears, unpack_linears
 from cbatch.layers.linear import Linear
 from cbatch.models.loader import load_model
 
@@ -73,8 +74,8 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     model = load_model("random:tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert cpu_linear.pack_linears(model)
-    assert cpu_linear.pack_linears(model)  # idempotent
+    assert pack_linears(model)
+    assert pack_linears(model)  # idempotent
     c_fc = model.transformer.h[0].mlp.c_fc
     assert c_fc.weight.is_mkldnn and c_fc.packed_weight is not None
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -83,7 +84,7 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
-    cpu_linear.unpack_linears(model)
+    unpack_linears(model)
     assert not any(isinstance(m, Linear) and (m.weight.is_mkldnn or m.packed_weight is not None)
                    for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -135,7 +136,7 @@ def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype):
     error at most twice that of transformers' own model run in bf16 (plus 1e-2)."""
     prompts = [[(5 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([1, 3, 4, 9])]
     model = load_model(str(tiny_hf_dir), dtype=dtype)
-    assert cpu_linear.pack_linears(model)
+    assert pack_linears(model)
     prefill, decode = _step_logits(model, prompts)
     hf_bf16 = copy.deepcopy(tiny_hf_model).to(torch.bfloat16)  # the fixture stays fp32
     with torch.no_grad():
