@@ -19,6 +19,7 @@ from cbatch.layers.attention import PagedAttention
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
 from cbatch.layers.step_batch import StepBatch
+from cbatch.models.base import PagedCausalLM
 
 # activation -> F.gelu's ``approximate`` (fused into c_fc), or None for ReLU (applied after)
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none", "relu": None}
@@ -77,27 +78,15 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PagedCausalLM):
     """GPT-2 over a flat step batch (build one with :func:`cbatch.load_model`; generate with
     ``cbatch.LLM(model)``)."""
 
     def __init__(self, config: GPT2Config, attention_backend: str | None = None):
-        super().__init__()
-        self.config = config
-        self.attention_backend = attention_backend
+        super().__init__(config, attention_backend)
         self.transformer = GPT2Model(config)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
-        self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
-        self.batch_invariant = False  # see set_batch_invariant
-
-    def kernels(self, device: torch.device) -> ops.BoundKernels:
-        """The attention kernels for ``device``, resolved once (``attention_backend``, else
-        ``$CBATCH_ATTENTION_BACKEND``, else the fastest available), not at every op call."""
-        if self._kernels is None or self._kernels[0] != device:
-            self._kernels = device, ops.bind_kernels(device, self.config.head_dim,
-                                                     self.attention_backend)
-        return self._kernels[1]
 
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into ``kv_cache`` and return the final
@@ -108,24 +97,3 @@ class GPT2LMHeadModel(nn.Module):
         for block in t.h:
             x = block(x, batch, kv_cache, kernels)
         return t.ln_f(x)
-
-    def set_batch_invariant(self, enabled: bool) -> None:
-        """Batch-invariant mode: each token's hidden states and logits are bitwise the same
-        whatever else is in the step (:func:`cbatch.layers.linear.linear` for the linear
-        layers, :meth:`PagedAttention.kernel_for` for attention)."""
-        self.batch_invariant = enabled
-        for module in self.modules():
-            if isinstance(module, (Linear, PagedAttention)):
-                module.batch_invariant = enabled
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, n_embd]`` hidden states → ``[N, vocab_size]`` logits."""
-        return self.lm_head(hidden)
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype

@@ -28,6 +28,7 @@ from cbatch.layers.layernorm import RMSNorm
 from cbatch.layers.linear import Linear
 from cbatch.layers.rotary_embedding import RotaryEmbedding, max_positions, rope_parameters
 from cbatch.layers.step_batch import StepBatch
+from cbatch.models.base import PagedCausalLM
 
 
 @dataclass(frozen=True)
@@ -186,28 +187,18 @@ STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCausalLM):
     """A Llama-family causal LM over the flat step batch (the interface GPT-2 has)."""
 
     config_class = LlamaConfig
     config_switches: dict = {}  # what the architecture fixes (see Qwen2ForCausalLM)
 
     def __init__(self, config: LlamaConfig, attention_backend: str | None = None):
-        super().__init__()
-        self.config = config
-        self.attention_backend = attention_backend
+        super().__init__(config, attention_backend)
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
-        self.batch_invariant = False
-
-    def kernels(self, device: torch.device) -> ops.BoundKernels:
-        if self._kernels is None or self._kernels[0] != device:
-            self._kernels = device, ops.bind_kernels(device, self.config.head_dim,
-                                                     self.attention_backend)
-        return self._kernels[1]
 
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V into ``kv_cache``; the final hidden states
@@ -219,25 +210,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch, kv_cache, kernels, rotary, angles)
         return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def set_batch_invariant(self, enabled: bool) -> None:
-        """As :meth:`GPT2LMHeadModel.set_batch_invariant`: the linear layers and the attention
-        kernel choice; RMSNorm, the rotary embedding and SwiGLU work row by row already."""
-        self.batch_invariant = enabled
-        for module in self.modules():
-            if isinstance(module, (Linear, PagedAttention)):
-                module.batch_invariant = enabled
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
 
     @classmethod
     def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: LlamaConfig

@@ -1,0 +1,53 @@
+"""What every model over the step batch shares: the bound attention kernels, the
+batch-invariant switch, the logits, and the device and dtype the engine reads."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cbatch import ops
+from cbatch.layers.attention import PagedAttention
+from cbatch.layers.linear import Linear
+
+
+class PagedCausalLM(nn.Module):
+    """Base of the causal LMs: a subclass builds its layers and ``self.lm_head`` (a
+    :class:`Linear`) and defines ``forward(batch, kv_cache) -> [T, hidden]``."""
+
+    def __init__(self, config, attention_backend: str | None = None):
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend
+        self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
+        self.batch_invariant = False  # see set_batch_invariant
+
+    def kernels(self, device: torch.device) -> ops.BoundKernels:
+        """The attention kernels for ``device``, resolved once (``attention_backend``, else
+        ``$CBATCH_ATTENTION_BACKEND``, else the fastest available), not at every op call."""
+        if self._kernels is None or self._kernels[0] != device:
+            self._kernels = device, ops.bind_kernels(device, self.config.head_dim,
+                                                     self.attention_backend)
+        return self._kernels[1]
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Batch-invariant mode: each token's hidden states and logits are bitwise the same
+        whatever else is in the step (:func:`cbatch.layers.linear.linear` for the linear
+        layers, :meth:`PagedAttention.kernel_for` for attention; norms, activations and
+        rotary embeddings work row by row already)."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, (Linear, PagedAttention)):
+                module.batch_invariant = enabled
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` hidden states → ``[N, vocab_size]`` logits."""
+        return self.lm_head(hidden)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
