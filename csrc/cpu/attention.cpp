@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -156,6 +157,114 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
   m = new_m;
 }
 
+#ifdef CBATCH_X86_F16C
+// ---- AVX-512 ---------------------------------------------------------------------------------
+// The same online-softmax step written with 16-lane intrinsics, compiled for AVX-512 whatever
+// the extension's baseline and chosen at run time (use_avx512).  It reads fp16/bf16 K/V in
+// place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
+// is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
+#define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+CBATCH_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+CBATCH_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0 (-inf gives 0): Cephes' expf, range reduction by ln 2 in two parts and a
+// degree-6 polynomial on [-ln2/2, ln2/2], scaled by 2^n with vscalefps (within 2 ulp).
+CBATCH_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The 16 sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a transposing tree of
+// 15 adds instead of 16 separate horizontal reductions.
+CBATCH_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of 4 keys
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // add the four 128-bit lanes: keys 0-3, 4-7, 8-11, 12-15 land in lanes 0, 1, 2, 3
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// online_softmax_step for keys k[i * stride] and values v[i * stride] of type T, i < n, 16
+// keys at a time: their dot products accumulate in 16 registers, 16 columns of q at a time.
+template <typename T>
+CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const T* v,
+                                              int64_t stride, int64_t n, int64_t D, float& m,
+                                              float& l, float* acc) {
+  alignas(64) float p[16];
+  for (int64_t i0 = 0; i0 < n; i0 += 16, k += 16 * stride, v += 16 * stride) {
+    const int64_t count = std::min<int64_t>(16, n - i0);
+    const T* keys[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) keys[i] = k + std::min<int64_t>(i, count - 1) * stride;
+    __m512 dots[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load16(keys[i] + d), dots[i]);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 scores = _mm512_mask_mov_ps(
+        _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum16(dots));
+    const float new_m = std::max(m, _mm512_reduce_max_ps(scores));
+    const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
+    l = l * correction + _mm512_reduce_add_ps(e);
+    _mm512_store_ps(p, e);
+    for (int64_t d = 0; d < D; d += 16) {  // 16 columns of acc stay in a register over the keys
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(correction));
+      for (int64_t i = 0; i < count; ++i) {
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * stride + d), a);
+      }
+      _mm512_storeu_ps(acc + d, a);
+    }
+    m = new_m;
+  }
+}
+
+// Whether this CPU runs the AVX-512 step (and $CBATCH_CPU_ATTENTION does not say "generic").
+bool use_avx512(int64_t head_dim) {
+  static const bool cpu = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
+                                                     __builtin_cpu_supports("avx512bw") &&
+                                                     __builtin_cpu_supports("avx512dq") &&
+                                                     __builtin_cpu_supports("avx512vl"));
+  const char* forced = std::getenv("CBATCH_CPU_ATTENTION");
+  return cpu && head_dim % 16 == 0 && !(forced && std::strcmp(forced, "generic") == 0);
+}
+#else
+bool use_avx512(int64_t) { return false; }
+#endif
+
 // Asks for n rows of D elements, `stride` apart, to be brought into L2.  The blocks of a
 // sequence are scattered over the pool, so the hardware prefetcher cannot guess the next one.
 template <typename T>
@@ -171,7 +280,7 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t D) {
 template <typename T>
 void attend(const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,
             const int32_t* table, const CacheView& c, int64_t group, const Tile& tile,
-            const Item& item, float scale, Scratch& sc, T* out) {
+            const Item& item, float scale, bool avx512, Scratch& sc, T* out) {
   const int64_t D = c.head_dim, row = c.num_kv_heads * D;  // row: one token's [H_kv, D]
   const int64_t R = tile.num_rows, G = item.head_end - item.head_begin;
   for (int64_t g = 0; g < G; ++g) {
@@ -200,6 +309,23 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
         prefetch_rows(key_cache + next, row, next_keys, D);
         prefetch_rows(value_cache + next, row, next_keys, D);
       }
+      const int64_t g_begin = std::max(item.head_begin, kv * group) - item.head_begin;
+      const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
+#ifdef CBATCH_X86_F16C
+      if (avx512) {  // K/V read in place
+        for (int64_t g = g_begin; g < g_end; ++g) {
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
+            if (n <= 0) continue;
+            const int64_t gr = g * R + r;
+            online_softmax_step_avx512(sc.q.data() + gr * D, key_cache + offset,
+                                       value_cache + offset, row, n, D, sc.m[gr], sc.l[gr],
+                                       sc.acc.data() + gr * D);
+          }
+        }
+        continue;
+      }
+#endif
       // this head's keys and values of the block as fp32 rows, `stride` apart
       const float *k, *v;
       int64_t stride;
@@ -212,8 +338,7 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
         }
         k = sc.k.data(), v = sc.v.data(), stride = D;
       }
-      const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
-      for (int64_t g = std::max(item.head_begin, kv * group) - item.head_begin; g < g_end; ++g) {
+      for (int64_t g = g_begin; g < g_end; ++g) {
         for (int64_t r = 0; r < R; ++r) {
           // keys of this block that row r may see (causal within the chunk)
           const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
@@ -299,6 +424,7 @@ struct Job {
   CacheView cache;
   int64_t group;  // query heads per KV head
   float scale;
+  bool avx512;  // the AVX-512 step (use_avx512)
   const std::vector<Tile>& tiles;
   const std::vector<Item>& items;
   std::atomic<int64_t>& next;
@@ -312,7 +438,7 @@ void work(const Job<T>& job, Scratch& scratch) {
     const Tile& tile = job.tiles[job.items[i].tile];
     attend(job.query, job.query_stride, job.key_cache, job.value_cache,
            job.block_tables + tile.seq * job.max_blocks, job.cache, job.group, tile,
-           job.items[i], job.scale, scratch, job.out);
+           job.items[i], job.scale, job.avx512, scratch, job.out);
   }
 }
 
@@ -344,7 +470,8 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
-                   group, scale, tiles, items, next, out.data_ptr<T>()};
+                   group, scale, use_avx512(c.head_dim), tiles, items, next,
+                   out.data_ptr<T>()};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_heads, c.head_dim, c.block_size);
     work_any(job, scratch);

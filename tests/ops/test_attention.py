@@ -91,6 +91,34 @@ def test_cpu_kernels_any_thread_count(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not STATUS["cpu"].available, reason="C++ extension not built")
+@pytest.mark.parametrize("path", ["auto", "generic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernel_paths(monkeypatch, path, dtype):
+    """Both code paths of the CPU kernels: the AVX-512 step (chosen on a CPU with AVX-512 for
+    head dims that are multiples of 16; "auto") and the portable one
+    ($CBATCH_CPU_ATTENTION=generic, and any head dim), for decode and prefill, grouped
+    queries, block sizes 8/16/32 (more than 16 keys in a block), head dims 64/128/80."""
+    if path == "generic":
+        monkeypatch.setenv("CBATCH_CPU_ATTENTION", "generic")
+    else:
+        monkeypatch.delenv("CBATCH_CPU_ATTENTION", raising=False)
+    seed = torch.randint(0, 2**31, ()).item()
+    for block_size, head_dim, heads, kv_heads in ((8, 64, 4, 4), (16, 128, 4, 2),
+                                                  (32, 64, 6, 2), (16, 80, 2, 1)):
+        lens = [1, block_size - 1, block_size, block_size + 1, 7 * block_size + 3]
+        decode = paged_inputs(lens, [1] * len(lens), heads, head_dim, block_size, dtype, "cpu",
+                              seed, num_kv_heads=kv_heads)
+        q, kc, vc, tables, cu, seq_lens = decode
+        assert_attention_close(ops.paged_decode_attention(q, kc, vc, tables, seq_lens,
+                                                          backend="cpu"), *decode)
+        prefill = paged_inputs(lens, [1, 3, block_size, 1, 40], heads, head_dim, block_size,
+                               dtype, "cpu", seed + 1, num_kv_heads=kv_heads)
+        q, kc, vc, tables, cu, seq_lens = prefill
+        assert_attention_close(ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
+                                                           backend="cpu"), *prefill)
+
+
 @pytest.mark.skipif(TRITON_DEVICE is None, reason=triton_skip_reason())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_split_kv_path(dtype):
