@@ -10,8 +10,9 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``mkl-packed``: ``torch.ops.mkl._mkl_linear`` with the weight packed by MKL for M rows;
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on the dense weight;
 - ``onednn-packed``: the same with the weight reordered once by
-  ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout (what cbatch's
-  CPU linear layers run, ``cbatch.layers.cpu_linear``).
+  ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
+- ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp) on its packed layout, on CPUs with
+  AVX-512 (``cbatch.layers.cpu_linear``, which picks the route the model runs).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
 once per round, round-robin, with the last-level cache flushed before each call, so that a
@@ -54,6 +55,10 @@ def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
         x, packed, bias, "none", [], "")
+    from cbatch.layers import cpu_linear
+    if cpu_linear.route_available("cbatch", weight.dtype):
+        ours = cpu_linear.pack(weight, "cbatch")
+        out["cbatch"] = lambda x: cpu_linear.linear(x, ours, bias, weight.shape[0])
     return out
 
 

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 namespace cbatch {
@@ -51,6 +52,16 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& block_tables,
                                        const at::Tensor& seq_lens, double scale);
 #endif
+
+// CPU linear layers (cpu/linear.cpp).  Whether this CPU runs linear_cpu for `dtype` (float32:
+// AVX-512; bfloat16: AVX-512 and AVX512-BF16).
+bool cpu_linear_supported(at::ScalarType dtype);
+// act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
+// [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
+// activation: "none" or "gelu_tanh".  Returns a new dense [M, N].
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual, const std::string& activation);
 
 void check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,

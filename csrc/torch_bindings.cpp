@@ -16,12 +16,18 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale) -> Tensor");
+  // CPU only: the few-row linear layers on weights packed by cbatch/layers/cpu_linear.py
+  m.def("cpu_linear_supported(ScalarType dtype) -> bool", &cbatch::cpu_linear_supported);
+  m.def(
+      "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
+      "str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("write_kv_cache", &cbatch::write_kv_cache_cpu);
   m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cpu);
   m.impl("paged_prefill_attention", &cbatch::paged_prefill_attention_cpu);
+  m.impl("linear", &cbatch::linear_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

@@ -1,23 +1,31 @@
-"""CPU linear layers on oneDNN, with each weight packed once into oneDNN's blocked layout.
+"""CPU linear layers on weights packed once at load time, by the fastest route for this CPU.
 
-torch's fp32 ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2
-code path even where the CPU has AVX-512; and every call re-blocks the weight for the
-micro-kernel.  oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the route vLLM's and
-IPEX's CPU backends take) dispatches on the CPU's own instruction set (AVX-512, AVX512-BF16,
-AMX), and reads a weight reordered once by ``torch.ops.mkldnn._reorder_linear_weight`` with
-no per-call packing.  Measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
-routes", ``benchmarks/bench_linear.py``).
+Routes (:data:`ROUTES`), measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
+routes", ``benchmarks/bench_linear.py``):
 
-:func:`pack_linears` turns a model's :class:`~cbatch.layers.linear.Linear` layers over to it
-when an engine's model runner is built (any model), on a CPU where it is the faster route
-(:func:`cpu_linear_route`): the packed weight replaces the dense one (same bytes), except for
-a weight shared with another module (a ``lm_head`` tied to the token embedding, which needs
-the dense rows), which keeps its dense weight and gets a packed copy beside it.
-:func:`unpack_linears` undoes it (the batch-invariant linear pads rows on the dense weight;
-the runner of a batch-invariant engine unpacks).  Results differ from ``F.linear``'s
-only in summation order (fp32: ~1e-6 relative).
+- ``"cbatch"``: cbatch's own kernel (csrc/cpu/linear.cpp) on CPUs with AVX-512 (bf16: with
+  AVX512-BF16).  The weight is packed into blocks of 16 output columns, each ``[K, 16]``
+  (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once per call;
+  bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
+  are memory-bound, and there it runs 1.3-1.7x faster than oneDNN (no per-call primitive
+  set-up, one weight stream per thread).  From :data:`ONEDNN_FROM_ROWS` rows on (long
+  prefill chunks, compute-bound) oneDNN's brgemm is faster: such calls unpack the weight
+  (a copy, small beside the GEMM) and run oneDNN on it.
+- ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
+  oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
+  ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even
+  where the CPU has AVX-512.
+- ``"torch"``: ``F.linear`` on the dense weight (CPUs without AVX-512, where nothing else
+  was measured).
 
-``$CBATCH_CPU_LINEAR`` (``onednn`` or ``torch``) overrides the choice.
+:func:`cbatch.layers.linear.pack_linears` packs a model's linear layers when an engine's
+model runner is built: the packed weight replaces the dense one (the same bytes, plus at
+most 15 padding columns), except for a weight shared with another module (a ``lm_head`` tied
+to the token embedding, which needs the dense rows), which keeps its dense weight and gets a
+packed copy beside it.  Results differ from ``F.linear``'s only in summation order (fp32:
+~1e-6 relative).
+
+``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
 """
 
 from __future__ import annotations
@@ -25,54 +33,98 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
-ROUTES = ("onednn", "torch")
+ROUTES = ("cbatch", "onednn", "torch")
+BLOCK = 16  # output columns per block of the "cbatch" layout
+ONEDNN_FROM_ROWS = 1024  # "cbatch" hands calls of this many rows and more to oneDNN
+
+
+def _onednn_available(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available() or not torch.cpu._is_avx512_supported():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+def route_available(route: str, dtype: torch.dtype) -> bool:
+    """Whether ``route`` runs ``dtype`` on this CPU with this build."""
+    if route == "cbatch":
+        from cbatch import ops  # the extension, if it loaded
+        return ops.available_backends()["cpu"].available and \
+            torch.ops.cbatch.cpu_linear_supported(dtype)
+    if route == "onednn":
+        return _onednn_available(dtype)
+    return route == "torch"
 
 
 def cpu_linear_route(dtype: torch.dtype) -> str:
-    """``"onednn"`` (packed weights) or ``"torch"`` (``F.linear``) for ``dtype`` on this CPU.
-
-    oneDNN where this torch has it and the CPU has AVX-512 (where it was measured faster at
-    every shape but one) and, for bf16, where oneDNN runs bf16 on this CPU; ``F.linear``
-    elsewhere (not measured there) and for other dtypes.
-    """
+    """The route (one of :data:`ROUTES`) for ``dtype`` on this CPU: the first available of
+    ``"cbatch"``, ``"onednn"``, ``"torch"``, unless ``$CBATCH_CPU_LINEAR`` names one."""
     forced = os.environ.get("CBATCH_CPU_LINEAR")
     if forced:
         if forced not in ROUTES:
             raise ValueError(f"CBATCH_CPU_LINEAR must be one of {ROUTES}, got {forced!r}")
-        if forced == "onednn" and not torch.backends.mkldnn.is_available():
-            raise ValueError("CBATCH_CPU_LINEAR=onednn but this torch has no oneDNN")
+        if not route_available(forced, dtype):
+            raise ValueError(f"CBATCH_CPU_LINEAR={forced} does not run {dtype} on this CPU")
         return forced
-    if not torch.backends.mkldnn.is_available() or not torch.cpu._is_avx512_supported():
-        return "torch"
-    if dtype == torch.float32:
-        return "onednn"
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "onednn"
-    return "torch"
+    return next(r for r in ROUTES if route_available(r, dtype))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A dense ``[N, K]`` weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+def pack(weight: torch.Tensor, route: str) -> torch.Tensor:
+    """A dense ``[N, K]`` weight in ``route``'s layout: ``"onednn"``: an opaque mkldnn
+    tensor; ``"cbatch"``: ``[ceil(N / 16), K, 16]`` (bf16: element ``[b, k, j]`` of
+    ``[b, K / 2, 16, 2]`` order, i.e. pairs of k per column), zero past column N."""
+    w = weight.detach().contiguous()
+    if route == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(w)
+    if route != "cbatch":
+        raise ValueError(f"no packed layout for route {route!r}")
+    N, K = w.shape
+    blocks = -(-N // BLOCK)
+    w = F.pad(w, (0, 0, 0, blocks * BLOCK - N))
+    if w.dtype == torch.bfloat16:
+        return w.view(blocks, BLOCK, K // 2, 2).permute(0, 2, 1, 3).reshape(blocks, K, BLOCK)
+    return w.view(blocks, BLOCK, K).permute(0, 2, 1).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-           activation: str = "none", approximate: str = "") -> torch.Tensor:
-    """``act(x @ W.T + bias)`` on a packed weight.
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.is_mkldnn or weight.dim() == 3
 
-    x: ``[M, K]``; packed: from :func:`pack` of ``[N, K]``; bias: ``[N]`` or None;
-    activation: ``"none"`` or ``"gelu"`` (with ``approximate`` ``"tanh"`` or ``"none"``, as
-    ``F.gelu``),
-    applied inside the matmul's epilogue → ``[M, N]``.
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The dense ``[N, K]`` weight back from :func:`pack`'s result (bitwise)."""
+    if packed.is_mkldnn:
+        return packed.to_dense()
+    blocks, K, _ = packed.shape
+    if packed.dtype == torch.bfloat16:
+        dense = packed.view(blocks, K // 2, BLOCK, 2).permute(0, 2, 1, 3)
+    else:
+        dense = packed.permute(0, 2, 1)
+    return dense.reshape(blocks * BLOCK, K)[:out_features].contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           gelu: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + gelu(x @ W.T + bias)`` on a packed weight, the GELU and the add inside
+    the matmul where the route has them.
+
+    x: ``[M, K]``; packed: from :func:`pack` of ``W [N = out_features, K]``; bias: ``[N]``
+    or None; gelu: None or ``F.gelu``'s ``approximate`` (``"tanh"``, ``"none"``); residual:
+    ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.
     """
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], approximate)
-
-
-def linear_add(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor) -> torch.Tensor:
-    """``residual + x @ W.T + bias`` on a packed weight, the add in the matmul's epilogue.
-
-    x: ``[M, K]``; residual: ``[M, N]`` → ``[M, N]`` (a new tensor).
-    """
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+    if not packed.is_mkldnn and x.shape[0] < ONEDNN_FROM_ROWS:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        fused = gelu in (None, "tanh")
+        y = torch.ops.cbatch.linear(x, packed, out_features, bias, residual,
+                                    "gelu_tanh" if gelu and fused else "none")
+        return y if fused else F.gelu(y, approximate=gelu)
+    if not packed.is_mkldnn:
+        packed = unpack(packed, out_features)  # many rows: oneDNN's brgemm, on a copy
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+    if gelu is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], gelu)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -47,7 +47,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs),
-    and oneDNN on a packed weight once :func:`pack_linears` packed it.
+    and the CPU route's kernel on a packed weight once :func:`pack_linears` packed it
+    (:mod:`cbatch.layers.cpu_linear`).
 
     ``forward(x, gelu=None, residual=None)``: ``gelu`` (``"tanh"`` or ``"none"``, as
     ``F.gelu``'s ``approximate``) applies GELU to the output, ``residual`` is added to it; on
@@ -56,18 +57,15 @@ class Linear(nn.Linear):
     """
 
     batch_invariant = False
-    packed_weight: torch.Tensor | None = None  # oneDNN's layout: the weight itself, or a copy
+    packed_weight: torch.Tensor | None = None  # the route's layout: the weight itself, or a copy
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:  # on the dense weight (the engine unpacks)
             y = linear(x, self.weight, self.bias)
         elif self.packed_weight is not None:
-            if residual is not None:
-                return cpu_linear.linear_add(x, self.packed_weight, self.bias, residual)
-            if gelu is not None:
-                return cpu_linear.linear(x, self.packed_weight, self.bias, "gelu", gelu)
-            return cpu_linear.linear(x, self.packed_weight, self.bias)
+            return cpu_linear.linear(x, self.packed_weight, self.bias, self.out_features,
+                                     gelu, residual)
         else:
             y = F.linear(x, self.weight, self.bias)
         if gelu is not None:
@@ -76,8 +74,8 @@ class Linear(nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.weight.is_mkldnn:  # checkpoints hold the dense layout
-            destination[prefix + "weight"] = self.weight.to_dense()
+        if cpu_linear.is_packed(self.weight):  # checkpoints hold the dense layout
+            destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.out_features)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
@@ -90,21 +88,24 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 
 def pack_linears(model: nn.Module) -> bool:
-    """Pack every :class:`Linear` of a CPU model whose dtype oneDNN runs fastest here (see
-    :func:`cbatch.layers.cpu_linear.cpu_linear_route`); idempotent.  Returns whether it
-    packed."""
+    """Pack every :class:`Linear` of a CPU model for its dtype's route on this CPU (see
+    :func:`cbatch.layers.cpu_linear.cpu_linear_route`; ``"torch"`` packs nothing);
+    idempotent.  Returns whether it packed."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cpu":
         return False
     dtype = layers[0].weight.dtype
-    if cpu_linear.cpu_linear_route(dtype) != "onednn":
+    route = cpu_linear.cpu_linear_route(dtype)
+    if route == "torch":
         return False
     shared = _shared_weights(model)
     with torch.no_grad():
         for layer in layers:
             if layer.packed_weight is not None:
                 continue
-            packed = cpu_linear.pack(layer.weight)
+            if route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
+                continue  # vdpbf16ps takes pairs of k
+            packed = cpu_linear.pack(layer.weight, route)
             if id(layer.weight) in shared:
                 layer.packed_weight = packed  # the dense weight stays for its other user
             else:
@@ -118,6 +119,7 @@ def unpack_linears(model: nn.Module) -> None:
     with torch.no_grad():
         for layer in model.modules():
             if isinstance(layer, Linear) and layer.packed_weight is not None:
-                if layer.weight.is_mkldnn:
-                    layer.weight = nn.Parameter(layer.weight.to_dense())
+                if cpu_linear.is_packed(layer.weight):
+                    layer.weight = nn.Parameter(
+                        cpu_linear.unpack(layer.weight, layer.out_features))
                 layer.packed_weight = None

@@ -1,4 +1,5 @@
-"""CPU linear layers on oneDNN packed weights (cbatch.layers.cpu_linear), and dtype="auto"."""
+"""CPU linear layers on packed weights (cbatch.layers.cpu_linear: cbatch's own kernel and
+oneDNN), and dtype="auto"."""
 
 import copy
 
@@ -16,57 +17,107 @@ from cbatch.models.loader import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-needs_onednn = pytest.mark.skipif(
-    cpu_linear.cpu_linear_route(torch.float32) != "onednn",
-    reason="this CPU runs F.linear (oneDNN is chosen on AVX-512 CPUs)")
+PACKED_ROUTES = ("cbatch", "onednn")
+needs_packing = pytest.mark.skipif(
+    cpu_linear.cpu_linear_route(torch.float32) == "torch",
+    reason="this CPU runs F.linear (packed routes are chosen on AVX-512 CPUs)")
 needs_bf16 = pytest.mark.skipif(
-    cpu_linear.cpu_linear_route(torch.bfloat16) != "onednn",
-    reason="this CPU has no native bf16 for oneDNN")
+    cpu_linear.cpu_linear_route(torch.bfloat16) == "torch",
+    reason="this CPU has no native bf16 route")
 
 # (dtype, error allowed beyond twice F.linear's own, relative to the largest output)
-DTYPES = [pytest.param(torch.float32, 2e-6, marks=needs_onednn),
-          pytest.param(torch.bfloat16, 1e-2, marks=needs_bf16)]
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+CASES = [pytest.param(route, dtype, id=f"{route}-{str(dtype)[6:]}",
+                      marks=pytest.mark.skipif(not cpu_linear.route_available(route, dtype),
+                                               reason=f"{route} does not run {dtype} here"))
+         for route in PACKED_ROUTES for dtype in TOLERANCE]
 
 
-@pytest.mark.parametrize("dtype,atol", DTYPES)
-@pytest.mark.parametrize("M", [1, 2, 5, 17, 64])
-@pytest.mark.parametrize("N,K", [(123, 5), (96, 64), (2304, 768), (768, 3072)])
+@pytest.mark.parametrize("route,dtype", CASES)
+@pytest.mark.parametrize("M", [1, 2, 5, 17, 64, cpu_linear.ONEDNN_FROM_ROWS + 3])
+@pytest.mark.parametrize("N,K", [(123, 6), (96, 64), (2304, 768), (768, 3072)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_linear_matches_f_linear(dtype, atol, M, N, K, bias):
+def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     """Against the float64 product: at most twice the error of F.linear in the same dtype
-    (another summation order, so a little more)."""
+    (another summation order, so a little more; four times for the cbatch route, whose every
+    output is one running sum in k order, where MKL and oneDNN add blocked partial sums).
+    Row counts below and above the one where the cbatch route hands over to oneDNN; N not a
+    multiple of 16; K of one pair."""
+    if M > 1000 and N * K > 10**5:
+        pytest.skip("many rows: checked on the small shapes")
     gen = torch.Generator().manual_seed(M * N + K)
     w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)
     b = (torch.randn(N, generator=gen) * 0.05).to(dtype) if bias else None
     x = torch.randn(M, K, generator=gen).to(dtype)
     truth = F.linear(x.double(), w.double(), None if b is None else b.double())
-    ours = cpu_linear.linear(x, cpu_linear.pack(w), b)
+    packed = cpu_linear.pack(w, route)
+    assert torch.equal(cpu_linear.unpack(packed, N), w)
+    ours = cpu_linear.linear(x, packed, b, N)
     assert ours.dtype == dtype and ours.shape == (M, N)
     torch_err = (F.linear(x, w, b).double() - truth).abs().max().item()
-    allowed = 2 * torch_err + atol * truth.abs().max().item()
+    allowed = (4 if route == "cbatch" else 2) * torch_err \
+        + TOLERANCE[dtype] * truth.abs().max().item()
     assert (ours.double() - truth).abs().max().item() <= allowed
 
 
-@pytest.mark.parametrize("dtype,atol", DTYPES)
-def test_fused_epilogues(dtype, atol):
+@pytest.mark.parametrize("route,dtype", CASES)
+@pytest.mark.parametrize("M", [7, 40])
+def test_fused_epilogues(route, dtype, M):
     """GELU (tanh and exact) and a residual add inside the matmul, against the unfused ops."""
-    gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(96, 64, generator=gen) * 0.1).to(dtype)
-    b = (torch.randn(96, generator=gen) * 0.1).to(dtype)
-    x = torch.randn(7, 64, generator=gen).to(dtype)
-    residual = torch.randn(7, 96, generator=gen).to(dtype)
-    packed = cpu_linear.pack(w)
+    gen = torch.Generator().manual_seed(M)
+    w = (torch.randn(100, 64, generator=gen) * 0.1).to(dtype)
+    b = (torch.randn(100, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(M, 64, generator=gen).to(dtype)
+    residual = torch.randn(M, 100, generator=gen).to(dtype)
+    packed = cpu_linear.pack(w, route)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for approximate in ("tanh", "none"):
         want = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate=approximate)
-        got = cpu_linear.linear(x, packed, b, "gelu", approximate)
+        got = cpu_linear.linear(x, packed, b, 100, gelu=approximate)
         torch.testing.assert_close(got.float(), want, **tol)
     want = residual.float() + F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(cpu_linear.linear_add(x, packed, b, residual).float(), want,
-                               **tol)
+    got = cpu_linear.linear(x, packed, b, 100, residual=residual)
+    torch.testing.assert_close(got.float(), want, **tol)
 
 
-@needs_onednn
+@pytest.mark.skipif(not cpu_linear.route_available("cbatch", torch.float32),
+                    reason="cbatch's CPU linear needs AVX-512 and the extension")
+def test_cbatch_route_rows_are_independent_of_the_batch():
+    """Each output element is one thread's sum over k in order: a row's result is bitwise
+    the same whatever other rows share the call, and whatever the thread count."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 768, generator=gen)
+    x = torch.randn(70, 768, generator=gen)
+    packed = cpu_linear.pack(w, "cbatch")
+    full = cpu_linear.linear(x, packed, None, 300)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for rows in (slice(0, 1), slice(5, 13), slice(3, 70)):
+                assert torch.equal(cpu_linear.linear(x[rows], packed, None, 300), full[rows])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu_linear.route_available("cbatch", torch.float32),
+                    reason="cbatch's CPU linear needs AVX-512 and the extension")
+def test_cbatch_route_rejects_bad_arguments():
+    packed = cpu_linear.pack(torch.randn(40, 8), "cbatch")
+    with pytest.raises(ValueError, match="does not hold"):
+        torch.ops.cbatch.linear(torch.randn(2, 9), packed, 40, None, None, "none")
+    with pytest.raises(TypeError, match="packed weight"):
+        torch.ops.cbatch.linear(torch.randn(2, 8, dtype=torch.float64), packed, 40, None, None,
+                                "none")
+    with pytest.raises(ValueError, match="bias must be"):
+        torch.ops.cbatch.linear(torch.randn(2, 8), packed, 40, torch.randn(39), None, "none")
+    with pytest.raises(ValueError, match="activation"):
+        torch.ops.cbatch.linear(torch.randn(2, 8), packed, 40, None, None, "relu")
+    assert torch.ops.cbatch.linear(torch.randn(0, 8), packed, 40, None, None,
+                                   "none").shape == (0, 40)
+
+
+@needs_packing
 def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     """Packed weights take the dense weights' place (the tied lm_head keeps its dense weight,
     which the embedding reads, and gets a packed copy); state_dict and unpacking give the
@@ -77,33 +128,36 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     assert pack_linears(model)
     assert pack_linears(model)  # idempotent
     c_fc = model.transformer.h[0].mlp.c_fc
-    assert c_fc.weight.is_mkldnn and c_fc.packed_weight is not None
+    assert cpu_linear.is_packed(c_fc.weight) and c_fc.packed_weight is not None
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert not model.lm_head.weight.is_mkldnn and model.lm_head.packed_weight.is_mkldnn
+    assert not cpu_linear.is_packed(model.lm_head.weight)
+    assert cpu_linear.is_packed(model.lm_head.packed_weight)
+    # the same bytes (the cbatch layout pads N to a multiple of 16: GPT-2's are multiples)
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == nbytes
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
     unpack_linears(model)
-    assert not any(isinstance(m, Linear) and (m.weight.is_mkldnn or m.packed_weight is not None)
+    assert not any(isinstance(m, Linear) and (cpu_linear.is_packed(m.weight)
+                                              or m.packed_weight is not None)
                    for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-@needs_onednn
+@needs_packing
 def test_engine_packs_on_the_cpu_and_batch_invariant_mode_unpacks():
     model = load_model("random:tiny")
     Engine(model, max_num_seqs=2)
-    assert model.transformer.h[1].attn.c_attn.weight.is_mkldnn
+    assert cpu_linear.is_packed(model.transformer.h[1].attn.c_attn.weight)
     Engine(model, max_num_seqs=2, batch_invariant=True)  # pads rows on the dense weights
-    assert not model.transformer.h[1].attn.c_attn.weight.is_mkldnn
+    assert not cpu_linear.is_packed(model.transformer.h[1].attn.c_attn.weight)
 
 
 def test_route_override(monkeypatch):
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
     model = load_model("random:tiny")
     Engine(model, max_num_seqs=2)
-    assert not model.transformer.h[0].attn.c_attn.weight.is_mkldnn
+    assert not cpu_linear.is_packed(model.transformer.h[0].attn.c_attn.weight)
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR must be one of"):
         cpu_linear.cpu_linear_route(torch.float32)
@@ -128,13 +182,20 @@ def _step_logits(model, prompts, block_size=4):
     return prefill.float(), decode.float()
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_onednn),
+@pytest.mark.parametrize("route", [pytest.param(r, marks=pytest.mark.skipif(
+    not cpu_linear.route_available(r, torch.float32), reason=f"no {r} route here"))
+    for r in PACKED_ROUTES])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_packing),
                                    pytest.param(torch.bfloat16, marks=needs_bf16)])
-def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype):
+def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype, route,
+                                           monkeypatch):
     """Prefill and decode logits of the packed model against transformers' GPT2LMHeadModel:
     fp32 within 1e-4 (as the unpacked model); bf16 against transformers in fp32, with an
     error at most twice that of transformers' own model run in bf16 (plus 1e-2)."""
     prompts = [[(5 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([1, 3, 4, 9])]
+    if not cpu_linear.route_available(route, dtype):
+        pytest.skip(f"{route} does not run {dtype} here")
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", route)
     model = load_model(str(tiny_hf_dir), dtype=dtype)
     assert pack_linears(model)
     prefill, decode = _step_logits(model, prompts)

@@ -1,0 +1,304 @@
+// y = act(x @ W^T + bias) + residual on a CPU with AVX-512, for the few-row GEMMs of decode
+// steps, which stream every weight once and so run at memory bandwidth.
+//
+// The weight is packed once (cbatch/layers/cpu_linear.py, pack) into blocks of 16 output
+// columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16
+// [N/16, K/2, 16, 2] (pairs of k side by side, the operand layout of vdpbf16ps).  One work
+// item is 32 columns (two blocks, read front to back: the hardware prefetcher sees one stream
+// per thread); it runs every row of x through them, eight rows at a time with 16 accumulators
+// in registers.  Each output element is one thread's sum over k in order, so a row's result
+// does not depend on the other rows nor on the thread count.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CBATCH_X86 1
+#endif
+
+#include "../checks.h"
+#include "../ops.h"
+
+namespace cbatch {
+
+#ifdef CBATCH_X86
+namespace {
+
+#define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define CBATCH_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+constexpr int64_t kBlock = 16;  // output columns per packed block
+constexpr int kRows = 8;        // rows of x per register tile
+
+CBATCH_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
+  _mm512_mask_storeu_ps(p, m, v);
+}
+CBATCH_AVX512_BF16 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// e^x (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp.
+CBATCH_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// GELU, tanh approximation: 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3), with
+// 1 + tanh(u) = 2 - 2 / (1 + e^(2u)).
+CBATCH_AVX512 inline __m512 gelu_tanh16(__m512 v) {
+  const __m512 u = _mm512_mul_ps(
+      _mm512_set1_ps(0.7978845608028654f),
+      _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v));
+  const __m512 e = exp16(_mm512_add_ps(u, u));
+  const __m512 one_plus_tanh = _mm512_sub_ps(
+      _mm512_set1_ps(2.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), one_plus_tanh);
+}
+
+template <typename T>
+struct Args {
+  const T* x;  // [M, K], rows ldx apart
+  int64_t ldx, M, K, N;
+  const T* xp;  // null, or x packed by pack_rows
+  const T* w;  // packed
+  const T* bias;      // [N] or null
+  const T* residual;  // [M, N] (rows ldr apart) or null
+  int64_t ldr;
+  bool gelu;
+  T* out;  // [M, N] dense
+};
+
+// Elements of x that one row contributes to one broadcast: fp32 1, bf16 a pair of k.
+template <typename T>
+constexpr int64_t kPairs = std::is_same_v<T, float> ? 1 : 2;
+
+// x's rows in groups of kRows, each group [K / pairs][kRows][pairs] (zero rows past M): the
+// tile's broadcasts then read one stream instead of kRows rows far apart (for many rows;
+// a few rows stay in cache as they are).
+template <typename T>
+void pack_rows(const Args<T>& a, T* xp) {
+  constexpr int64_t P = kPairs<T>;
+  const int64_t groups = (a.M + kRows - 1) / kRows;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      T* dst = xp + g * kRows * a.K;
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t m = g * kRows + r;
+        for (int64_t k = 0; k < a.K; k += P) {
+          for (int64_t p = 0; p < P; ++p) {
+            dst[(k / P) * kRows * P + r * P + p] = m < a.M ? a.x[m * a.ldx + k + p] : T(0);
+          }
+        }
+      }
+    }
+  });
+}
+
+// acc[r][b] for R rows and B blocks of 16 columns: x[r] . W over all K.
+// Row r's element k of x is x[r * rs + k * ks].
+template <int R, int B>
+CBATCH_AVX512 inline void dot_tile(const float* x, int64_t rs, int64_t ks, const float* w,
+                                   int64_t K, __m512 (&acc)[kRows][2]) {
+  const int64_t block_stride = K * kBlock;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wk[2];
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) wk[b] = _mm512_loadu_ps(w + b * block_stride + k * kBlock);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * rs + k * ks]);
+#pragma GCC unroll 2
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xr, wk[b], acc[r][b]);
+    }
+  }
+}
+
+template <int R, int B>
+CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int64_t ks,
+                                        const c10::BFloat16* w, int64_t K,
+                                        __m512 (&acc)[kRows][2]) {
+  const int64_t block_stride = K * kBlock;  // in bf16 elements
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh wk[2];
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) {
+      wk[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + b * block_stride + k * kBlock));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * rs + k * ks, sizeof pair);
+      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 2
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xr, wk[b]);
+    }
+  }
+}
+
+// Rows [m, m + R) times the B blocks that start at column n; epilogue; store.
+template <typename T, int R, int B>
+CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
+  __m512 acc[kRows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const T* w = a.w + (n / kBlock) * a.K * kBlock;
+  if (a.xp) {
+    dot_tile<R, B>(a.xp + m * a.K, kPairs<T>, kRows, w, a.K, acc);
+  } else {
+    dot_tile<R, B>(a.x + m * a.ldx, a.ldx, 1, w, a.K, acc);
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t col = n + b * kBlock;
+    const int64_t left = a.N - col;
+    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bias = a.bias ? load16(a.bias + col, mask) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_add_ps(acc[r][b], bias);
+      if (a.gelu) v = gelu_tanh16(v);
+      if (a.residual) v = _mm512_add_ps(load16(a.residual + (m + r) * a.ldr + col, mask), v);
+      store16(a.out + (m + r) * a.N + col, v, mask);
+    }
+  }
+}
+
+// Rows [m_begin, m_end) times the B blocks that start at column n.
+// Rows [m_begin, m_end) times the B blocks that start at column n.
+template <typename T, int B>
+CBATCH_AVX512_BF16 void column_item(const Args<T>& a, int64_t n, int64_t m_begin,
+                                    int64_t m_end) {
+  int64_t m = m_begin;
+  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B>(a, m, n);
+  switch (m_end - m) {
+    case 7: return tile<T, 7, B>(a, m, n);
+    case 6: return tile<T, 6, B>(a, m, n);
+    case 5: return tile<T, 5, B>(a, m, n);
+    case 4: return tile<T, 4, B>(a, m, n);
+    case 3: return tile<T, 3, B>(a, m, n);
+    case 2: return tile<T, 2, B>(a, m, n);
+    case 1: return tile<T, 1, B>(a, m, n);
+    default: return;
+  }
+}
+
+constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
+// Rows go through in chunks that stay in each core's L2 while every column item reads them;
+// the weights then stream once per chunk (from L3, where a layer's weights fit).
+constexpr int64_t kChunkRows = 64;
+
+template <typename T>
+void run(Args<T> a) {
+  std::vector<T> xp;
+  if (a.M >= kPackFrom) {
+    xp.resize((a.M + kRows - 1) / kRows * kRows * a.K);
+    pack_rows(a, xp.data());
+    a.xp = xp.data();
+  }
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  const int64_t items = (blocks + 1) / 2;  // pairs of blocks; the last may be one block
+  for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(a.M, m0 + kChunkRows);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (2 * i + 1 < blocks) {
+          column_item<T, 2>(a, 2 * i * kBlock, m0, m1);
+        } else {
+          column_item<T, 1>(a, 2 * i * kBlock, m0, m1);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+#endif
+
+bool cpu_linear_supported(at::ScalarType dtype) {
+#ifdef CBATCH_X86
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
+                                                        __builtin_cpu_supports("avx512bw") &&
+                                                        __builtin_cpu_supports("avx512dq") &&
+                                                        __builtin_cpu_supports("avx512vl"));
+  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  return dtype == at::kFloat ? avx512 : dtype == at::kBFloat16 && bf16;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual, const std::string& activation) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK_VALUE(x.stride(1) == 1, "x's rows must be dense");
+  TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), "x is ", x.scalar_type(),
+                   " but the packed weight is ", packed.scalar_type());
+  TORCH_CHECK_VALUE(cpu_linear_supported(x.scalar_type()), "cbatch's CPU linear runs ",
+                    x.scalar_type(), " only on a CPU with AVX-512",
+                    x.scalar_type() == at::kBFloat16 ? " and AVX512-BF16" : "");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == blocks &&
+                        packed.size(1) == K && packed.size(2) == kBlock,
+                    "packed weight ", packed.sizes(), " does not hold ", N, " x ", K);
+  TORCH_CHECK_VALUE(x.scalar_type() != at::kBFloat16 || K % 2 == 0,
+                    "bf16 needs an even number of input features, got ", K);
+  TORCH_CHECK_VALUE(activation == "none" || activation == "gelu_tanh",
+                    "activation must be 'none' or 'gelu_tanh', got '", activation, "'");
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                          bias->scalar_type() == x.scalar_type(),
+                      "bias must be a dense [", N, "] of x's dtype");
+  }
+  if (residual) {
+    TORCH_CHECK_VALUE(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                          residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
+                      "residual must be [", M, ", ", N, "] with dense rows, of x's dtype");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#ifdef CBATCH_X86
+  if (x.scalar_type() == at::kFloat) {
+    run(Args<float>{x.data_ptr<float>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<float>(),
+                    bias ? bias->data_ptr<float>() : nullptr,
+                    residual ? residual->data_ptr<float>() : nullptr,
+                    residual ? residual->stride(0) : 0, activation == "gelu_tanh",
+                    out.data_ptr<float>()});
+  } else {
+    using B16 = c10::BFloat16;
+    run(Args<B16>{x.data_ptr<B16>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<B16>(),
+                  bias ? bias->data_ptr<B16>() : nullptr,
+                  residual ? residual->data_ptr<B16>() : nullptr,
+                  residual ? residual->stride(0) : 0, activation == "gelu_tanh",
+                  out.data_ptr<B16>()});
+  }
+#endif
+  return out;
+}
+
+}  // namespace cbatch
