@@ -148,8 +148,7 @@ class EngineConfig:
     batch_invariant: bool = _knob(False, "a request's output never depends on what it is "
                                   "batched with")
     threads: int | None = _knob(None, "CPU threads per step (default: the cores this process "
-                                "may run on, fewer while other processes take them)",
-                                cli=False)
+                                "may run on, fewer while other processes take them)")
     max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default; "
                               "-1: the whole vocabulary)")
 

@@ -20,14 +20,10 @@ class EngineReplica:
     """One engine and its app; Ray Serve builds the app once the engine is up."""
 
     def __init__(self, model: str, served_model_name: str, max_waiting: int,
-                 threads: int | None, engine_kwargs: dict, chat_template: str | None = None,
+                 engine_kwargs: dict, chat_template: str | None = None,
                  guard: dict | None = None):
-        import torch
-
         from cbatch.entrypoints.openai.api_server import build_engine
 
-        if threads:
-            torch.set_num_threads(threads)  # replicas sharing a CPU should not oversubscribe it
         self.model_name, self.chat_template = served_model_name, chat_template
         self.guard = guard or {}
         self.engine, self.metrics = build_engine(model, max_waiting, served_model_name,
@@ -52,11 +48,12 @@ class EngineReplica:
 
 def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | None = None,
                   num_cpus_per_replica: float = 1.0, num_gpus_per_replica: float = 0.0,
-                  max_waiting: int = 1024, threads: int | None = None,
+                  max_waiting: int = 1024,
                   chat_template: str | None = None, guard: dict | None = None,
                   **engine_kwargs):
     """The Ray Serve application (not started): ``num_replicas`` copies of the engine.
-    Engine keywords are those of :class:`cbatch.config.EngineConfig`; ``chat_template``
+    Engine keywords are those of :class:`cbatch.config.EngineConfig` (``threads`` keeps
+    replicas that share a CPU from oversubscribing it); ``chat_template``
     (Jinja) replaces the checkpoint's; ``guard`` holds ``build_app``'s request-guard keywords
     (API key, allowed hosts, body limits)."""
     if num_replicas < 1:
@@ -66,8 +63,8 @@ def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | No
         ray_actor_options={"num_cpus": num_cpus_per_replica, "num_gpus": num_gpus_per_replica},
         # at most this many requests in flight per replica; beyond it the proxy queues them
         max_ongoing_requests=max(1, engine_kwargs.get("max_num_seqs", 64)) * 4)
-    return deployment.bind(model, served_model_name or model, max_waiting, threads,
-                           engine_kwargs, chat_template, guard)
+    return deployment.bind(model, served_model_name or model, max_waiting, engine_kwargs,
+                           chat_template, guard)
 
 
 def check_gpus(num_replicas: int, num_gpus_per_replica: float, device: str | None) -> None:

@@ -135,6 +135,10 @@ def test_serve_flags_become_engine_keywords():
                                "--no-enable-prefix-caching"]))
     assert (off["cuda_graphs"], off["async_scheduling"], off["enable_prefix_caching"]) \
         == (False, False, False)
+    # --threads is EngineConfig.threads (a fixed count per step), in every command
+    assert auto["threads"] is None
+    assert engine_kwargs(parse(["serve", "--threads", "1"]))["threads"] == 1
+    assert engine_kwargs(parse(["generate", "--prompt", "x", "--threads", "2"]))["threads"] == 2
 
 
 def test_stop_token_id_stops_generation(capsys):

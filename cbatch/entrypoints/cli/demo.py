@@ -52,15 +52,12 @@ def run_demo(args: argparse.Namespace) -> None:
         raise ValueError(f"--scale must be > 0, got {args.scale}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    import torch
-
     from cbatch import workloads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    continuous = load_llm(args, max_num_seqs=8, seed=0)
+    continuous = load_llm(args, max_num_seqs=8, seed=0, threads=args.threads)
     wl = workloads.seed(continuous.tokenizer, scale=args.scale)
-    static = load_llm(args, max_num_seqs=wl.batch_size, scheduling_policy="static", seed=0)
+    static = load_llm(args, max_num_seqs=wl.batch_size, scheduling_policy="static", seed=0,
+                      threads=args.threads)
     print("warming up both engines …", flush=True)
     continuous.generate(wl.prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
     static.generate(wl.prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -102,5 +99,6 @@ def add_demo_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     demo.add_argument("--plot", default="cbatch-demo-occupancy.png",
                       help="where to write the plot of batch occupancy per step")
     demo.add_argument("--threads", type=int, default=None,
-                      help="torch CPU threads (default: None, torch's own choice)")
+                      help="CPU threads per step (default: the cores this process may run "
+                           "on, fewer while other processes take them)")
     demo.set_defaults(run=run_demo)

@@ -36,7 +36,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
         gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
         serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
-              num_gpus_per_replica=gpus, max_waiting=args.max_waiting, threads=args.threads,
+              num_gpus_per_replica=gpus, max_waiting=args.max_waiting,
               chat_template=template, guard=guard_settings(args), **engine_kwargs(args))
         return
     from cbatch.entrypoints.openai.api_server import run_server
@@ -63,8 +63,6 @@ def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish at shutdown (SIGTERM, "
                              "Ctrl-C); a second signal exits at once")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: None, torch's own choice)")
     parser.add_argument("--num-replicas", type=int, default=1,
                         help="> 1: that many engines behind one route with Ray Serve")
     add_server_args(parser)  # limits, timeouts, authentication

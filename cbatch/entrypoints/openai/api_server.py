@@ -206,10 +206,6 @@ def _server_class():
 def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
                chat_template: str | None = None) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     server_box = []  # the server, once made: an engine that fails stops it
 
     def on_dead(exc: BaseException) -> None:
