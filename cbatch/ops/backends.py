@@ -91,6 +91,10 @@ if compiled.compiled_backends():
     def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("cbatch::linear")
+    def _(x, packed, out_features, bias, residual, activation):
+        return x.new_empty((x.shape[0], out_features))
+
 
 def _triton(op: str) -> Callable:
     """A stand-in for the Triton implementation of ``op``: the first call imports it

@@ -48,7 +48,7 @@ CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
 CBATCH_AVX512_BF16 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // e^x (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp.
@@ -147,13 +147,13 @@ CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int6
     __m512bh wk[2];
 #pragma GCC unroll 2
     for (int b = 0; b < B; ++b) {
-      wk[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + b * block_stride + k * kBlock));
+      wk[b] = (__m512bh)(_mm512_loadu_si512(w + b * block_stride + k * kBlock));
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * rs + k * ks, sizeof pair);
-      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh xr = (__m512bh)(_mm512_set1_epi32(pair));
 #pragma GCC unroll 2
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xr, wk[b]);
     }
