@@ -33,9 +33,13 @@ CASES = [pytest.param(route, dtype, id=f"{route}-{str(dtype)[6:]}",
          for route in PACKED_ROUTES for dtype in TOLERANCE]
 
 
+SHAPES = [(M, N, K) for M in (1, 2, 5, 17, 64)
+          for N, K in ((123, 6), (96, 64), (2304, 768), (768, 3072))]
+SHAPES += [(cpu_linear.ONEDNN_FROM_ROWS + 3, N, K) for N, K in ((123, 6), (96, 64))]
+
+
 @pytest.mark.parametrize("route,dtype", CASES)
-@pytest.mark.parametrize("M", [1, 2, 5, 17, 64, cpu_linear.ONEDNN_FROM_ROWS + 3])
-@pytest.mark.parametrize("N,K", [(123, 6), (96, 64), (2304, 768), (768, 3072)])
+@pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     """Against the float64 product: at most twice the error of F.linear in the same dtype
@@ -43,8 +47,6 @@ def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     output is one running sum in k order, where MKL and oneDNN add blocked partial sums).
     Row counts below and above the one where the cbatch route hands over to oneDNN; N not a
     multiple of 16; K of one pair."""
-    if M > 1000 and N * K > 10**5:
-        pytest.skip("many rows: checked on the small shapes")
     gen = torch.Generator().manual_seed(M * N + K)
     w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)
     b = (torch.randn(N, generator=gen) * 0.05).to(dtype) if bias else None
