@@ -26,6 +26,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "avx512.h"
 
 namespace cbatch {
 namespace {
@@ -163,35 +164,6 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
 // the extension's baseline and chosen at run time (use_avx512).  It reads fp16/bf16 K/V in
 // place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
 // is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
-#define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
-CBATCH_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-CBATCH_AVX512 inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for x <= 0 (-inf gives 0): Cephes' expf, range reduction by ln 2 in two parts and a
-// degree-6 polynomial on [-ln2/2, ln2/2], scaled by 2^n with vscalefps (within 2 ulp).
-CBATCH_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The 16 sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a transposing tree of
 // 15 adds instead of 16 separate horizontal reductions.
 CBATCH_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
@@ -254,12 +226,9 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
 
 // Whether this CPU runs the AVX-512 step (and $CBATCH_CPU_ATTENTION does not say "generic").
 bool use_avx512(int64_t head_dim) {
-  static const bool cpu = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
-                                                     __builtin_cpu_supports("avx512bw") &&
-                                                     __builtin_cpu_supports("avx512dq") &&
-                                                     __builtin_cpu_supports("avx512vl"));
   const char* forced = std::getenv("CBATCH_CPU_ATTENTION");
-  return cpu && head_dim % 16 == 0 && !(forced && std::strcmp(forced, "generic") == 0);
+  return cpu_has_avx512() && head_dim % 16 == 0 &&
+         !(forced && std::strcmp(forced, "generic") == 0);
 }
 #else
 bool use_avx512(int64_t) { return false; }

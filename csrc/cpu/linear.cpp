@@ -17,55 +17,23 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define CBATCH_X86 1
-#endif
-
 #include "../checks.h"
 #include "../ops.h"
+#include "avx512.h"
 
 namespace cbatch {
 
 #ifdef CBATCH_X86
 namespace {
 
-#define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define CBATCH_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
 constexpr int64_t kBlock = 16;  // output columns per packed block
 constexpr int kRows = 8;        // rows of x per register tile
 
-CBATCH_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
-CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
 CBATCH_AVX512_BF16 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// e^x (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp.
-CBATCH_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // GELU, tanh approximation: 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3), with
@@ -239,12 +207,8 @@ void run(Args<T> a) {
 
 bool cpu_linear_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
-  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
-                                                        __builtin_cpu_supports("avx512bw") &&
-                                                        __builtin_cpu_supports("avx512dq") &&
-                                                        __builtin_cpu_supports("avx512vl"));
-  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  return dtype == at::kFloat ? avx512 : dtype == at::kBFloat16 && bf16;
+  static const bool bf16 = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return dtype == at::kFloat ? cpu_has_avx512() : dtype == at::kBFloat16 && bf16;
 #else
   (void)dtype;
   return false;

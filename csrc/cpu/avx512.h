@@ -1,0 +1,65 @@
+// 16-lane fp32 helpers shared by the CPU kernels' AVX-512 paths (attention.cpp, linear.cpp).
+// Each is compiled for AVX-512 whatever the extension's baseline; callers reach them only
+// after checking the CPU at run time (cpu_has_avx512).
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CBATCH_X86 1
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define CBATCH_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+namespace cbatch {
+
+// AVX-512 F/BW/DQ/VL, as the CPU reports it.
+inline bool cpu_has_avx512() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
+                                                     __builtin_cpu_supports("avx512bw") &&
+                                                     __builtin_cpu_supports("avx512dq") &&
+                                                     __builtin_cpu_supports("avx512vl"));
+  return yes;
+}
+
+// 16 elements as fp32 (bf16: shifted into the top half of an fp32).
+CBATCH_AVX512 inline __m512 widen16(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+CBATCH_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+CBATCH_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// The same for the lanes in `m`; the others are zero and not read.
+CBATCH_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+CBATCH_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// e^x, within 2 ulp (x below -104, -inf included, gives 0): Cephes' expf, x = n ln2 + r with
+// ln 2 in two parts, a degree-6 polynomial in r on [-ln2/2, ln2/2], times 2^n by vscalefps.
+CBATCH_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace cbatch
+#endif
