@@ -23,11 +23,12 @@
 
 namespace cbatch {
 
+constexpr int64_t kBlock = 16;  // output columns per packed block
+
 #ifdef CBATCH_X86
 namespace {
 
-constexpr int64_t kBlock = 16;  // output columns per packed block
-constexpr int kRows = 8;        // rows of x per register tile
+constexpr int kRows = 8;  // rows of x per register tile
 
 CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
