@@ -210,7 +210,8 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
         _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum16(dots));
     const float new_m = std::max(m, _mm512_reduce_max_ps(scores));
     const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
+    const __m512 e =
+        _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
     l = l * correction + _mm512_reduce_add_ps(e);
     _mm512_store_ps(p, e);
     for (int64_t d = 0; d < D; d += 16) {  // 16 columns of acc stay in a register over the keys

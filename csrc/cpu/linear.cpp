@@ -4,15 +4,15 @@
 // The weight is packed once (cbatch/layers/cpu_linear.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16
 // [N/16, K/2, 16, 2] (pairs of k side by side, the operand layout of vdpbf16ps).  One work
-// item is 32 columns (two blocks, read front to back: the hardware prefetcher sees one stream
-// per thread); it runs every row of x through them, eight rows at a time with 16 accumulators
-// in registers.  Each output element is one thread's sum over k in order, so a row's result
-// does not depend on the other rows nor on the thread count.
+// item is 32 columns (two blocks, each read front to back); it runs rows of x through them
+// eight at a time, with 8 x 32 accumulators in registers.  From 16 rows on, x is first copied
+// into groups of 8 rows (the broadcasts then read one stream), and rows go through in chunks
+// of 64.  Each output element is one thread's sum over k in order, so a row's result does not
+// depend on the other rows nor on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -44,8 +44,9 @@ CBATCH_AVX512 inline __m512 gelu_tanh16(__m512 v) {
       _mm512_set1_ps(0.7978845608028654f),
       _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v));
   const __m512 e = exp16(_mm512_add_ps(u, u));
-  const __m512 one_plus_tanh = _mm512_sub_ps(
-      _mm512_set1_ps(2.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const __m512 two = _mm512_set1_ps(2.f);
+  const __m512 one_plus_tanh =
+      _mm512_sub_ps(two, _mm512_div_ps(two, _mm512_add_ps(e, _mm512_set1_ps(1.f))));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), one_plus_tanh);
 }
 
