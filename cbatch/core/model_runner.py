@@ -33,7 +33,7 @@ from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.layers.kv_cache import KVCache
-from cbatch.layers.linear import pack_linears, unpack_linears
+from cbatch.layers.linear import pack_linears
 from cbatch.layers.step_batch import StepBatch
 
 
@@ -95,10 +95,8 @@ class ModelRunner:
         # CPU: threads on the cores others leave free (fixed in batch-invariant mode)
         self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
             if self.device.type == "cpu" else None
-        if self.device.type == "cpu" and model.batch_invariant:
-            unpack_linears(model)  # the invariant linear pads rows on dense weights
-        elif self.device.type == "cpu":
-            pack_linears(model)  # oneDNN on packed weights where it is faster
+        if self.device.type == "cpu":  # the CPU's fastest linear route (and batch-invariant)
+            pack_linears(model, batch_invariant=model.batch_invariant)
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config

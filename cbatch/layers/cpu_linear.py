@@ -106,15 +106,17 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-           gelu: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+           gelu: str | None = None, residual: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
     """``residual + gelu(x @ W.T + bias)`` on a packed weight, the GELU and the add inside
     the matmul where the route has them.
 
     x: ``[M, K]``; packed: from :func:`pack` of ``W [N = out_features, K]``; bias: ``[N]``
     or None; gelu: None or ``F.gelu``'s ``approximate`` (``"tanh"``, ``"none"``); residual:
-    ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.
+    ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  ``batch_invariant`` keeps
+    every row count on the cbatch kernel (a row's result then never depends on the others).
     """
-    if not packed.is_mkldnn and x.shape[0] < ONEDNN_FROM_ROWS:
+    if not packed.is_mkldnn and (x.shape[0] < ONEDNN_FROM_ROWS or batch_invariant):
         if x.stride(-1) != 1:
             x = x.contiguous()
         fused = gelu in (None, "tanh")

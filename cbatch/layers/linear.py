@@ -5,12 +5,15 @@ computes one row as a matrix-vector product, and rows that do not fill a whole m
 panel (the last ``M % 4`` rows on AVX2, depending on how the rows are shared out among
 threads) with an edge kernel that sums in another order; measured with the commands in
 benchmarks/NOTES.md ("batch invariance").  On the GPU, cuBLAS picks tiles and split-K from M.
-So in batch-invariant mode the model's linear layers run :func:`linear`:
+So in batch-invariant mode the model's linear layers run:
 
-- CPU: the rows are padded with zero rows to a multiple of :data:`ROW_MULTIPLE`, so that every
+- CPU, where the "cbatch" route runs (:mod:`cbatch.layers.cpu_linear`, AVX-512): cbatch's
+  kernel on its packed weights, for every row count; each output element is one in-order
+  sum over k, whatever the other rows or the thread count.
+- other CPUs, :func:`linear`: the rows are padded with zero rows to a multiple of :data:`ROW_MULTIPLE`, so that every
   panel is full and every row goes through the same micro-kernel (a multiple of the panel
-  heights of MKL's AVX2 and AVX-512 kernels).  tests/test_batch_invariance.py checks, on the
-  machine that runs it, that each row is bitwise the same for every M.
+  heights of MKL's AVX2 and AVX-512 kernels).  tests/core/test_batch_invariance.py checks,
+  on the machine that runs it, that each row is bitwise the same for every M.
 - CUDA: a Triton matmul with one fixed configuration and no split-K
   (``cbatch.kernels.matmul``).
 
@@ -61,11 +64,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant:  # on the dense weight (the engine unpacks)
-            y = linear(x, self.weight, self.bias)
-        elif self.packed_weight is not None:
+        if self.packed_weight is not None:  # batch-invariant: packed for the cbatch route only
             return cpu_linear.linear(x, self.packed_weight, self.bias, self.out_features,
-                                     gelu, residual)
+                                     gelu, residual, batch_invariant=self.batch_invariant)
+        if self.batch_invariant:
+            y = linear(x, self.weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         if gelu is not None:
@@ -87,16 +90,21 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def pack_linears(model: nn.Module) -> bool:
+def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
     """Pack every :class:`Linear` of a CPU model for its dtype's route on this CPU (see
     :func:`cbatch.layers.cpu_linear.cpu_linear_route`; ``"torch"`` packs nothing);
-    idempotent.  Returns whether it packed."""
+    idempotent.  ``batch_invariant``: only the ``"cbatch"`` route, whose kernel sums a row
+    alike for every row count, keeps packed weights; with another route the dense weights
+    come back (:func:`linear` pads their rows).  Returns whether the weights are packed."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cpu":
         return False
     dtype = layers[0].weight.dtype
     route = cpu_linear.cpu_linear_route(dtype)
-    if route == "torch":
+    if batch_invariant and any(layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+                               for layer in layers):
+        unpack_linears(model)
+    if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
     with torch.no_grad():

@@ -86,12 +86,14 @@ def test_fused_epilogues(route, dtype, M):
                     reason="cbatch's CPU linear needs AVX-512 and the extension")
 def test_cbatch_route_rows_are_independent_of_the_batch():
     """Each output element is one thread's sum over k in order: a row's result is bitwise
-    the same whatever other rows share the call, and whatever the thread count."""
+    the same whatever other rows share the call, and whatever the thread count (K = 3072,
+    where oneDNN's rows differ with M; more rows than hand over to oneDNN, which
+    batch_invariant=True keeps on the kernel)."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 768, generator=gen)
-    x = torch.randn(70, 768, generator=gen)
+    w = torch.randn(300, 3072, generator=gen)
+    x = torch.randn(cpu_linear.ONEDNN_FROM_ROWS + 30, 3072, generator=gen)
     packed = cpu_linear.pack(w, "cbatch")
-    full = cpu_linear.linear(x, packed, None, 300)
+    full = cpu_linear.linear(x, packed, None, 300, batch_invariant=True)
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
@@ -147,12 +149,21 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
 
 
 @needs_packing
-def test_engine_packs_on_the_cpu_and_batch_invariant_mode_unpacks():
-    model = load_model("random:tiny")
-    Engine(model, max_num_seqs=2)
-    assert cpu_linear.is_packed(model.transformer.h[1].attn.c_attn.weight)
-    Engine(model, max_num_seqs=2, batch_invariant=True)  # pads rows on the dense weights
-    assert not cpu_linear.is_packed(model.transformer.h[1].attn.c_attn.weight)
+def test_engine_packs_on_the_cpu_and_batch_invariant_mode_keeps_only_the_cbatch_route(
+        monkeypatch):
+    """A batch-invariant engine keeps weights packed for cbatch's kernel (rows independent of
+    M) and gives oneDNN's packed weights back as dense ones (its rows are not)."""
+    c_attn = lambda m: m.transformer.h[1].attn.c_attn  # noqa: E731
+    for route in PACKED_ROUTES:
+        if not cpu_linear.route_available(route, torch.float32):
+            continue
+        monkeypatch.setenv("CBATCH_CPU_LINEAR", route)
+        model = load_model("random:tiny")
+        Engine(model, max_num_seqs=2)
+        assert cpu_linear.is_packed(c_attn(model).weight)
+        Engine(model, max_num_seqs=2, batch_invariant=True)
+        assert cpu_linear.is_packed(c_attn(model).weight) == (route == "cbatch")
+        assert (c_attn(model).packed_weight is not None) == (route == "cbatch")
 
 
 def test_route_override(monkeypatch):
