@@ -63,6 +63,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual, const std::string& activation);
 
+// Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
+// index of the maximum, the first NaN if any.  cpu/argmax.cpp.
+at::Tensor argmax_cpu(const at::Tensor& logits);
+
 void check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens);

@@ -21,6 +21,7 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
       "str activation) -> Tensor");
+  m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
 }
 
 TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
@@ -28,6 +29,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cpu);
   m.impl("paged_prefill_attention", &cbatch::paged_prefill_attention_cpu);
   m.impl("linear", &cbatch::linear_cpu);
+  m.impl("argmax", &cbatch::argmax_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

@@ -10,10 +10,11 @@ So in batch-invariant mode the model's linear layers run:
 - CPU, where the "cbatch" route runs (:mod:`cbatch.layers.cpu_linear`, AVX-512): cbatch's
   kernel on its packed weights, for every row count; each output element is one in-order
   sum over k, whatever the other rows or the thread count.
-- other CPUs, :func:`linear`: the rows are padded with zero rows to a multiple of :data:`ROW_MULTIPLE`, so that every
-  panel is full and every row goes through the same micro-kernel (a multiple of the panel
-  heights of MKL's AVX2 and AVX-512 kernels).  tests/core/test_batch_invariance.py checks,
-  on the machine that runs it, that each row is bitwise the same for every M.
+- other CPUs, :func:`linear`: the rows are padded with zero rows to a multiple of
+  :data:`ROW_MULTIPLE`, so that every panel is full and every row goes through the same
+  micro-kernel (a multiple of the panel heights of MKL's AVX2 and AVX-512 kernels).
+  tests/core/test_batch_invariance.py checks, on the machine that runs it, that each row is
+  bitwise the same for every M.
 - CUDA: a Triton matmul with one fixed configuration and no split-K
   (``cbatch.kernels.matmul``).
 
