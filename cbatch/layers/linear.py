@@ -108,13 +108,19 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
+    # The vocabulary projection streams faster through oneDNN (benchmarks/NOTES.md, "The
+    # lm_head on oneDNN"); not in batch-invariant mode, where only cbatch's kernel will do.
+    head = getattr(model, "lm_head", None)
+    head_route = "onednn" if route == "cbatch" and not batch_invariant \
+        and cpu_linear.route_available("onednn", dtype) else route
     with torch.no_grad():
         for layer in layers:
             if layer.packed_weight is not None:
                 continue
-            if route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
+            layer_route = head_route if layer is head else route
+            if layer_route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
                 continue  # vdpbf16ps takes pairs of k
-            packed = cpu_linear.pack(layer.weight, route)
+            packed = cpu_linear.pack(layer.weight, layer_route)
             if id(layer.weight) in shared:
                 layer.packed_weight = packed  # the dense weight stays for its other user
             else:

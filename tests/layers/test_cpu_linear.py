@@ -161,9 +161,14 @@ def test_engine_packs_on_the_cpu_and_batch_invariant_mode_keeps_only_the_cbatch_
         model = load_model("random:tiny")
         Engine(model, max_num_seqs=2)
         assert cpu_linear.is_packed(c_attn(model).weight)
+        # the vocabulary projection goes to oneDNN where it is there (measured faster)
+        assert model.lm_head.packed_weight.is_mkldnn == \
+            cpu_linear.route_available("onednn", torch.float32)
         Engine(model, max_num_seqs=2, batch_invariant=True)
         assert cpu_linear.is_packed(c_attn(model).weight) == (route == "cbatch")
         assert (c_attn(model).packed_weight is not None) == (route == "cbatch")
+        if route == "cbatch":  # every layer on cbatch's kernel, the lm_head too
+            assert not model.lm_head.packed_weight.is_mkldnn
 
 
 def test_route_override(monkeypatch):
