@@ -49,11 +49,11 @@ def test_two_replicas_spread_requests_and_match_one_engine():
             texts = [r.json()["choices"][0]["text"] for r in responses]
             if len(replicas) == 2:
                 break
-        assert len(replicas) == 2
+        assert len(replicas) == 2, f"5 bursts of {len(prompts)} requests all reached {replicas}"
         ref = LLM("random:tiny", **KW).generate(prompts, [
             SamplingParams(max_tokens=8, temperature=1.0, seed=50 + i, ignore_eos=True)
             for i in range(len(prompts))], use_tqdm=False)
-        assert texts == [o.text for o in ref]
+        assert texts == [o.text for o in ref], "a replica's text differs from one engine's"
     finally:
         serve.shutdown()
         ray.shutdown()
