@@ -12,7 +12,7 @@ left at least :data:`FREE_SHARE` of that core idle.
 
 ``threads`` fixed (``EngineConfig.threads``) or batch-invariant mode (a row's sums must not
 depend on the machine's load) turn the adaptation off.  The ceiling is torch's own thread
-count at each step (so ``torch.set_num_threads`` and ``--threads`` keep working) within the
+count at each step (so ``torch.set_num_threads`` keeps working) within the
 process's CPU affinity (``os.sched_getaffinity``); the caller's count is restored after the
 step.
 """
@@ -67,9 +67,12 @@ class ThreadPolicy:
         self.steps_by_threads: collections.Counter[int] = collections.Counter()
 
     def _sample(self) -> None:
-        now, busy, mine = time.monotonic(), _busy_seconds(self.cpus), time.process_time()
+        now = time.monotonic()
         t0, busy0, mine0 = self._last
-        if now - t0 < SAMPLE_S or busy is None:
+        if now - t0 < SAMPLE_S:  # /proc/stat is read only once per sample, not every step
+            return
+        busy, mine = _busy_seconds(self.cpus), time.process_time()
+        if busy is None:
             return
         others = max(0.0, (busy - busy0) - (mine - mine0)) / (now - t0)  # cores' worth
         self.free_cores = max(0.0, len(self.cpus) - others)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbatch import ops
 from cbatch.layers.step_batch import to_device
+from cbatch.ops import compiled
 
 
 @dataclass
@@ -62,7 +62,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     the CPU cbatch's kernel (torch's walks each row one element at a time), elsewhere torch's.
     The same answer: the first index of the maximum (the first NaN, if any)."""
     if logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1] > 0 \
-            and ops.available_backends()["cpu"].available:
+            and "cpu" in compiled.compiled_backends():
         return torch.ops.cbatch.argmax(logits)
     return logits.argmax(dim=-1)
 

@@ -7,10 +7,11 @@ routes", ``benchmarks/bench_linear.py``):
   AVX512-BF16).  The weight is packed into blocks of 16 output columns, each ``[K, 16]``
   (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once per call;
   bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
-  are memory-bound, and there it runs 1.3-1.7x faster than oneDNN (no per-call primitive
-  set-up, one weight stream per thread).  From :data:`ONEDNN_FROM_ROWS` rows on (long
-  prefill chunks, compute-bound) oneDNN's brgemm is faster: such calls unpack the weight
-  (a copy, small beside the GEMM) and run oneDNN on it.
+  are memory-bound, and there it runs the layers 1.1-1.8x faster than oneDNN (no per-call
+  primitive set-up).  From :data:`ONEDNN_FROM_ROWS` rows on (long prefill chunks,
+  compute-bound) oneDNN's brgemm is faster: such calls unpack the weight (a copy, small
+  beside the GEMM) and run oneDNN on it.  The model's lm_head goes to oneDNN
+  (:func:`cbatch.layers.linear.pack_linears`), which streams it faster.
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even
@@ -35,6 +36,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from cbatch.ops import compiled
+
 ROUTES = ("cbatch", "onednn", "torch")
 BLOCK = 16  # output columns per block of the "cbatch" layout
 ONEDNN_FROM_ROWS = 1024  # "cbatch" hands calls of this many rows and more to oneDNN
@@ -51,8 +54,7 @@ def _onednn_available(dtype: torch.dtype) -> bool:
 def route_available(route: str, dtype: torch.dtype) -> bool:
     """Whether ``route`` runs ``dtype`` on this CPU with this build."""
     if route == "cbatch":
-        from cbatch import ops  # the extension, if it loaded
-        return ops.available_backends()["cpu"].available and \
+        return "cpu" in compiled.compiled_backends() and \
             torch.ops.cbatch.cpu_linear_supported(dtype)
     if route == "onednn":
         return _onednn_available(dtype)
@@ -116,14 +118,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  ``batch_invariant`` keeps
     every row count on the cbatch kernel (a row's result then never depends on the others).
     """
-    if not packed.is_mkldnn and (x.shape[0] < ONEDNN_FROM_ROWS or batch_invariant):
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        fused = gelu in (None, "tanh")
-        y = torch.ops.cbatch.linear(x, packed, out_features, bias, residual,
-                                    "gelu_tanh" if gelu and fused else "none")
-        return y if fused else F.gelu(y, approximate=gelu)
     if not packed.is_mkldnn:
+        if x.shape[0] < ONEDNN_FROM_ROWS or batch_invariant:
+            fused = gelu in (None, "tanh")
+            y = torch.ops.cbatch.linear(x if x.stride(-1) == 1 else x.contiguous(), packed,
+                                        out_features, bias, residual,
+                                        "gelu_tanh" if gelu and fused else "none")
+            return y if fused else F.gelu(y, approximate=gelu)
         packed = unpack(packed, out_features)  # many rows: oneDNN's brgemm, on a copy
     if residual is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")

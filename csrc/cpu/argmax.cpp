@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -16,17 +17,13 @@
 namespace cbatch {
 namespace {
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float as_float(c10::Half x) { return static_cast<float>(x); }
-
 template <typename T>
 int64_t argmax_row_portable(const T* row, int64_t n) {
   int64_t best = 0;
-  float best_value = as_float(row[0]);
+  float best_value = static_cast<float>(row[0]);
   if (std::isnan(best_value)) return 0;
   for (int64_t i = 1; i < n; ++i) {
-    const float v = as_float(row[i]);
+    const float v = static_cast<float>(row[i]);
     if (std::isnan(v)) return i;
     if (v > best_value) best = i, best_value = v;
   }
@@ -59,30 +56,25 @@ CBATCH_AVX512 int64_t argmax_row_avx512(const T* row, int64_t n) {
 }
 #endif
 
+// fp32 and bf16 rows take the AVX-512 loop where the CPU has it (avx512.h loads those two
+// with a mask; its indices are 32-bit); fp16 rows, and every row elsewhere, the plain one.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+#ifdef CBATCH_X86
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    if (cpu_has_avx512() && n < (int64_t{1} << 31)) return argmax_row_avx512(row, n);
+  }
+#endif
+  return argmax_row_portable(row, n);
+}
+
 template <typename T>
 void run(const at::Tensor& logits, at::Tensor& out) {
-  const int64_t S = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  const int64_t V = logits.size(1), stride = logits.stride(0);
   const T* data = logits.data_ptr<T>();
   int64_t* result = out.data_ptr<int64_t>();
-  // fp16 has no 16-lane load in avx512.h's set that masks; it takes the plain loop
-  const bool vector = !std::is_same_v<T, c10::Half> && V < (int64_t{1} << 31)
-#ifdef CBATCH_X86
-                      && cpu_has_avx512();
-#else
-                      && false;
-#endif
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-#ifdef CBATCH_X86
-      if constexpr (!std::is_same_v<T, c10::Half>) {
-        if (vector) {
-          result[s] = argmax_row_avx512(data + s * stride, V);
-          continue;
-        }
-      }
-#endif
-      result[s] = argmax_row_portable(data + s * stride, V);
-    }
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) result[s] = argmax_row(data + s * stride, V);
   });
 }
 

@@ -19,14 +19,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define CBATCH_X86_F16C 1
-#endif
-
 #include "../checks.h"
 #include "../ops.h"
-#include "avx512.h"
+#include "avx512.h"  // CBATCH_X86 (x86-64 and GCC/clang: F16C and AVX-512 paths) and helpers
 
 namespace cbatch {
 namespace {
@@ -46,7 +41,7 @@ inline float to_float(c10::BFloat16 x) {  // bf16 is the top half of an fp32
   return f;
 }
 
-#ifdef CBATCH_X86_F16C
+#ifdef CBATCH_X86
 // The F16C instructions convert 8 halves per instruction; chosen at run time, since the
 // extension is compiled for the baseline x86-64 instruction set.
 __attribute__((target("avx,f16c"))) void widen_f16c(const c10::Half* src, float* dst,
@@ -68,7 +63,7 @@ bool has_f16c() {
 // dst[0, n) = src[0, n) in fp32.
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
-#ifdef CBATCH_X86_F16C
+#ifdef CBATCH_X86
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (has_f16c()) return widen_f16c(src, dst, n);
   }
@@ -158,12 +153,13 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
   m = new_m;
 }
 
-#ifdef CBATCH_X86_F16C
+#ifdef CBATCH_X86
 // ---- AVX-512 ---------------------------------------------------------------------------------
 // The same online-softmax step written with 16-lane intrinsics, compiled for AVX-512 whatever
 // the extension's baseline and chosen at run time (use_avx512).  It reads fp16/bf16 K/V in
 // place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
 // is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
+
 // The 16 sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a transposing tree of
 // 15 adds instead of 16 separate horizontal reductions.
 CBATCH_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
@@ -250,7 +246,7 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t D) {
 template <typename T>
 void attend(const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,
             const int32_t* table, const CacheView& c, int64_t group, const Tile& tile,
-            const Item& item, float scale, bool avx512, Scratch& sc, T* out) {
+            const Item& item, float scale, [[maybe_unused]] bool avx512, Scratch& sc, T* out) {
   const int64_t D = c.head_dim, row = c.num_kv_heads * D;  // row: one token's [H_kv, D]
   const int64_t R = tile.num_rows, G = item.head_end - item.head_begin;
   for (int64_t g = 0; g < G; ++g) {
@@ -281,7 +277,7 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
       }
       const int64_t g_begin = std::max(item.head_begin, kv * group) - item.head_begin;
       const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
-#ifdef CBATCH_X86_F16C
+#ifdef CBATCH_X86
       if (avx512) {  // K/V read in place
         for (int64_t g = g_begin; g < g_end; ++g) {
           for (int64_t r = 0; r < R; ++r) {

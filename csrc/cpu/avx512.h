@@ -1,6 +1,7 @@
-// 16-lane fp32 helpers shared by the CPU kernels' AVX-512 paths (attention.cpp, linear.cpp).
-// Each is compiled for AVX-512 whatever the extension's baseline; callers reach them only
-// after checking the CPU at run time (cpu_has_avx512).
+// What the CPU kernels' x86 paths share (attention.cpp, linear.cpp, argmax.cpp): CBATCH_X86
+// (x86-64 with GCC or clang, where they exist), the AVX-512 check and 16-lane fp32 helpers.
+// Each helper is compiled for AVX-512 whatever the extension's baseline; callers reach them
+// only after checking the CPU at run time (cpu_has_avx512).
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)

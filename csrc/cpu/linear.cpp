@@ -14,8 +14,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -157,7 +157,6 @@ CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
 }
 
 // Rows [m_begin, m_end) times the B blocks that start at column n.
-// Rows [m_begin, m_end) times the B blocks that start at column n.
 template <typename T, int B>
 CBATCH_AVX512_BF16 void column_item(const Args<T>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end) {
@@ -182,11 +181,11 @@ constexpr int64_t kChunkRows = 64;
 
 template <typename T>
 void run(Args<T> a) {
-  std::vector<T> xp;
+  std::unique_ptr<T[]> xp;  // every element written by pack_rows: no zeroing first
   if (a.M >= kPackFrom) {
-    xp.resize((a.M + kRows - 1) / kRows * kRows * a.K);
-    pack_rows(a, xp.data());
-    a.xp = xp.data();
+    xp.reset(new T[(a.M + kRows - 1) / kRows * kRows * a.K]);
+    pack_rows(a, xp.get());
+    a.xp = xp.get();
   }
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t items = (blocks + 1) / 2;  // pairs of blocks; the last may be one block
