@@ -7,8 +7,10 @@
 // item is 32 columns (two blocks, each read front to back); it runs rows of x through them
 // eight at a time, with 8 x 32 accumulators in registers.  From 16 rows on, x is first copied
 // into groups of 8 rows (the broadcasts then read one stream), and rows go through in chunks
-// of 64.  Each output element is one thread's sum over k in order, so a row's result does not
-// depend on the other rows nor on the thread count.
+// of 64.  Weights are prefetched ahead of the loads, and passes of rows after an item's first
+// (which read it from L2) prefetch the next item's weights (prefetch_ahead).  Each output
+// element is one thread's sum over k in order, so a row's result does not depend on the other
+// rows nor on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -37,9 +39,17 @@ constexpr int kRows = 8;  // rows of x per register tile
 // alike (benchmarks/NOTES.md, "Software prefetch in the linear kernel").
 constexpr int64_t kPrefetchBytes = 3072;
 
-template <typename T>
-CBATCH_AVX512 inline void prefetch_ahead(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+// The tile loads p; kNext: a later pass of rows over a column item, which reads the item's
+// weights from L2, so the same place of the next item (next_item elements on) is brought
+// into L2 meanwhile.  Otherwise DRAM idles while those passes run: from 16 rows (x packed),
+// 6-13% less time at 16-64 rows; below 16 rows it cost fp32 2-8% (benchmarks/NOTES.md).
+template <bool kNext, typename T>
+CBATCH_AVX512 inline void prefetch_ahead(const T* p, int64_t next_item) {
+  if constexpr (kNext) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + next_item), _MM_HINT_T1);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+  }
 }
 
 CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
@@ -73,6 +83,7 @@ struct Args {
   int64_t ldr;
   bool gelu;
   T* out;  // [M, N] dense
+  bool prefetch_next = false;  // later passes of rows prefetch the next item (prefetch_ahead)
 };
 
 // Elements of x that one row contributes to one broadcast: fp32 1, bf16 a pair of k.
@@ -103,7 +114,7 @@ void pack_rows(const Args<T>& a, T* xp) {
 
 // acc[r][b] for R rows and B blocks of 16 columns: x[r] . W over all K.
 // Row r's element k of x is x[r * rs + k * ks].
-template <int R, int B>
+template <int R, int B, bool kNext>
 CBATCH_AVX512 inline void dot_tile(const float* x, int64_t rs, int64_t ks, const float* w,
                                    int64_t K, __m512 (&acc)[kRows][2]) {
   const int64_t block_stride = K * kBlock;
@@ -111,7 +122,7 @@ CBATCH_AVX512 inline void dot_tile(const float* x, int64_t rs, int64_t ks, const
     __m512 wk[2];
 #pragma GCC unroll 2
     for (int b = 0; b < B; ++b) {
-      prefetch_ahead(w + b * block_stride + k * kBlock);
+      prefetch_ahead<kNext>(w + b * block_stride + k * kBlock, 2 * block_stride);
       wk[b] = _mm512_loadu_ps(w + b * block_stride + k * kBlock);
     }
 #pragma GCC unroll 8
@@ -123,7 +134,7 @@ CBATCH_AVX512 inline void dot_tile(const float* x, int64_t rs, int64_t ks, const
   }
 }
 
-template <int R, int B>
+template <int R, int B, bool kNext>
 CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int64_t ks,
                                         const c10::BFloat16* w, int64_t K,
                                         __m512 (&acc)[kRows][2]) {
@@ -132,7 +143,7 @@ CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int6
     __m512bh wk[2];
 #pragma GCC unroll 2
     for (int b = 0; b < B; ++b) {
-      prefetch_ahead(w + b * block_stride + k * kBlock);
+      prefetch_ahead<kNext>(w + b * block_stride + k * kBlock, 2 * block_stride);
       wk[b] = (__m512bh)(_mm512_loadu_si512(w + b * block_stride + k * kBlock));
     }
 #pragma GCC unroll 8
@@ -147,16 +158,16 @@ CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int6
 }
 
 // Rows [m, m + R) times the B blocks that start at column n; epilogue; store.
-template <typename T, int R, int B>
+template <typename T, int R, int B, bool kNext = false>
 CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const T* w = a.w + (n / kBlock) * a.K * kBlock;
   if (a.xp) {
-    dot_tile<R, B>(a.xp + m * a.K, kPairs<T>, kRows, w, a.K, acc);
+    dot_tile<R, B, kNext>(a.xp + m * a.K, kPairs<T>, kRows, w, a.K, acc);
   } else {
-    dot_tile<R, B>(a.x + m * a.ldx, a.ldx, 1, w, a.K, acc);
+    dot_tile<R, B, kNext>(a.x + m * a.ldx, a.ldx, 1, w, a.K, acc);
   }
   for (int b = 0; b < B; ++b) {
     const int64_t col = n + b * kBlock;
@@ -172,28 +183,42 @@ CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
   }
 }
 
+// Rows [m, m + rows) (rows < kRows) times the B blocks that start at column n.
+template <typename T, int B, bool kNext>
+CBATCH_AVX512_BF16 void tail(const Args<T>& a, int64_t m, int64_t rows, int64_t n) {
+  switch (rows) {
+    case 7: return tile<T, 7, B, kNext>(a, m, n);
+    case 6: return tile<T, 6, B, kNext>(a, m, n);
+    case 5: return tile<T, 5, B, kNext>(a, m, n);
+    case 4: return tile<T, 4, B, kNext>(a, m, n);
+    case 3: return tile<T, 3, B, kNext>(a, m, n);
+    case 2: return tile<T, 2, B, kNext>(a, m, n);
+    case 1: return tile<T, 1, B, kNext>(a, m, n);
+    default: return;
+  }
+}
+
 // Rows [m_begin, m_end) times the B blocks that start at column n.
 template <typename T, int B>
 CBATCH_AVX512_BF16 void column_item(const Args<T>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end) {
   int64_t m = m_begin;
-  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B>(a, m, n);
-  switch (m_end - m) {
-    case 7: return tile<T, 7, B>(a, m, n);
-    case 6: return tile<T, 6, B>(a, m, n);
-    case 5: return tile<T, 5, B>(a, m, n);
-    case 4: return tile<T, 4, B>(a, m, n);
-    case 3: return tile<T, 3, B>(a, m, n);
-    case 2: return tile<T, 2, B>(a, m, n);
-    case 1: return tile<T, 1, B>(a, m, n);
-    default: return;
+  if (m + kRows > m_end) return tail<T, B, false>(a, m, m_end - m, n);
+  tile<T, kRows, B>(a, m, n);
+  m += kRows;
+  if (a.prefetch_next) {
+    for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B, true>(a, m, n);
+    return tail<T, B, true>(a, m, m_end - m, n);
   }
+  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B>(a, m, n);
+  tail<T, B, false>(a, m, m_end - m, n);
 }
 
 constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
 // Rows go through in chunks that stay in each core's L2 while every column item reads them;
 // the weights then stream once per chunk (from L3, where a layer's weights fit).
 constexpr int64_t kChunkRows = 64;
+constexpr int64_t kL2Budget = 512 << 10;  // half of a Zen 4/5 core's L2
 
 template <typename T>
 void run(Args<T> a) {
@@ -202,6 +227,10 @@ void run(Args<T> a) {
     xp.reset(new T[(a.M + kRows - 1) / kRows * kRows * a.K]);
     pack_rows(a, xp.get());
     a.xp = xp.get();
+    // Only while a chunk of packed rows and two items' weights fill at most half of L2: with
+    // K = 3072 in fp32 the next item pushed the rows out (5-7% slower at 64-256 rows).
+    const int64_t bytes = (std::min(a.M, kChunkRows) + 4 * kBlock) * a.K * int64_t(sizeof(T));
+    a.prefetch_next = bytes <= kL2Budget;
   }
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t items = (blocks + 1) / 2;  // pairs of blocks; the last may be one block
