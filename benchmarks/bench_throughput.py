@@ -21,8 +21,10 @@ cbatch-continuous's; for cbatch-continuous also the fraction of step time spent 
 outside the model (scheduling, building the step tensors, bookkeeping) and the share of
 prompt tokens found in the prefix cache (the cache is emptied after the warm-up).  On the CPU
 cbatch's engines also print the decode step (median at the most common decode batch size)
-beside the weight-streaming floor (every weight read once at the copy bandwidth measured at
-the start of this run), and the share of the step spent in the linear layers (GEMMs).  Results
+beside the weight-streaming floor (every weight read once at the highest read bandwidth
+measured in this run: at its start and after each timed cbatch run, since a shared host's
+bandwidth moves from minute to minute), and the share of the step spent in the linear layers
+(GEMMs).  Results
 in throughput.* (throughput-batch-invariant.* with --batch-invariant), written to a new
 folder under benchmarks/runs/ or to --out.
 """
@@ -40,7 +42,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    Unavailable, base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
+    Unavailable, base_parser, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
 from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
@@ -98,6 +100,8 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
             "finish": o.metrics.finished_time - start} for o in outs]
     summary = _summary(per, wall)
     if clock is not None:
+        probe = read_bandwidth(torch.device(args.device), (64 << 20) if args.quick else None)
+        args.floor_bytes_per_s = max(args.floor_bytes_per_s, probe)
         summary.update(clock.decode_summary(args.floor_bytes_per_s))
         summary["gemm_share"] = gemm_share(llm, wl)
     if policy != "static":
@@ -133,7 +137,7 @@ class StepClock:
 
     def decode_summary(self, bytes_per_s: float) -> dict:
         """The median decode step at the most common decode batch size, beside the floor:
-        every weight read once at the copy bandwidth measured in this run."""
+        every weight read once at the highest read bandwidth measured so far in this run."""
         decode = [(rows, s) for is_decode, rows, s in self.steps if is_decode]
         if not decode:
             return {}
@@ -321,7 +325,7 @@ def make_workload(name, tokenizer, vocab, args):
 
 def run(args) -> Path:
     device = torch.device(args.device)
-    args.floor_bytes_per_s = copy_bandwidth(device, (64 << 20) if args.quick else None)
+    args.floor_bytes_per_s = read_bandwidth(device, (64 << 20) if args.quick else None)
     probe = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=1)
     hf = None
     rows = []
@@ -375,12 +379,14 @@ def run(args) -> Path:
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
             "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
                       "each timed run, whichever the engine",
-            "copy_bandwidth_GBps": args.floor_bytes_per_s / 1e9,
+            "read_bandwidth_GBps": args.floor_bytes_per_s / 1e9,
             "load_average_at_end": Path("/proc/loadavg").read_text().split()[0]
             if Path("/proc/loadavg").exists() else None,
             "decode_step_ms": "CPU: median model call (forward + lm_head) of the decode steps at "
                               "the most common decode batch size, in the timed run",
-            "floor_ms": "every weight read once (parameter bytes) / copy_bandwidth_GBps",
+            "floor_ms": "every weight read once (parameter bytes) / the highest read bandwidth "
+                        "measured so far in the run (at its start and after each timed cbatch "
+                        "run; read_bandwidth_GBps is the highest of all)",
             "gemm_share": "CPU: time inside the linear layers (hooks) / model-call time, over a "
                           "rerun of the first 8 requests after the timed run"}
     name = "throughput-batch-invariant" if args.batch_invariant else "throughput"

@@ -101,6 +101,15 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     return 2 * nbytes / seconds
 
 
+def read_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Measured device read bandwidth in bytes/s: a sum over a buffer far larger than the
+    last-level cache (what a weight-streaming floor needs; copy bandwidth also pays for the
+    writes)."""
+    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (256 << 20))
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    return nbytes / Timer(device, warmup=2, reps=10)(lambda: src.sum())
+
+
 def run_folder(device: torch.device) -> Path:
     """This process's own results folder, ``benchmarks/runs/<start time>-<device slug>/``: a
     run without ``--out`` never overwrites another run or the committed results."""
