@@ -39,8 +39,7 @@ CBATCH_AVX512 int64_t argmax_row_avx512(const T* row, int64_t n) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += 16, index = _mm512_add_epi32(index, step)) {
-    const int64_t left = n - i;
-    const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 valid = first_lanes(n - i);
     const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
                                         valid, load16(row + i, valid));
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);

@@ -201,7 +201,7 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load16(keys[i] + d), dots[i]);
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    const __mmask16 valid = first_lanes(count);
     const __m512 scores = _mm512_mask_mov_ps(
         _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum16(dots));
     const float new_m = std::max(m, _mm512_reduce_max_ps(scores));

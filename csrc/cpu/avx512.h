@@ -25,6 +25,11 @@ inline bool cpu_has_avx512() {
   return yes;
 }
 
+// The first min(n, 16) lanes: the valid ones of a run that ends n elements on.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
 // 16 elements as fp32 (bf16: shifted into the top half of an fp32).
 CBATCH_AVX512 inline __m512 widen16(__m256i bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));

@@ -171,8 +171,7 @@ CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
   }
   for (int b = 0; b < B; ++b) {
     const int64_t col = n + b * kBlock;
-    const int64_t left = a.N - col;
-    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 mask = first_lanes(a.N - col);
     const __m512 bias = a.bias ? load16(a.bias + col, mask) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m512 v = _mm512_add_ps(acc[r][b], bias);
@@ -183,10 +182,11 @@ CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
   }
 }
 
-// Rows [m, m + rows) (rows < kRows) times the B blocks that start at column n.
+// Rows [m, m_end) times the B blocks that start at column n, kRows at a time, then the rest.
 template <typename T, int B, bool kNext>
-CBATCH_AVX512_BF16 void tail(const Args<T>& a, int64_t m, int64_t rows, int64_t n) {
-  switch (rows) {
+CBATCH_AVX512_BF16 void passes(const Args<T>& a, int64_t n, int64_t m, int64_t m_end) {
+  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B, kNext>(a, m, n);
+  switch (m_end - m) {
     case 7: return tile<T, 7, B, kNext>(a, m, n);
     case 6: return tile<T, 6, B, kNext>(a, m, n);
     case 5: return tile<T, 5, B, kNext>(a, m, n);
@@ -198,20 +198,16 @@ CBATCH_AVX512_BF16 void tail(const Args<T>& a, int64_t m, int64_t rows, int64_t 
   }
 }
 
-// Rows [m_begin, m_end) times the B blocks that start at column n.
+// Rows [m_begin, m_end) times the B blocks that start at column n.  With prefetch_next the
+// passes after the first bring the next item's weights into L2 (prefetch_ahead).
 template <typename T, int B>
 CBATCH_AVX512_BF16 void column_item(const Args<T>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end) {
-  int64_t m = m_begin;
-  if (m + kRows > m_end) return tail<T, B, false>(a, m, m_end - m, n);
-  tile<T, kRows, B>(a, m, n);
-  m += kRows;
-  if (a.prefetch_next) {
-    for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B, true>(a, m, n);
-    return tail<T, B, true>(a, m, m_end - m, n);
+  if (!a.prefetch_next || m_end - m_begin <= kRows) {
+    return passes<T, B, false>(a, n, m_begin, m_end);
   }
-  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B>(a, m, n);
-  tail<T, B, false>(a, m, m_end - m, n);
+  tile<T, kRows, B>(a, m_begin, n);
+  passes<T, B, true>(a, n, m_begin + kRows, m_end);
 }
 
 constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
