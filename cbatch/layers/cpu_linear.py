@@ -8,10 +8,11 @@ routes", ``benchmarks/bench_linear.py``):
   (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once per call;
   bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
   are memory-bound, and there it runs the layers 1.1-1.8x faster than oneDNN (no per-call
-  primitive set-up).  From :data:`ONEDNN_FROM_ROWS` rows on (long prefill chunks,
-  compute-bound) oneDNN's brgemm is faster: such calls unpack the weight (a copy, small
-  beside the GEMM) and run oneDNN on it.  The model's lm_head goes to oneDNN
-  (:func:`cbatch.layers.linear.pack_linears`), which streams it faster.
+  primitive set-up).  It also runs long prefill chunks (compute-bound): oneDNN on weights it
+  packed itself is 5-15% faster there, but that needs a second copy of every weight, and
+  oneDNN on the unpacked weight measured slower in the engine than this kernel
+  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  The model's lm_head goes
+  to oneDNN (:func:`cbatch.layers.linear.pack_linears`), which streams it faster.
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even
@@ -40,7 +41,6 @@ from cbatch.ops import compiled
 
 ROUTES = ("cbatch", "onednn", "torch")
 BLOCK = 16  # output columns per block of the "cbatch" layout
-ONEDNN_FROM_ROWS = 1024  # "cbatch" hands calls of this many rows and more to oneDNN
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:
@@ -108,24 +108,21 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-           gelu: str | None = None, residual: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
+           gelu: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + gelu(x @ W.T + bias)`` on a packed weight, the GELU and the add inside
     the matmul where the route has them.
 
     x: ``[M, K]``; packed: from :func:`pack` of ``W [N = out_features, K]``; bias: ``[N]``
     or None; gelu: None or ``F.gelu``'s ``approximate`` (``"tanh"``, ``"none"``); residual:
-    ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  ``batch_invariant`` keeps
-    every row count on the cbatch kernel (a row's result then never depends on the others).
+    ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  On the ``"cbatch"`` layout a
+    row's result never depends on the other rows (the kernel sums each output in k order).
     """
     if not packed.is_mkldnn:
-        if x.shape[0] < ONEDNN_FROM_ROWS or batch_invariant:
-            fused = gelu in (None, "tanh")
-            y = torch.ops.cbatch.linear(x if x.stride(-1) == 1 else x.contiguous(), packed,
-                                        out_features, bias, residual,
-                                        "gelu_tanh" if gelu and fused else "none")
-            return y if fused else F.gelu(y, approximate=gelu)
-        packed = unpack(packed, out_features)  # many rows: oneDNN's brgemm, on a copy
+        fused = gelu in (None, "tanh")
+        y = torch.ops.cbatch.linear(x if x.stride(-1) == 1 else x.contiguous(), packed,
+                                    out_features, bias, residual,
+                                    "gelu_tanh" if gelu and fused else "none")
+        return y if fused else F.gelu(y, approximate=gelu)
     if residual is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
     if gelu is not None:

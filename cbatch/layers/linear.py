@@ -67,7 +67,7 @@ class Linear(nn.Linear):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:  # batch-invariant: packed for the cbatch route only
             return cpu_linear.linear(x, self.packed_weight, self.bias, self.out_features,
-                                     gelu, residual, batch_invariant=self.batch_invariant)
+                                     gelu, residual)
         if self.batch_invariant:
             y = linear(x, self.weight, self.bias)
         else:

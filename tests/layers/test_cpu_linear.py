@@ -35,7 +35,7 @@ CASES = [pytest.param(route, dtype, id=f"{route}-{str(dtype)[6:]}",
 
 SHAPES = [(M, N, K) for M in (1, 2, 5, 17, 64)
           for N, K in ((123, 6), (96, 64), (2304, 768), (768, 3072))]
-SHAPES += [(cpu_linear.ONEDNN_FROM_ROWS + 3, N, K) for N, K in ((123, 6), (96, 64))]
+SHAPES += [(1027, N, K) for N, K in ((123, 6), (96, 64))]  # long prefill chunks
 
 
 @pytest.mark.parametrize("route,dtype", CASES)
@@ -87,13 +87,12 @@ def test_fused_epilogues(route, dtype, M):
 def test_cbatch_route_rows_are_independent_of_the_batch():
     """Each output element is one thread's sum over k in order: a row's result is bitwise
     the same whatever other rows share the call, and whatever the thread count (K = 3072,
-    where oneDNN's rows differ with M; more rows than hand over to oneDNN, which
-    batch_invariant=True keeps on the kernel)."""
+    where oneDNN's rows differ with M; as many rows as a long prefill chunk)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 3072, generator=gen)
-    x = torch.randn(cpu_linear.ONEDNN_FROM_ROWS + 30, 3072, generator=gen)
+    x = torch.randn(1054, 3072, generator=gen)
     packed = cpu_linear.pack(w, "cbatch")
-    full = cpu_linear.linear(x, packed, None, 300, batch_invariant=True)
+    full = cpu_linear.linear(x, packed, None, 300)
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
