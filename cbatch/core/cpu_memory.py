@@ -3,8 +3,9 @@
 A long prefill step allocates activations of tens of MB (``[2048, 3072]`` fp32 is 25 MB) and
 frees them at its end.  glibc's malloc serves such blocks with ``mmap`` or returns the top of
 its heap to the OS once more than its trim threshold is free, so the next step faults every
-page back in, zeroed by the kernel: 130k-330k page faults in one ``longtail(0.125, 256)`` run,
-1-3% of it (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  A caching
+page back in, zeroed by the kernel: 55k-333k page faults in one ``longtail(0.125, 256)`` run
+in fp32, 17k-24k with the settings below (benchmarks/NOTES.md, "Long prefill chunks on
+cbatch's kernel").  A caching
 allocator (the CUDA one, or tcmalloc and jemalloc, which vLLM's and IPEX's CPU backends
 preload) keeps such memory; :func:`keep_freed_memory` makes glibc's malloc do the same: blocks
 up to its largest mmap threshold (32 MB) come from the heap, and the heap is not trimmed
