@@ -118,14 +118,15 @@ struct Item {
   int64_t tile, head_begin, head_end;
 };
 
-// Per-thread scratch, laid out [query head of the item, row of the tile, ...].
+// Per-thread scratch, laid out [query head of the item, row of the tile, ...], for the
+// call's largest item and tile (a decode call's tiles have one row: 16x less to allocate).
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, k, v;
-  Scratch(int64_t max_heads, int64_t D, int64_t block_size)
-      : q(max_heads * kTileRows * D),
-        acc(max_heads * kTileRows * D),
-        m(max_heads * kTileRows),
-        l(max_heads * kTileRows),
+  Scratch(int64_t max_heads, int64_t max_rows, int64_t D, int64_t block_size)
+      : q(max_heads * max_rows * D),
+        acc(max_heads * max_rows * D),
+        m(max_heads * max_rows),
+        l(max_heads * max_rows),
         scores(block_size),
         k(block_size * D),
         v(block_size * D) {}
@@ -433,13 +434,15 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
                at::Tensor& out) {
   const int64_t group = query.size(1) / c.num_kv_heads;
   const int64_t max_heads = items.front().head_end - items.front().head_begin;
+  const int64_t max_rows = std::max_element(tiles.begin(), tiles.end(), [](const Tile& a,
+      const Tile& b) { return a.num_rows < b.num_rows; })->num_rows;
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
                    group, scale, use_avx512(c.head_dim), tiles, items, next,
                    out.data_ptr<T>()};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_heads, c.head_dim, c.block_size);
+    Scratch scratch(max_heads, max_rows, c.head_dim, c.block_size);
     work_any(job, scratch);
   });
 }
