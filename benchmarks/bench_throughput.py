@@ -151,26 +151,31 @@ class StepClock:
 
 def gemm_share(llm, wl, num_requests: int = 8) -> float:
     """The share of the model's step time spent in its linear layers (lm_head included),
-    timed by hooks around each layer over a rerun of the first ``num_requests`` requests
-    (after the timed run, so the hooks do not slow it)."""
+    timed by wrapping each layer's forward over a rerun of the first ``num_requests``
+    requests (after the timed run, so the wrappers do not slow it)."""
     from cbatch.layers.linear import Linear
 
-    spent, starts = [0.0], {}
-    handles = []
-    for module in llm.engine.model.modules():
-        if isinstance(module, Linear):
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a: starts.__setitem__(id(m), time.perf_counter())))
-            handles.append(module.register_forward_hook(
-                lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter()
-                                                  - starts[id(m)])))
+    spent = [0.0]
+
+    def timed(forward):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return run
+
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    for layer in layers:  # an instance attribute, which cbatch's layers call (layers/module.py)
+        layer.forward = timed(layer.forward)
     clock = StepClock(llm.engine.runner)
     llm.engine.block_manager.reset_prefix_cache()
     try:
         llm.generate(wl.prompts[:num_requests], wl.params[:num_requests], use_tqdm=False)
     finally:
-        for h in handles:
-            h.remove()
+        for layer in layers:
+            del layer.forward
     total = sum(s for _, _, s in clock.steps)
     return spent[0] / total if total else float("nan")
 

@@ -10,14 +10,14 @@ with what else its step holds.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from cbatch.ops import BoundKernels
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.module import Module
 from cbatch.layers.step_batch import StepBatch
+from cbatch.ops import BoundKernels
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Module):
     """Attention of a step's new tokens over their sequences' paged KV cache (no weights).
 
     ``forward(q, k, v, batch, kv_cache, kernels)``: q, k, v ``[T, H, D]`` (dense ``[H, D]`` rows;

@@ -1,13 +1,16 @@
-"""RMSNorm as the Llama family computes it (Hugging Face's ``LlamaRMSNorm``): normalize in
-fp32, cast back, then scale.  Row by row, so batch-invariant as it stands."""
+"""The normalizations: RMSNorm as the Llama family computes it (Hugging Face's
+``LlamaRMSNorm``: normalize in fp32, cast back, then scale) and GPT-2's LayerNorm (torch's).
+Row by row, so batch-invariant as they stand."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from cbatch.layers.module import DirectCall, Module
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (``[..., hidden]``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -20,3 +23,7 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class LayerNorm(DirectCall, nn.LayerNorm):
+    """``nn.LayerNorm`` called without the per-call hook dispatch (:mod:`cbatch.layers.module`)."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch.layers import cpu_linear
+from cbatch.layers.module import DirectCall
 
 ROW_MULTIPLE = 16
 
@@ -49,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:M]
 
 
-class Linear(nn.Linear):
+class Linear(DirectCall, nn.Linear):
     """``nn.Linear`` that runs :func:`linear` once ``batch_invariant`` is set (2-D inputs),
     and the CPU route's kernel on a packed weight once :func:`pack_linears` packed it
     (:mod:`cbatch.layers.cpu_linear`).

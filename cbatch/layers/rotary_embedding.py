@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from cbatch.layers.module import Module
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -81,7 +82,7 @@ def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Rotates q ``[T, H, D]`` and k ``[T, H_kv, D]`` by their tokens' positions ``[T]``.
 
     The cos/sin tables ``[max_positions, D / 2]`` are computed in fp32 on first use on a

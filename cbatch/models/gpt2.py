@@ -17,7 +17,9 @@ from cbatch import ops
 from cbatch.config import GPT2Config
 from cbatch.layers.attention import PagedAttention
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.layernorm import LayerNorm
 from cbatch.layers.linear import Linear
+from cbatch.layers.module import Module
 from cbatch.layers.step_batch import StepBatch
 from cbatch.models.base import PagedCausalLM
 
@@ -25,7 +27,7 @@ from cbatch.models.base import PagedCausalLM
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none", "relu": None}
 
 
-class Attention(nn.Module):
+class Attention(Module):
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
@@ -43,7 +45,7 @@ class Attention(nn.Module):
         return self.c_proj(o.reshape(T, -1), residual=residual)
 
 
-class MLP(nn.Module):
+class MLP(Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.c_fc = Linear(config.n_embd, config.mlp_dim)
@@ -56,12 +58,12 @@ class MLP(nn.Module):
         return self.c_proj(h, residual=residual)
 
 
-class Block(nn.Module):
+class Block(Module):
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = Attention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
     def forward(self, x, batch, kv_cache, kernels):
@@ -75,7 +77,7 @@ class GPT2Model(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class GPT2LMHeadModel(PagedCausalLM):

@@ -26,6 +26,7 @@ from cbatch.layers.attention import PagedAttention
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.layernorm import RMSNorm
 from cbatch.layers.linear import Linear
+from cbatch.layers.module import Module
 from cbatch.layers.rotary_embedding import RotaryEmbedding, max_positions, rope_parameters
 from cbatch.layers.step_batch import StepBatch
 from cbatch.models.base import PagedCausalLM
@@ -117,7 +118,7 @@ class LlamaConfig:
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()), **switches)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -145,7 +146,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
@@ -158,7 +159,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
