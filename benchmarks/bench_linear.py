@@ -12,7 +12,7 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``onednn-packed``: the same with the weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
 - ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp) on its packed layout, on CPUs with
-  AVX-512 (``cbatch.layers.cpu_linear``, which picks the route the model runs).
+  AVX-512 or (fp32) AVX2 (``cbatch.layers.cpu_linear``, which picks the route the model runs).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
 once per round, round-robin, with the last-level cache flushed before each call, so that a

@@ -3,21 +3,24 @@
 Routes (:data:`ROUTES`), measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
 routes", ``benchmarks/bench_linear.py``):
 
-- ``"cbatch"``: cbatch's own kernel (csrc/cpu/linear.cpp) on CPUs with AVX-512 (bf16: with
-  AVX512-BF16).  The weight is packed into blocks of 16 output columns, each ``[K, 16]``
+- ``"cbatch"``: cbatch's own kernel (csrc/cpu/linear.cpp) on x86 CPUs with AVX-512 (bf16: with
+  AVX512-BF16) and, fp32 only, on those with AVX2 and FMA.  The weight is packed into blocks of 16 output columns, each ``[K, 16]``
   (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once per call;
   bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
   are memory-bound, and there it runs the layers 1.1-1.8x faster than oneDNN (no per-call
   primitive set-up).  It also runs long prefill chunks (compute-bound): oneDNN on weights it
   packed itself is 5-15% faster there, but that needs a second copy of every weight, and
   oneDNN on the unpacked weight measured slower in the engine than this kernel
-  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  The model's lm_head goes
-  to oneDNN (:func:`cbatch.layers.linear.pack_linears`), which streams it faster.
+  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  With AVX-512 the model's
+  lm_head goes to oneDNN (:func:`cbatch.layers.linear.pack_linears`), which streams it
+  faster there.  With AVX2 (AMD Zen 3) the kernel ran every GPT-2 layer and the lm_head 3-27%
+  faster than oneDNN on its own packed weights, at 1 to 256 rows (benchmarks/NOTES.md,
+  "cbatch's kernel on AVX2").
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even
   where the CPU has AVX-512.
-- ``"torch"``: ``F.linear`` on the dense weight (CPUs without AVX-512, where nothing else
+- ``"torch"``: ``F.linear`` on the dense weight (CPUs without AVX2, where nothing else
   was measured).
 
 :func:`cbatch.layers.linear.pack_linears` packs a model's linear layers when an engine's
@@ -44,7 +47,9 @@ BLOCK = 16  # output columns per block of the "cbatch" layout
 
 
 def _onednn_available(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available() or not torch.cpu._is_avx512_supported():
+    # x86 with AVX2 or AVX-512: where it was measured against F.linear (benchmarks/NOTES.md,
+    # "CPU GEMM routes" and "cbatch's kernel on AVX2").
+    if not torch.backends.mkldnn.is_available() or not torch.cpu._is_avx2_supported():
         return False
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()

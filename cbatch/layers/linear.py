@@ -7,9 +7,9 @@ threads) with an edge kernel that sums in another order; measured with the comma
 benchmarks/NOTES.md ("batch invariance").  On the GPU, cuBLAS picks tiles and split-K from M.
 So in batch-invariant mode the model's linear layers run:
 
-- CPU, where the "cbatch" route runs (:mod:`cbatch.layers.cpu_linear`, AVX-512): cbatch's
-  kernel on its packed weights, for every row count; each output element is one in-order
-  sum over k, whatever the other rows or the thread count.
+- CPU, where the "cbatch" route runs (:mod:`cbatch.layers.cpu_linear`: AVX-512, or AVX2 for
+  fp32): cbatch's kernel on its packed weights, for every row count; each output element is
+  one in-order sum over k, whatever the other rows or the thread count.
 - other CPUs, :func:`linear`: the rows are padded with zero rows to a multiple of
   :data:`ROW_MULTIPLE`, so that every panel is full and every row goes through the same
   micro-kernel (a multiple of the panel heights of MKL's AVX2 and AVX-512 kernels).
@@ -109,11 +109,13 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
-    # The vocabulary projection streams faster through oneDNN (benchmarks/NOTES.md, "The
-    # lm_head on oneDNN"); not in batch-invariant mode, where only cbatch's kernel will do.
+    # With AVX-512 the vocabulary projection streams faster through oneDNN (benchmarks/NOTES.md,
+    # "The lm_head on oneDNN"), with AVX2 through cbatch's kernel ("cbatch's kernel on AVX2");
+    # not in batch-invariant mode, where only cbatch's kernel will do.
     head = getattr(model, "lm_head", None)
     head_route = "onednn" if route == "cbatch" and not batch_invariant \
-        and cpu_linear.route_available("onednn", dtype) else route
+        and torch.cpu._is_avx512_supported() and cpu_linear.route_available("onednn", dtype) \
+        else route
     with torch.no_grad():
         for layer in layers:
             if layer.packed_weight is not None:

@@ -1,5 +1,6 @@
-// y = act(x @ W^T + bias) + residual on a CPU with AVX-512, for the few-row GEMMs of decode
-// steps, which stream every weight once and so run at memory bandwidth.
+// y = act(x @ W^T + bias) + residual on an x86 CPU with AVX-512 (fp32, bf16) or AVX2 + FMA
+// (fp32), for the few-row GEMMs of decode steps, which stream every weight once and so run at
+// memory bandwidth.
 //
 // The weight is packed once (cbatch/layers/cpu_linear.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16
@@ -214,34 +215,168 @@ constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
 // Rows go through in chunks that stay in each core's L2 while every column item reads them;
 // the weights then stream once per chunk (from L3, where a layer's weights fit).
 constexpr int64_t kChunkRows = 64;
-constexpr int64_t kL2Budget = 512 << 10;  // half of a Zen 4/5 core's L2
 
-template <typename T>
+// The AVX-512 kernel: an item is two blocks (the last may be one).
+struct Avx512 {
+  static constexpr int64_t kItemBlocks = 2;
+  static constexpr int64_t kNextFrom = kPackFrom;  // rows from which prefetch_next may be on
+  static constexpr int64_t kL2Budget = 512 << 10;  // half of a Zen 4/5 core's L2
+  template <typename T>
+  static void item(const Args<T>& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
+    if (block + 1 < blocks) {
+      column_item<T, 2>(a, block * kBlock, m0, m1);
+    } else {
+      column_item<T, 1>(a, block * kBlock, m0, m1);
+    }
+  }
+};
+
+// x packed (from kPackFrom rows), then chunks of rows, each over every column item (Isa's
+// items: Avx512 above, Avx2 below), the items shared out among threads.
+template <typename Isa, typename T>
 void run(Args<T> a) {
   std::unique_ptr<T[]> xp;  // every element written by pack_rows: no zeroing first
   if (a.M >= kPackFrom) {
     xp.reset(new T[(a.M + kRows - 1) / kRows * kRows * a.K]);
     pack_rows(a, xp.get());
     a.xp = xp.get();
-    // Only while a chunk of packed rows and two items' weights fill at most half of L2: with
+  }
+  if (a.M >= Isa::kNextFrom) {
+    // Only while a chunk of rows and two items' weights fill at most half of L2: with
     // K = 3072 in fp32 the next item pushed the rows out (5-7% slower at 64-256 rows).
-    const int64_t bytes = (std::min(a.M, kChunkRows) + 4 * kBlock) * a.K * int64_t(sizeof(T));
-    a.prefetch_next = bytes <= kL2Budget;
+    const int64_t bytes = (std::min(a.M, kChunkRows) + 2 * Isa::kItemBlocks * kBlock) * a.K *
+                          int64_t(sizeof(T));
+    a.prefetch_next = bytes <= Isa::kL2Budget;
   }
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
-  const int64_t items = (blocks + 1) / 2;  // pairs of blocks; the last may be one block
+  const int64_t items = (blocks + Isa::kItemBlocks - 1) / Isa::kItemBlocks;
   for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
     const int64_t m1 = std::min(a.M, m0 + kChunkRows);
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        if (2 * i + 1 < blocks) {
-          column_item<T, 2>(a, 2 * i * kBlock, m0, m1);
-        } else {
-          column_item<T, 1>(a, 2 * i * kBlock, m0, m1);
-        }
-      }
+      for (int64_t i = begin; i < end; ++i) Isa::item(a, i * Isa::kItemBlocks, blocks, m0, m1);
     });
   }
+}
+
+// ---- AVX2 + FMA (fp32 only): CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.
+// The same packed layout and loop; a tile is kRows2 rows times one block of 16 columns (two
+// 8-lane halves): 8 of the 16 ymm registers hold sums, 2 the block's row of weights.
+#define CBATCH_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int kRows2 = 4;
+
+// Lanes [0, n) of 8 (n may be <= 0 or >= 8).
+CBATCH_AVX2 inline __m256i first_lanes8(int64_t n) {
+  const int32_t c = int32_t(std::max<int64_t>(0, std::min<int64_t>(8, n)));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// e^x as exp16 (avx512.h) computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n
+// stays a normal float (e^-87 is 1.6e-38, e^88 1.7e38: gelu_tanh8 comes out the same).
+CBATCH_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+// gelu_tanh16 on 8 lanes.
+CBATCH_AVX2 inline __m256 gelu_tanh8(__m256 v) {
+  const __m256 u = _mm256_mul_ps(
+      _mm256_set1_ps(0.7978845608028654f),
+      _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v), _mm256_mul_ps(v, v), v));
+  const __m256 e = exp8(_mm256_add_ps(u, u));
+  const __m256 two = _mm256_set1_ps(2.f);
+  const __m256 one_plus_tanh =
+      _mm256_sub_ps(two, _mm256_div_ps(two, _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), one_plus_tanh);
+}
+
+// Rows [m, m + R) times the block that starts at column n; epilogue; store.  kNext: as
+// prefetch_ahead (the next item is the next block).
+template <int R, bool kNext>
+CBATCH_AVX2 void tile2(const Args<float>& a, int64_t m, int64_t n) {
+  __m256 acc[kRows2][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* w = a.w + (n / kBlock) * a.K * kBlock;
+  // Row r's element k of x is x[r * rs + k * ks] (packed: groups of kRows rows, k-major).
+  const float* x = a.xp ? a.xp + (m / kRows) * kRows * a.K + m % kRows : a.x + m * a.ldx;
+  const int64_t rs = a.xp ? 1 : a.ldx, ks = a.xp ? kRows : 1;
+  const int64_t K = a.K, next_item = K * kBlock;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kBlock;
+    if constexpr (kNext) {
+      _mm_prefetch(reinterpret_cast<const char*>(wk + next_item), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * rs + k * ks);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // unrolled, so that acc stays in registers
+    const int64_t col = n + 8 * h;
+    if (col >= a.N) continue;
+    const __m256i mask = first_lanes8(a.N - col);
+    const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + col, mask) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m256 v = _mm256_add_ps(acc[r][h], bias);
+      if (a.gelu) v = gelu_tanh8(v);
+      if (a.residual) {
+        v = _mm256_add_ps(_mm256_maskload_ps(a.residual + (m + r) * a.ldr + col, mask), v);
+      }
+      _mm256_maskstore_ps(a.out + (m + r) * a.N + col, mask, v);
+    }
+  }
+}
+
+template <bool kNext>
+CBATCH_AVX2 void passes2(const Args<float>& a, int64_t n, int64_t m, int64_t m_end) {
+  for (; m + kRows2 <= m_end; m += kRows2) tile2<kRows2, kNext>(a, m, n);
+  switch (m_end - m) {
+    case 3: return tile2<3, kNext>(a, m, n);
+    case 2: return tile2<2, kNext>(a, m, n);
+    case 1: return tile2<1, kNext>(a, m, n);
+    default: return;
+  }
+}
+
+// An item is one block; passes after the first prefetch the next (as column_item).
+struct Avx2 {
+  static constexpr int64_t kItemBlocks = 1;
+  // From two passes of rows, x packed or not: at 8-12 rows 0-20% less time (the lm_head most;
+  // benchmarks/NOTES.md, "cbatch's kernel on AVX2").
+  static constexpr int64_t kNextFrom = 2 * kRows2;
+  static constexpr int64_t kL2Budget = 256 << 10;  // half of a Zen 2/3 core's L2
+  static void item(const Args<float>& a, int64_t block, int64_t, int64_t m0, int64_t m1) {
+    const int64_t n = block * kBlock;
+    if (!a.prefetch_next || m1 - m0 <= kRows2) return passes2<false>(a, n, m0, m1);
+    tile2<kRows2, false>(a, m0, n);
+    passes2<true>(a, n, m0 + kRows2, m1);
+  }
+};
+
+bool cpu_has_avx2_fma() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
+                                                     __builtin_cpu_supports("fma"));
+  return yes;
 }
 
 }  // namespace
@@ -250,7 +385,8 @@ void run(Args<T> a) {
 bool cpu_linear_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
   static const bool bf16 = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return dtype == at::kFloat ? cpu_has_avx512() : dtype == at::kBFloat16 && bf16;
+  return dtype == at::kFloat ? cpu_has_avx512() || cpu_has_avx2_fma()
+                             : dtype == at::kBFloat16 && bf16;
 #else
   (void)dtype;
   return false;
@@ -265,8 +401,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
   TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), "x is ", x.scalar_type(),
                    " but the packed weight is ", packed.scalar_type());
   TORCH_CHECK_VALUE(cpu_linear_supported(x.scalar_type()), "cbatch's CPU linear runs ",
-                    x.scalar_type(), " only on a CPU with AVX-512",
-                    x.scalar_type() == at::kBFloat16 ? " and AVX512-BF16" : "");
+                    x.scalar_type(), " only on an x86 CPU with ",
+                    x.scalar_type() == at::kBFloat16 ? "AVX-512 and AVX512-BF16"
+                                                     : "AVX2 and FMA, or AVX-512");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == blocks &&
@@ -290,14 +427,19 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
   if (M == 0 || N == 0) return out;
 #ifdef CBATCH_X86
   if (x.scalar_type() == at::kFloat) {
-    run(Args<float>{x.data_ptr<float>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<float>(),
-                    bias ? bias->data_ptr<float>() : nullptr,
-                    residual ? residual->data_ptr<float>() : nullptr,
-                    residual ? residual->stride(0) : 0, activation == "gelu_tanh",
-                    out.data_ptr<float>()});
+    const Args<float> args{x.data_ptr<float>(), x.stride(0), M, K, N, nullptr,
+                           packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                           residual ? residual->data_ptr<float>() : nullptr,
+                           residual ? residual->stride(0) : 0, activation == "gelu_tanh",
+                           out.data_ptr<float>()};
+    if (cpu_has_avx512()) {
+      run<Avx512>(args);
+    } else {
+      run<Avx2>(args);
+    }
   } else {
     using B16 = c10::BFloat16;
-    run(Args<B16>{x.data_ptr<B16>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<B16>(),
+    run<Avx512>(Args<B16>{x.data_ptr<B16>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<B16>(),
                   bias ? bias->data_ptr<B16>() : nullptr,
                   residual ? residual->data_ptr<B16>() : nullptr,
                   residual ? residual->stride(0) : 0, activation == "gelu_tanh",
