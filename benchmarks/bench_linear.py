@@ -49,13 +49,15 @@ def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, M)
         out["mkl-packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, M)
-    if not torch.backends.mkldnn.is_available():
-        return out
-    out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
-        x, packed, bias, "none", [], "")
     from cbatch.layers import cpu_linear
+    # oneDNN's bf16 linear needs AVX-512 (or AVX-NE-CONVERT): its reorder refuses otherwise
+    if torch.backends.mkldnn.is_available() and (
+            weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, weight, bias, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, packed, bias, "none", [], "")
     if cpu_linear.route_available("cbatch", weight.dtype):
         ours = cpu_linear.pack(weight, "cbatch")
         out["cbatch"] = lambda x: cpu_linear.linear(x, ours, bias, weight.shape[0])

@@ -392,8 +392,9 @@ def run(args) -> Path:
             "floor_ms": "every weight read once (parameter bytes) / the highest read bandwidth "
                         "measured so far in the run (at its start and after each timed cbatch "
                         "run; read_bandwidth_GBps is the highest of all)",
-            "gemm_share": "CPU: time inside the linear layers (each Linear's forward wrapped with a timer) / model-call time, over a "
-                          "rerun of the first 8 requests after the timed run"}
+            "gemm_share": "CPU: time inside the linear layers (each Linear's forward wrapped "
+                          "with a timer) / model-call time, over a rerun of the first 8 "
+                          "requests after the timed run"}
     name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
     return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
