@@ -21,6 +21,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "avx2.h"    // the AVX2 step's helpers
 #include "avx512.h"  // CBATCH_X86 (x86-64 and GCC/clang: F16C and AVX-512 paths) and helpers
 
 namespace cbatch {
@@ -157,7 +158,7 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
 #ifdef CBATCH_X86
 // ---- AVX-512 ---------------------------------------------------------------------------------
 // The same online-softmax step written with 16-lane intrinsics, compiled for AVX-512 whatever
-// the extension's baseline and chosen at run time (use_avx512).  It reads fp16/bf16 K/V in
+// the extension's baseline and chosen at run time (step_for).  It reads fp16/bf16 K/V in
 // place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
 // is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
 
@@ -222,15 +223,83 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
   }
 }
 
-// Whether this CPU runs the AVX-512 step (and $CBATCH_CPU_ATTENTION does not say "generic").
-bool use_avx512(int64_t head_dim) {
-  const char* forced = std::getenv("CBATCH_CPU_ATTENTION");
-  return cpu_has_avx512() && head_dim % 16 == 0 &&
-         !(forced && std::strcmp(forced, "generic") == 0);
+// ---- AVX2 -----------------------------------------------------------------------------------
+// online_softmax_step_avx512 on 8 lanes, for CPUs without AVX-512: 8 keys at a time (their dot
+// products in 8 of the 16 ymm registers).  Needs D % 8 == 0.
+
+// The 8 sums of v[0..7] as one vector (lane i = sum of v[i]'s lanes).
+CBATCH_AVX2 inline __m256 sum8(const __m256 (&v)[8]) {
+  // hadd of pairs, then of pairs of pairs: lane j of each 128-bit half holds key j's (or
+  // j + 4's) partial sum over that half's lanes; the halves are then added
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
-#else
-bool use_avx512(int64_t) { return false; }
+
+CBATCH_AVX2 inline float reduce_max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+CBATCH_AVX2 inline float reduce_add8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+template <typename T>
+CBATCH_AVX2 void online_softmax_step_avx2(const float* q, const T* k, const T* v, int64_t stride,
+                                          int64_t n, int64_t D, float& m, float& l, float* acc) {
+  alignas(32) float p[8];
+  for (int64_t i0 = 0; i0 < n; i0 += 8, k += 8 * stride, v += 8 * stride) {
+    const int64_t count = std::min<int64_t>(8, n - i0);
+    const T* keys[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) keys[i] = k + std::min<int64_t>(i, count - 1) * stride;
+    __m256 dots[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(keys[i] + d), dots[i]);
+    }
+    const __m256 valid = _mm256_castsi256_ps(first_lanes8(count));
+    const __m256 scores = _mm256_blendv_ps(
+        _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum8(dots), valid);
+    const float new_m = std::max(m, reduce_max8(scores));
+    const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
+    const __m256 e = _mm256_and_ps(valid, exp8(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
+    l = l * correction + reduce_add8(e);
+    _mm256_store_ps(p, e);
+    for (int64_t d = 0; d < D; d += 8) {  // 8 columns of acc stay in a register over the keys
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(correction));
+      for (int64_t i = 0; i < count; ++i) {
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(v + i * stride + d), a);
+      }
+      _mm256_storeu_ps(acc + d, a);
+    }
+    m = new_m;
+  }
+}
 #endif
+
+// The online-softmax step an attention call runs.
+enum class Step { kGeneric, kAvx2, kAvx512 };
+
+// The widest step this CPU runs for this head dim, unless $CBATCH_CPU_ATTENTION says
+// "generic" (the portable step, compiled for x86-64-v3 and for the baseline).
+Step step_for(int64_t head_dim) {
+  const char* forced = std::getenv("CBATCH_CPU_ATTENTION");
+  if (forced && std::strcmp(forced, "generic") == 0) return Step::kGeneric;
+#ifdef CBATCH_X86
+  if (cpu_has_avx512() && head_dim % 16 == 0) return Step::kAvx512;
+  if (cpu_has_avx2() && head_dim % 8 == 0) return Step::kAvx2;
+#endif
+  (void)head_dim;
+  return Step::kGeneric;
+}
 
 // Asks for n rows of D elements, `stride` apart, to be brought into L2.  The blocks of a
 // sequence are scattered over the pool, so the hardware prefetcher cannot guess the next one.
@@ -247,7 +316,7 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t D) {
 template <typename T>
 void attend(const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,
             const int32_t* table, const CacheView& c, int64_t group, const Tile& tile,
-            const Item& item, float scale, [[maybe_unused]] bool avx512, Scratch& sc, T* out) {
+            const Item& item, float scale, [[maybe_unused]] Step step, Scratch& sc, T* out) {
   const int64_t D = c.head_dim, row = c.num_kv_heads * D;  // row: one token's [H_kv, D]
   const int64_t R = tile.num_rows, G = item.head_end - item.head_begin;
   for (int64_t g = 0; g < G; ++g) {
@@ -279,15 +348,20 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
       const int64_t g_begin = std::max(item.head_begin, kv * group) - item.head_begin;
       const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
 #ifdef CBATCH_X86
-      if (avx512) {  // K/V read in place
+      if (step != Step::kGeneric) {  // K/V read in place
         for (int64_t g = g_begin; g < g_end; ++g) {
           for (int64_t r = 0; r < R; ++r) {
             const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
             if (n <= 0) continue;
             const int64_t gr = g * R + r;
-            online_softmax_step_avx512(sc.q.data() + gr * D, key_cache + offset,
-                                       value_cache + offset, row, n, D, sc.m[gr], sc.l[gr],
-                                       sc.acc.data() + gr * D);
+            float *q = sc.q.data() + gr * D, *acc = sc.acc.data() + gr * D;
+            if (step == Step::kAvx512) {
+              online_softmax_step_avx512(q, key_cache + offset, value_cache + offset, row, n, D,
+                                         sc.m[gr], sc.l[gr], acc);
+            } else {
+              online_softmax_step_avx2(q, key_cache + offset, value_cache + offset, row, n, D,
+                                       sc.m[gr], sc.l[gr], acc);
+            }
           }
         }
         continue;
@@ -391,7 +465,7 @@ struct Job {
   CacheView cache;
   int64_t group;  // query heads per KV head
   float scale;
-  bool avx512;  // the AVX-512 step (use_avx512)
+  Step step;  // step_for(head_dim)
   const std::vector<Tile>& tiles;
   const std::vector<Item>& items;
   std::atomic<int64_t>& next;
@@ -405,7 +479,7 @@ void work(const Job<T>& job, Scratch& scratch) {
     const Tile& tile = job.tiles[job.items[i].tile];
     attend(job.query, job.query_stride, job.key_cache, job.value_cache,
            job.block_tables + tile.seq * job.max_blocks, job.cache, job.group, tile,
-           job.items[i], job.scale, job.avx512, scratch, job.out);
+           job.items[i], job.scale, job.step, scratch, job.out);
   }
 }
 
@@ -439,7 +513,7 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
-                   group, scale, use_avx512(c.head_dim), tiles, items, next,
+                   group, scale, step_for(c.head_dim), tiles, items, next,
                    out.data_ptr<T>()};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_heads, max_rows, c.head_dim, c.block_size);

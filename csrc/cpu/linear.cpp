@@ -22,6 +22,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "avx2.h"
 #include "avx512.h"
 
 namespace cbatch {
@@ -261,34 +262,10 @@ void run(Args<T> a) {
 // ---- AVX2 + FMA (fp32 only): CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.
 // The same packed layout and loop; a tile is kRows2 rows times one block of 16 columns (two
 // 8-lane halves): 8 of the 16 ymm registers hold sums, 2 the block's row of weights.
-#define CBATCH_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int kRows2 = 4;
 
-// Lanes [0, n) of 8 (n may be <= 0 or >= 8).
-CBATCH_AVX2 inline __m256i first_lanes8(int64_t n) {
-  const int32_t c = int32_t(std::max<int64_t>(0, std::min<int64_t>(8, n)));
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// e^x as exp16 (avx512.h) computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n
-// stays a normal float (e^-87 is 1.6e-38, e^88 1.7e38: gelu_tanh8 comes out the same).
-CBATCH_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kExpPoly[0]);
-#pragma GCC unroll 5
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i pow2n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
-}
-
-// gelu_tanh16 on 8 lanes.
+// gelu_tanh16 on 8 lanes (exp8's clamp leaves it as it is: 1 + tanh(u) is 0 or 2 there).
 CBATCH_AVX2 inline __m256 gelu_tanh8(__m256 v) {
   const __m256 u = _mm256_mul_ps(
       _mm256_set1_ps(0.7978845608028654f),
@@ -370,19 +347,13 @@ struct Avx2 {
   }
 };
 
-bool cpu_has_avx2_fma() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
-                                                     __builtin_cpu_supports("fma"));
-  return yes;
-}
-
 }  // namespace
 #endif
 
 bool cpu_linear_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
   static const bool bf16 = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return dtype == at::kFloat ? cpu_has_avx512() || cpu_has_avx2_fma()
+  return dtype == at::kFloat ? cpu_has_avx512() || cpu_has_avx2()
                              : dtype == at::kBFloat16 && bf16;
 #else
   (void)dtype;

@@ -95,8 +95,9 @@ def test_cpu_kernels_any_thread_count(threads):
 @pytest.mark.parametrize("path", ["auto", "generic"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_kernel_paths(monkeypatch, path, dtype):
-    """Both code paths of the CPU kernels: the AVX-512 step (chosen on a CPU with AVX-512 for
-    head dims that are multiples of 16; "auto") and the portable one
+    """Every code path of the CPU kernels: the AVX-512 step (chosen on a CPU with AVX-512 for
+    head dims that are multiples of 16; "auto"), the AVX2 one (chosen on a CPU with AVX2 but
+    not AVX-512, or with AVX-512 for head dim 80; "auto") and the portable one
     ($CBATCH_CPU_ATTENTION=generic, and any head dim), for decode and prefill, grouped
     queries, block sizes 8/16/32 (more than 16 keys in a block), head dims 64/128/80."""
     if path == "generic":

@@ -1,0 +1,56 @@
+// What the CPU kernels' AVX2 paths share (linear.cpp, attention.cpp): 8-lane fp32 helpers,
+// compiled for AVX2 + FMA + F16C (x86-64-v3) whatever the extension's baseline; callers reach
+// them only after checking the CPU at run time (cpu_has_avx2).
+#pragma once
+
+#include "avx512.h"  // CBATCH_X86, Cephes' exp constants
+
+#ifdef CBATCH_X86
+#define CBATCH_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace cbatch {
+
+// AVX2, FMA and F16C, as the CPU reports them.
+inline bool cpu_has_avx2() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
+                                                     __builtin_cpu_supports("fma") &&
+                                                     __builtin_cpu_supports("f16c"));
+  return yes;
+}
+
+// Lanes [0, n) of 8, as a mask of all-ones lanes (n may be <= 0 or >= 8).
+CBATCH_AVX2 inline __m256i first_lanes8(int64_t n) {
+  const int32_t c = int32_t(n < 0 ? 0 : n > 8 ? 8 : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 elements as fp32 (bf16: shifted into the top half of an fp32).
+CBATCH_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+CBATCH_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+CBATCH_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// e^x as exp16 (avx512.h) computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n
+// stays a normal float (e^-87 is 1.6e-38, e^88 1.7e38; a caller that needs an exact 0 for
+// -inf masks it).
+CBATCH_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 5
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+}  // namespace cbatch
+#endif
