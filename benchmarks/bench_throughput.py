@@ -118,22 +118,23 @@ def on_cpu(args) -> bool:
 
 
 class StepClock:
-    """Wall time of every step's model call (CPU: the call returns when the step is done),
-    and the rows and kind of the step, kept beside the engine's own runner."""
+    """Wall time of every step's model call and sampling (the runner's execute; on the CPU
+    it returns when the step is done), and the rows and kind of the step, kept beside the
+    engine's own runner."""
 
     def __init__(self, runner):
         self.steps: list[tuple[bool, int, float]] = []  # (is_decode, rows, seconds)
         self.model = runner.model
-        logits = runner.logits
+        execute = runner.execute
 
-        def timed(batch):
+        def timed(batch, scheduled):
             start = time.perf_counter()
-            out = logits(batch)
+            out = execute(batch, scheduled)
             self.steps.append((batch.is_decode, batch.num_seqs - batch.num_padded_seqs,
                                time.perf_counter() - start))
             return out
 
-        runner.logits = timed
+        runner.execute = timed
 
     def decode_summary(self, bytes_per_s: float) -> dict:
         """The median decode step at the most common decode batch size, beside the floor:
@@ -166,9 +167,11 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
                 spent[0] += time.perf_counter() - start
         return run
 
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    model = llm.engine.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:  # an instance attribute, which cbatch's layers call (layers/module.py)
         layer.forward = timed(layer.forward)
+    model.greedy_tokens = timed(model.greedy_tokens)  # the lm_head of screened greedy steps
     clock = StepClock(llm.engine.runner)
     llm.engine.block_manager.reset_prefix_cache()
     try:
@@ -176,6 +179,8 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     finally:
         for layer in layers:
             del layer.forward
+        del model.greedy_tokens
+        del llm.engine.runner.execute
     total = sum(s for _, _, s in clock.steps)
     return spent[0] / total if total else float("nan")
 
@@ -387,14 +392,16 @@ def run(args) -> Path:
             "read_bandwidth_GBps": args.floor_bytes_per_s / 1e9,
             "load_average_at_end": Path("/proc/loadavg").read_text().split()[0]
             if Path("/proc/loadavg").exists() else None,
-            "decode_step_ms": "CPU: median model call (forward + lm_head) of the decode steps at "
-                              "the most common decode batch size, in the timed run",
+            "decode_step_ms": "CPU: median model call, lm_head and sampling (the runner's "
+                              "execute) of the decode steps at the most common decode batch "
+                              "size, in the timed run",
             "floor_ms": "every weight read once (parameter bytes) / the highest read bandwidth "
                         "measured so far in the run (at its start and after each timed cbatch "
-                        "run; read_bandwidth_GBps is the highest of all)",
-            "gemm_share": "CPU: time inside the linear layers (each Linear's forward wrapped "
-                          "with a timer) / model-call time, over a rerun of the first 8 "
-                          "requests after the timed run"}
+                        "run; read_bandwidth_GBps is the highest of all); an fp32 lm_head with "
+                        "a greedy screen reads half its bytes, so greedy steps can beat it",
+            "gemm_share": "CPU: time inside the linear layers (each Linear's forward and the "
+                          "screened lm_head wrapped with a timer) / step time, over a rerun "
+                          "of the first 8 requests after the timed run"}
     name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
     return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))

@@ -63,6 +63,16 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual, const std::string& activation);
 
+// Greedy tokens of an fp32 lm_head without reading its fp32 weights, as
+// argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
+// (the same weight rounded to bf16, packed alike) and the fp32 sums of the few columns it
+// cannot rule out.  x: fp32 [M, K] (dense rows); packed: fp32 as linear_cpu's; w_norm,
+// screen_norm, error_norm: the maxima over columns of |w_j|, |bf16(w_j)| and
+// |w_j - bf16(w_j)| (2-norms, rounded up).  Returns int64 [M].  AVX-512 with AVX512-BF16.
+at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& screen, int64_t out_features, double w_norm,
+                           double screen_norm, double error_norm);
+
 // Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.
 at::Tensor argmax_cpu(const at::Tensor& logits);

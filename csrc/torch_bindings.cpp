@@ -21,6 +21,9 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
       "str activation) -> Tensor");
+  m.def(
+      "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
+      "float screen_norm, float error_norm) -> Tensor");  // an fp32 lm_head's greedy tokens
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
 }
 
@@ -29,6 +32,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cpu);
   m.impl("paged_prefill_attention", &cbatch::paged_prefill_attention_cpu);
   m.impl("linear", &cbatch::linear_cpu);
+  m.impl("greedy_head", &cbatch::greedy_head_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
 }
 

@@ -152,17 +152,20 @@ class ModelRunner:
     def logits(self, batch: StepBatch) -> torch.Tensor:
         """``[S, vocab]`` logits of each real sequence's last new token (a graph replay when
         one was captured for this batch)."""
-        num_real = batch.num_seqs - batch.num_padded_seqs
         graph = self._graphs.get(batch.num_seqs) if batch.is_decode else None
         if graph is not None:
             try:
                 graph[0].replay()
-                return graph[1][:num_real]
+                return graph[1][:batch.num_seqs - batch.num_padded_seqs]
             except Exception as exc:  # the same padded batch runs eagerly instead
                 self.disable_graphs(f"replaying the CUDA graph of {batch.num_seqs} rows "
                                     f"failed ({type(exc).__name__}: {exc})")
+        return self.model.compute_logits(self.last_hidden(batch))
+
+    def last_hidden(self, batch: StepBatch) -> torch.Tensor:
+        """``[S, hidden]``: the final hidden state of each real sequence's last new token."""
         hidden = self.model(batch, self.kv_cache)
-        return self.model.compute_logits(hidden[batch.logits_indices[:num_real]])
+        return hidden[batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]]
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> SampledTokens:
@@ -179,9 +182,13 @@ class ModelRunner:
         )
         num_logprobs = [p.logprobs for p in params]
         with self.threads.step() if self.threads else contextlib.nullcontext():
-            logits = self.logits(batch)
-            tokens = sample(logits, sampling)
-            logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+            if sampling.all_greedy and not any(num_logprobs) and self.model.greedy_screened \
+                    and not self._graphs:  # no logits needed: the lm_head's screen (CPU, fp32)
+                tokens, logprobs = self.model.greedy_tokens(self.last_hidden(batch)), None
+            else:
+                logits = self.logits(batch)
+                tokens = sample(logits, sampling)
+                logprobs = logprobs_tensors(logits, tokens, num_logprobs)
         samples = [item.samples for item in scheduled]
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)

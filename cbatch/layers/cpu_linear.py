@@ -31,11 +31,21 @@ packed copy beside it.  Results differ from ``F.linear``'s only in summation ord
 ~1e-6 relative).
 
 ``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
+
+A greedy step needs only each row's argmax of the lm_head, and an fp32 lm_head is a third of
+the bytes a GPT-2 decode step reads.  On CPUs with AVX512-BF16 an fp32 model's lm_head gets
+a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its weight;
+:func:`greedy_tokens` screens every column on it, then sums the few it cannot rule out in
+fp32 as the kernel does: the same tokens as the argmax of the fp32 logits, bit for bit,
+from half the bytes (the bound that makes it exact is in csrc/cpu/linear.cpp,
+``greedy_head_cpu``).  ``$CBATCH_GREEDY_SCREEN=0`` turns it off (the copy costs half the
+lm_head's fp32 bytes in memory).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +143,49 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if gelu is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], gelu)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class GreedyScreen:
+    """A bf16 copy of an fp32 weight ``[N, K]`` for :func:`greedy_tokens`.
+
+    weight: bf16, packed as :func:`pack` packs the fp32 one; the norms: the largest 2-norm
+    over columns j (rows of the dense weight) of ``w_j``, ``bf16(w_j)`` and
+    ``w_j - bf16(w_j)``, in float64, rounded up."""
+
+    weight: torch.Tensor
+    w_norm: float
+    screen_norm: float
+    error_norm: float
+
+
+def screen_available(dtype: torch.dtype) -> bool:
+    """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32, cbatch's
+    kernel for fp32 and bf16 alike (AVX-512 with AVX512-BF16), and ``$CBATCH_GREEDY_SCREEN``
+    not ``0``."""
+    return dtype == torch.float32 and os.environ.get("CBATCH_GREEDY_SCREEN", "1") != "0" \
+        and route_available("cbatch", torch.float32) \
+        and route_available("cbatch", torch.bfloat16)
+
+
+def pack_screen(weight: torch.Tensor) -> GreedyScreen:
+    """The :class:`GreedyScreen` of a dense fp32 ``[N, K]`` weight (K even)."""
+    w = weight.detach()
+    rounded = w.to(torch.bfloat16)
+    up = 1 + 1e-9  # float64 sums of K squares are within K * 2^-53 relative
+
+    def largest(t: torch.Tensor) -> float:
+        return float(t.double().norm(dim=1).max()) * up
+
+    return GreedyScreen(pack(rounded, "cbatch"), largest(w), largest(rounded),
+                        largest(w.double() - rounded.double()))
+
+
+def greedy_tokens(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
+                  out_features: int) -> torch.Tensor:
+    """``argmax(linear(x, packed, None, out_features), dim=-1)`` bit for bit, reading
+    ``screen`` instead of most of ``packed``.  x: fp32 ``[M, K]``; packed: :func:`pack`'s
+    fp32 layout → int64 ``[M]``."""
+    return torch.ops.cbatch.greedy_head(x if x.stride(-1) == 1 else x.contiguous(), packed,
+                                        screen.weight, out_features, screen.w_norm,
+                                        screen.screen_norm, screen.error_norm)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cbatch import ops
+from cbatch.layers import cpu_linear
 from cbatch.layers.attention import PagedAttention
 from cbatch.layers.linear import Linear
 
@@ -43,6 +44,21 @@ class PagedCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` hidden states → ``[N, vocab_size]`` logits."""
         return self.lm_head(hidden)
+
+    @property
+    def greedy_screened(self) -> bool:
+        """Whether :meth:`greedy_tokens` runs (an fp32 lm_head packed on a CPU with
+        AVX512-BF16: :func:`cbatch.layers.linear.pack_linears`)."""
+        return self.lm_head.greedy_screen is not None
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` hidden states → int64 ``[N]``: the argmax of
+        :meth:`compute_logits`' rows, bit for bit, from the lm_head's bf16 screen and the
+        fp32 sums of the few columns it cannot rule out (:func:`cbatch.layers.cpu_linear.
+        greedy_tokens`); only where :attr:`greedy_screened`."""
+        head = self.lm_head
+        return cpu_linear.greedy_tokens(hidden, head.packed_weight, head.greedy_screen,
+                                        head.out_features)
 
     @property
     def device(self) -> torch.device:

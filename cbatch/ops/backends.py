@@ -95,6 +95,10 @@ if compiled.compiled_backends():
     def _(x, packed, out_features, bias, residual, activation):
         return x.new_empty((x.shape[0], out_features))
 
+    @torch.library.register_fake("cbatch::greedy_head")
+    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm):
+        return x.new_empty((x.shape[0],), dtype=torch.long)
+
     @torch.library.register_fake("cbatch::argmax")
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.long)

@@ -16,9 +16,11 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -74,7 +76,8 @@ CBATCH_AVX512 inline __m512 gelu_tanh16(__m512 v) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), one_plus_tanh);
 }
 
-template <typename T>
+// T: x and the weight; O: the output (T, or fp32 for the greedy head's bf16 screen).
+template <typename T, typename O = T>
 struct Args {
   const T* x;  // [M, K], rows ldx apart
   int64_t ldx, M, K, N;
@@ -84,7 +87,7 @@ struct Args {
   const T* residual;  // [M, N] (rows ldr apart) or null
   int64_t ldr;
   bool gelu;
-  T* out;  // [M, N] dense
+  O* out;  // [M, N] dense
   bool prefetch_next = false;  // later passes of rows prefetch the next item (prefetch_ahead)
 };
 
@@ -95,8 +98,8 @@ constexpr int64_t kPairs = std::is_same_v<T, float> ? 1 : 2;
 // x's rows in groups of kRows, each group [K / pairs][kRows][pairs] (zero rows past M): the
 // tile's broadcasts then read one stream instead of kRows rows far apart (for many rows;
 // a few rows stay in cache as they are).
-template <typename T>
-void pack_rows(const Args<T>& a, T* xp) {
+template <typename T, typename O>
+void pack_rows(const Args<T, O>& a, T* xp) {
   constexpr int64_t P = kPairs<T>;
   const int64_t groups = (a.M + kRows - 1) / kRows;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -160,8 +163,8 @@ CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int6
 }
 
 // Rows [m, m + R) times the B blocks that start at column n; epilogue; store.
-template <typename T, int R, int B, bool kNext = false>
-CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
+template <typename T, typename O, int R, int B, bool kNext = false>
+CBATCH_AVX512_BF16 void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -185,31 +188,31 @@ CBATCH_AVX512_BF16 void tile(const Args<T>& a, int64_t m, int64_t n) {
 }
 
 // Rows [m, m_end) times the B blocks that start at column n, kRows at a time, then the rest.
-template <typename T, int B, bool kNext>
-CBATCH_AVX512_BF16 void passes(const Args<T>& a, int64_t n, int64_t m, int64_t m_end) {
-  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, B, kNext>(a, m, n);
+template <typename T, typename O, int B, bool kNext>
+CBATCH_AVX512_BF16 void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_t m_end) {
+  for (; m + kRows <= m_end; m += kRows) tile<T, O, kRows, B, kNext>(a, m, n);
   switch (m_end - m) {
-    case 7: return tile<T, 7, B, kNext>(a, m, n);
-    case 6: return tile<T, 6, B, kNext>(a, m, n);
-    case 5: return tile<T, 5, B, kNext>(a, m, n);
-    case 4: return tile<T, 4, B, kNext>(a, m, n);
-    case 3: return tile<T, 3, B, kNext>(a, m, n);
-    case 2: return tile<T, 2, B, kNext>(a, m, n);
-    case 1: return tile<T, 1, B, kNext>(a, m, n);
+    case 7: return tile<T, O, 7, B, kNext>(a, m, n);
+    case 6: return tile<T, O, 6, B, kNext>(a, m, n);
+    case 5: return tile<T, O, 5, B, kNext>(a, m, n);
+    case 4: return tile<T, O, 4, B, kNext>(a, m, n);
+    case 3: return tile<T, O, 3, B, kNext>(a, m, n);
+    case 2: return tile<T, O, 2, B, kNext>(a, m, n);
+    case 1: return tile<T, O, 1, B, kNext>(a, m, n);
     default: return;
   }
 }
 
 // Rows [m_begin, m_end) times the B blocks that start at column n.  With prefetch_next the
 // passes after the first bring the next item's weights into L2 (prefetch_ahead).
-template <typename T, int B>
-CBATCH_AVX512_BF16 void column_item(const Args<T>& a, int64_t n, int64_t m_begin,
+template <typename T, typename O, int B>
+CBATCH_AVX512_BF16 void column_item(const Args<T, O>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end) {
   if (!a.prefetch_next || m_end - m_begin <= kRows) {
-    return passes<T, B, false>(a, n, m_begin, m_end);
+    return passes<T, O, B, false>(a, n, m_begin, m_end);
   }
-  tile<T, kRows, B>(a, m_begin, n);
-  passes<T, B, true>(a, n, m_begin + kRows, m_end);
+  tile<T, O, kRows, B>(a, m_begin, n);
+  passes<T, O, B, true>(a, n, m_begin + kRows, m_end);
 }
 
 constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
@@ -222,20 +225,20 @@ struct Avx512 {
   static constexpr int64_t kItemBlocks = 2;
   static constexpr int64_t kNextFrom = kPackFrom;  // rows from which prefetch_next may be on
   static constexpr int64_t kL2Budget = 512 << 10;  // half of a Zen 4/5 core's L2
-  template <typename T>
-  static void item(const Args<T>& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
+  template <typename T, typename O>
+  static void item(const Args<T, O>& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
     if (block + 1 < blocks) {
-      column_item<T, 2>(a, block * kBlock, m0, m1);
+      column_item<T, O, 2>(a, block * kBlock, m0, m1);
     } else {
-      column_item<T, 1>(a, block * kBlock, m0, m1);
+      column_item<T, O, 1>(a, block * kBlock, m0, m1);
     }
   }
 };
 
 // x packed (from kPackFrom rows), then chunks of rows, each over every column item (Isa's
 // items: Avx512 above, Avx2 below), the items shared out among threads.
-template <typename Isa, typename T>
-void run(Args<T> a) {
+template <typename Isa, typename T, typename O>
+void run(Args<T, O> a) {
   std::unique_ptr<T[]> xp;  // every element written by pack_rows: no zeroing first
   if (a.M >= kPackFrom) {
     xp.reset(new T[(a.M + kRows - 1) / kRows * kRows * a.K]);
@@ -347,6 +350,64 @@ struct Avx2 {
   }
 };
 
+// ---- Greedy tokens of an fp32 lm_head read through a bf16 copy (greedy_head_cpu).
+//
+// A greedy step needs each row's argmax of x @ W^T, not its logits.  The screen runs the bf16
+// kernel above (fp32 sums, fp32 out) on x and W rounded to bf16: half of W's bytes, and an
+// fp32 lm_head is a third of a GPT-2 decode step's.  Its A_j differs from the fp32 kernel's
+// logit E_j by at most
+//   B = g_K |x| |w_j| + g_2K |x~| |w~_j| + |x - x~| |w_j| + |x~| |w_j - w~_j| + tiny
+// (|.| the 2-norm, ~ the bf16 rounding, g_n = nu / (1 - nu) with u = 2^-24: the two sums of K
+// products in any order, Cauchy-Schwarz for the rest, `tiny` for bf16 products flushed to
+// zero), with each column norm's maximum over W.  A column with A_j < A_t - 2B, t the
+// screen's argmax, has E_j < E_t, so the fp32 kernel's argmax (its first maximum) is among
+// the others: for each block of 16 columns that holds one, E is summed as the kernel sums it
+// (one fma per k, in order, from zero, then + 0 for the absent bias), bit for bit.  Rows the
+// screen cannot settle cheaply run the fp32 kernel on the whole row: a NaN or infinity
+// anywhere, sums that could overflow, or more than kMaxBlocks blocks to sum (x = 0 ties every
+// column).
+
+constexpr int64_t kMaxBlocks = 256;  // ~3 us each (a 16-column block is K cache lines)
+
+struct ScreenNorms {
+  double w, screen_w, error;  // max_j |w_j|, |w~_j|, |w_j - w~_j|
+};
+
+// E for the 16 columns of one packed fp32 block, as tile<float> computes them.
+CBATCH_AVX512 inline __m512 exact_block(const float* x, const float* block, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(block + k * kBlock), acc);
+  }
+  return _mm512_add_ps(acc, _mm512_setzero_ps());
+}
+
+// The row's greedy token, or -1 where the fp32 kernel must run the whole row.  approx: the
+// screen's [N] sums; top: their argmax; bound: B.
+CBATCH_AVX512 int64_t settle_row(const float* x, const float* packed, int64_t K, int64_t N,
+                                 const float* approx, int64_t top, double bound) {
+  const double threshold = double(approx[top]) - 2 * bound;
+  if (!std::isfinite(threshold)) return -1;
+  // the largest float at most `threshold`: no column the bound keeps is dropped
+  const float below = std::nextafter(static_cast<float>(threshold), -INFINITY);
+  const __m512 cut = _mm512_set1_ps(below);
+  int64_t best = -1, blocks = 0;
+  float best_value = -INFINITY;
+  for (int64_t n = 0; n < N; n += kBlock) {
+    const __mmask16 valid = first_lanes(N - n);
+    __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, load16(approx + n, valid), cut, _CMP_GE_OQ);
+    if (!keep) continue;
+    if (++blocks > kMaxBlocks) return -1;
+    float exact[kBlock];
+    _mm512_storeu_ps(exact, exact_block(x, packed + n * K, K));
+    for (; keep; keep &= keep - 1) {
+      const int lane = __builtin_ctz(keep);
+      if (exact[lane] > best_value) best = n + lane, best_value = exact[lane];
+    }
+  }
+  return best;
+}
+
 }  // namespace
 #endif
 
@@ -415,6 +476,87 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
   }
 #endif
   return out;
+}
+
+
+at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& screen, int64_t out_features, double w_norm,
+                           double screen_norm, double error_norm) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+                       screen.scalar_type() == at::kBFloat16,
+                   "greedy_head takes fp32 x and packed weight and a bf16 screen, got ",
+                   x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type());
+  TORCH_CHECK_VALUE(cpu_linear_supported(at::kBFloat16),
+                    "greedy_head runs only on an x86 CPU with AVX-512 and AVX512-BF16");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
+                    x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  for (const at::Tensor* w : {&packed, &screen}) {
+    TORCH_CHECK_VALUE(w->is_contiguous() && w->dim() == 3 && w->size(0) == blocks &&
+                          w->size(1) == K && w->size(2) == kBlock,
+                      "packed weight ", w->sizes(), " does not hold ", N, " x ", K);
+  }
+  TORCH_CHECK_VALUE(K % 2 == 0 && N > 0, "greedy_head needs an even K and N > 0, got K = ", K,
+                    ", N = ", N);
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+#ifdef CBATCH_X86
+  using B16 = c10::BFloat16;
+  const ScreenNorms norms{w_norm, screen_norm, error_norm};
+  // x~ and the row terms of B, in double
+  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  std::vector<double> bound(M);
+  const double u = std::ldexp(1.0, -24), gK = K * u / (1 - K * u),
+               g2K = 2 * K * u / (1 - 2 * K * u);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x.data_ptr<float>() + m * x.stride(0);
+    B16* rounded = xb.data_ptr<B16>() + m * K;
+    double nx = 0, nxb = 0, ndx = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      rounded[k] = B16(row[k]);
+      const double v = row[k], vb = static_cast<float>(rounded[k]);
+      nx += v * v, nxb += vb * vb, ndx += (v - vb) * (v - vb);
+    }
+    nx = std::sqrt(nx), nxb = std::sqrt(nxb), ndx = std::sqrt(ndx);
+    const double tiny = std::ldexp(1.0, -100) * K * (1 + nxb + norms.screen_w);
+    double b = gK * nx * norms.w + g2K * nxb * norms.screen_w + ndx * norms.w +
+               nxb * norms.error + tiny;
+    // no sum can overflow below this (each partial sum is at most |x| |w_j|)
+    if (!(nx * norms.w < 1e37 && nxb * norms.screen_w < 1e37)) b = INFINITY;
+    bound[m] = b * (1 + 1e-6);  // the double arithmetic's own rounding
+  }
+  at::Tensor approx = at::empty({M, N}, x.options());
+  run<Avx512>(Args<B16, float>{xb.data_ptr<B16>(), K, M, K, N, nullptr, screen.data_ptr<B16>(),
+                               nullptr, nullptr, 0, false, approx.data_ptr<float>()});
+  const at::Tensor top = argmax_cpu(approx);
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      out[m] = settle_row(x.data_ptr<float>() + m * x.stride(0), packed.data_ptr<float>(), K,
+                          N, approx.data_ptr<float>() + m * N, top.data_ptr<int64_t>()[m],
+                          bound[m]);
+    }
+  });
+  std::vector<int64_t> unsettled;
+  for (int64_t m = 0; m < M; ++m) {
+    if (out[m] < 0) unsettled.push_back(m);
+  }
+  if (!unsettled.empty()) {  // the fp32 kernel on those rows, then torch.argmax's answer
+    const int64_t U = static_cast<int64_t>(unsettled.size());
+    at::Tensor rows = at::empty({U, K}, x.options());
+    for (int64_t i = 0; i < U; ++i) {
+      std::memcpy(rows.data_ptr<float>() + i * K, x.data_ptr<float>() + unsettled[i] * x.stride(0),
+                  K * sizeof(float));
+    }
+    const at::Tensor logits = linear_cpu(rows, packed, N, std::nullopt, std::nullopt, "none");
+    const at::Tensor picked = argmax_cpu(logits);
+    for (int64_t i = 0; i < U; ++i) {
+      out[unsettled[i]] = picked.data_ptr<int64_t>()[i];
+    }
+  }
+#endif
+  return tokens;
 }
 
 }  // namespace cbatch
