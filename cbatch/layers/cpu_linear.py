@@ -11,11 +11,11 @@ routes", ``benchmarks/bench_linear.py``):
   primitive set-up).  It also runs long prefill chunks (compute-bound): oneDNN on weights it
   packed itself is 5-15% faster there, but that needs a second copy of every weight, and
   oneDNN on the unpacked weight measured slower in the engine than this kernel
-  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  With AVX-512 the model's
-  lm_head goes to oneDNN (:func:`cbatch.layers.linear.pack_linears`), which streams it
-  faster there.  With AVX2 (AMD Zen 3) the kernel ran every GPT-2 layer and the lm_head 3-27%
-  faster than oneDNN on its own packed weights, at 1 to 256 rows (benchmarks/NOTES.md,
-  "cbatch's kernel on AVX2").
+  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  The lm_head runs it too:
+  on a Zen 4 host 12-40% faster than oneDNN at 1-15 rows in fp32 and bf16 (benchmarks/
+  NOTES.md, "The lm_head's greedy screen"); with AVX2 (AMD Zen 3) the kernel ran every GPT-2
+  layer and the lm_head 3-27% faster than oneDNN on its own packed weights, at 1 to 256 rows
+  ("cbatch's kernel on AVX2").
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even

@@ -110,27 +110,21 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
-    # An fp32 lm_head gets a bf16 greedy screen where cbatch's kernel runs both dtypes, and
-    # stays on the kernel, whose logits the screen's tokens are exact for.  Otherwise, with
-    # AVX-512 the vocabulary projection streams faster through oneDNN (benchmarks/NOTES.md,
-    # "The lm_head on oneDNN"), with AVX2 through cbatch's kernel ("cbatch's kernel on AVX2");
-    # not in batch-invariant mode, where only cbatch's kernel will do.
+    # An fp32 lm_head gets a bf16 greedy screen where cbatch's kernel runs both dtypes
+    # (cpu_linear.GreedyScreen); it is exact for the logits of cbatch's kernel, which also
+    # streams the lm_head faster than oneDNN (benchmarks/NOTES.md, "The lm_head's greedy screen").
     head = getattr(model, "lm_head", None)
     screened = route == "cbatch" and isinstance(head, Linear) and head.bias is None \
         and head.in_features % 2 == 0 and cpu_linear.screen_available(dtype)
-    head_route = "onednn" if route == "cbatch" and not batch_invariant and not screened \
-        and torch.cpu._is_avx512_supported() and cpu_linear.route_available("onednn", dtype) \
-        else route
     with torch.no_grad():
         for layer in layers:
             if layer.packed_weight is not None:
                 continue
-            layer_route = head_route if layer is head else route
-            if layer_route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
+            if route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
                 continue  # vdpbf16ps takes pairs of k
             if layer is head and screened:
                 layer.greedy_screen = cpu_linear.pack_screen(layer.weight)
-            packed = cpu_linear.pack(layer.weight, layer_route)
+            packed = cpu_linear.pack(layer.weight, route)
             if id(layer.weight) in shared:
                 layer.packed_weight = packed  # the dense weight stays for its other user
             else:
