@@ -12,7 +12,10 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``onednn-packed``: the same with the weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
 - ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp) on its packed layout, on CPUs with
-  AVX-512 or (fp32) AVX2 (``cbatch.layers.cpu_linear``, which picks the route the model runs).
+  AVX-512 or (fp32) AVX2 (``cbatch.layers.cpu_linear``, which picks the route the model runs);
+- ``cbatch-greedy`` (fp32 lm_head, CPUs with AVX512-BF16): what a greedy step runs instead of
+  the lm_head, its tokens through the bf16 screen (``cpu_linear.greedy_tokens``); its error
+  column counts the rows whose token is not the argmax of ``cbatch``'s logits (0 expected).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
 once per round, round-robin, with the last-level cache flushed before each call, so that a
@@ -61,6 +64,10 @@ def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
     if cpu_linear.route_available("cbatch", weight.dtype):
         ours = cpu_linear.pack(weight, "cbatch")
         out["cbatch"] = lambda x: cpu_linear.linear(x, ours, bias, weight.shape[0])
+        if bias is None and cpu_linear.screen_available(weight.dtype):
+            screen = cpu_linear.pack_screen(weight)
+            out["cbatch-greedy"] = lambda x: cpu_linear.greedy_tokens(x, ours, screen,
+                                                                      weight.shape[0])
     return out
 
 
@@ -91,7 +98,7 @@ def run(args) -> Path:
     rows = []
     for layer, (N, K) in shapes.items():
         w32 = torch.randn(N, K, generator=gen) * 0.02
-        b32 = None if layer == "lm_head" else torch.randn(N, generator=gen) * 0.02
+        b32 = None if layer in ("lm_head", "tiny") else torch.randn(N, generator=gen) * 0.02
         for dtype in args.dtypes:
             dt = getattr(torch, dtype)
             weight = w32.to(dt)
@@ -105,7 +112,10 @@ def run(args) -> Path:
                 floor = weight.numel() * weight.element_size() / bw
                 for name, fn in fns.items():
                     best, med = min(times[name]), statistics.median(times[name])
-                    err = (fn(x).double() - truth).abs().max().item()
+                    if name == "cbatch-greedy":  # tokens: rows that are not the argmax
+                        err = float((fn(x) != fns["cbatch"](x).argmax(-1)).sum())
+                    else:
+                        err = (fn(x).double() - truth).abs().max().item()
                     rows.append({"layer": layer, "N": N, "K": K, "M": M, "dtype": dtype,
                                  "route": name, "min_us": best * 1e6, "median_us": med * 1e6,
                                  "floor_us": floor * 1e6, "floor_over_min": floor / best,
