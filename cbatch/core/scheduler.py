@@ -14,6 +14,12 @@ uncached token.  The blocks a step filled are registered in the cache at the sta
 next ``schedule()`` (and when a sequence leaves or is preempted), once the step writing their
 K/V has been launched: the device runs steps in order, so no later step reads them early.
 
+A prompt that many requests share is prefilled once, not once per request (SGLang's
+in-batch prefix caching): a waiting request whose next uncached full block a sequence of this
+step is filling with the same tokens waits one step, then finds that block in the cache.
+Each such wait coincides with a step that fills the block, so a request waits at most once
+per block of its prompt that another request is filling.
+
 With async scheduling (the engine schedules step n+1 while step n runs) a sequence's newest
 token may still be in flight: it is scheduled like any known token, except that a sequence
 whose in-flight token is its last (``max_tokens``) needs nothing more: it leaves ``running``
@@ -26,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cbatch.config import POLICIES
-from cbatch.core.block_manager import BlockManager
+from cbatch.core.block_manager import BlockManager, PrefixMatch
 from cbatch.core.sequence import Sequence, SequenceStatus
 
 
@@ -113,11 +119,25 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.block_hashes.clear()
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
-        """Start a waiting sequence from its cached prefix; returns the tokens it computes
-        this step, or None when the blocks for all its tokens are not free."""
+    def _filled_this_step(self, seq: Sequence, match: PrefixMatch,
+                          scheduled: list[ScheduledSequence]) -> bool:
+        """Whether a sequence scheduled this step fills, with ``seq``'s own tokens, the
+        first full block of ``seq``'s prompt past its cached prefix ``match``."""
+        bs = self.block_manager.block_size
+        start = len(match.blocks) * bs
+        end = start + bs
+        if not self.block_manager.enable_prefix_caching or end > seq.num_tokens - 1:
+            return False  # (the last token is always computed: match_prefix stops short)
+        prefix = seq.token_ids[:end]
+        return any(item.seq.num_computed_tokens + item.num_new_tokens >= end
+                   and item.seq.token_ids[start] == prefix[start]
+                   and item.seq.token_ids[:end] == prefix for item in scheduled)
+
+    def _admit(self, seq: Sequence, match: PrefixMatch, budget: int,
+               out: SchedulerOutput) -> int | None:
+        """Start a waiting sequence from its cached prefix ``match``; returns the tokens it
+        computes this step, or None when the blocks for all its tokens are not free."""
         bm = self.block_manager
-        match = bm.match_prefix(seq.token_ids)
         if bm.blocks_to_admit(match, seq.num_tokens) > bm.num_free_blocks:
             return None
         num_cached = len(match.blocks) * bm.block_size + match.num_copied_tokens
@@ -187,7 +207,10 @@ class Scheduler:
             for seq in sorted(self.waiting, key=self._key):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
-                n = self._admit(seq, budget, out)
+                match = bm.match_prefix(seq.token_ids)
+                if self._filled_this_step(seq, match, out.scheduled):
+                    break  # next step it finds that block cached (in order, as below)
+                n = self._admit(seq, match, budget, out)
                 if n is None:
                     break  # admit in order: a big request is not overtaken forever
                 self.waiting.remove(seq)

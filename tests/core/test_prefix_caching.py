@@ -152,6 +152,44 @@ def test_identical_prompt_copies_the_cached_tail_and_computes_one_token(prompt_l
     bm.check_whole()
 
 
+def _step(sched):
+    """One schedule, then every scheduled sequence computes its tokens (and samples 7)."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_new_tokens
+        if samples:
+            item.seq.token_ids.append(7)
+    return [(item.seq, item.num_new_tokens) for item in out.scheduled]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_prompt_shared_in_one_step_is_prefilled_once(caching):
+    """Requests that arrive together with one prompt: the first prefills it and the others
+    wait one step, then start from its full blocks (only the tokens past them computed);
+    a request behind them waits too (admission in order).  With the cache off, or a prompt
+    that shares no full block, all start at once."""
+    bm = BlockManager(32, BS, enable_prefix_caching=caching)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = list(range(2 * BS + 3))
+    seqs = [_seq(i, prompt) for i in range(3)]
+    other = _seq(3, prompt[:BS - 1] + [99] * 5)  # shares 3 tokens: less than a block
+    for seq in seqs + [other]:
+        sched.add(seq)
+    n = len(prompt)
+    if not caching:
+        assert _step(sched) == [(s, n) for s in seqs] + [(other, 8)]
+        return
+    assert _step(sched) == [(seqs[0], n)]
+    # other: its 3 shared tokens copied from the first block, its 5 others computed
+    assert _step(sched) == [(seqs[0], 1)] + [(s, n - 2 * BS) for s in seqs[1:]] + [(other, 5)]
+    assert seqs[1].block_table[:2] == seqs[2].block_table[:2] == seqs[0].block_table[:2]
+    assert sched.num_cache_hit_tokens == 2 * 2 * BS + 3
+    for seq in seqs + [other]:
+        sched.remove(seq)
+    bm.check_whole()
+
+
 def test_preempted_sequence_comes_back_from_its_cached_blocks():
     bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, policy="priority")
