@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One round of cbatch beside OpenVINO GenAI, alternated (benchmarks/NOTES.md, "The lm_head's
+# greedy screen"): cbatch, then (fp32) cbatch with its greedy screen off, then OpenVINO GenAI
+# (2 reps), then for `seed` OpenVINO GenAI with its prefix cache.  Set up the peers first as
+# benchmarks/peers/README.md says (PEERS, default /tmp/peers, holds its venv, IR and workloads).
+#
+#   bash benchmarks/peers/alternate.sh seed|longtail float32|bfloat16
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+workload=${1:?usage: alternate.sh seed|longtail float32|bfloat16}
+dtype=${2:?usage: alternate.sh seed|longtail float32|bfloat16}
+peers=${PEERS:-/tmp/peers}
+args=(--workload "$workload")
+[ "$workload" = longtail ] && args+=(--scale 0.125 --max-len 256)
+precision=$([ "$dtype" = bfloat16 ] && echo bf16 || echo fp32)
+echo "== $(date -u +%H:%M:%S) $workload $dtype, load $(cut -d' ' -f1 /proc/loadavg)"
+cbatch() {  # $1: label; the rest: environment
+  local label=$1; shift
+  env "$@" .venv/bin/python benchmarks/bench_throughput.py --engines cbatch-continuous \
+    --dtype "$dtype" "${args[@]}" --no-progress 2>&1 | grep -A1 "cbatch-continuous " |
+    sed "s/^/$label /"
+}
+openvino() {  # $1: label; the rest: extra arguments
+  local label=$1; shift
+  "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$peers/gpt2-random-ov" \
+    --workloads "$peers/workloads.json" --workload "$workload" --precision "$precision" \
+    --reps 2 "$@" 2>&1 | grep -E "^rep|RESULT" | sed "s/^/$label /"
+}
+cbatch cbatch CBATCH_GREEDY_SCREEN=1
+[ "$dtype" = float32 ] && cbatch cbatch-no-screen CBATCH_GREEDY_SCREEN=0
+openvino openvino
+[ "$workload" = seed ] && openvino openvino-prefix --prefix-caching
+exit 0
