@@ -172,13 +172,13 @@ def pack_screen(weight: torch.Tensor) -> GreedyScreen:
     """The :class:`GreedyScreen` of a dense fp32 ``[N, K]`` weight (K even)."""
     w = weight.detach()
     rounded = w.to(torch.bfloat16)
+    norms = torch.zeros(3, dtype=torch.float64)  # NaN, if any, propagates (and disables it)
+    for part, part16 in zip(w.split(4096), rounded.split(4096)):  # float64 a slice at a time
+        part, part16 = part.double(), part16.double()
+        for i, t in enumerate((part, part16, part - part16)):
+            norms[i] = torch.maximum(norms[i], t.norm(dim=1).max())
     up = 1 + 1e-9  # float64 sums of K squares are within K * 2^-53 relative
-
-    def largest(t: torch.Tensor) -> float:
-        return float(t.double().norm(dim=1).max()) * up
-
-    return GreedyScreen(pack(rounded, "cbatch"), largest(w), largest(rounded),
-                        largest(w.double() - rounded.double()))
+    return GreedyScreen(pack(rounded, "cbatch"), *(float(n) * up for n in norms))
 
 
 def greedy_tokens(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,

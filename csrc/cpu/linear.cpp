@@ -369,10 +369,6 @@ struct Avx2 {
 
 constexpr int64_t kMaxBlocks = 256;  // ~3 us each (a 16-column block is K cache lines)
 
-struct ScreenNorms {
-  double w, screen_w, error;  // max_j |w_j|, |w~_j|, |w_j - w~_j|
-};
-
 // E for the 16 columns of one packed fp32 block, as tile<float> computes them.
 CBATCH_AVX512 inline __m512 exact_block(const float* x, const float* block, int64_t K) {
   __m512 acc = _mm512_setzero_ps();
@@ -503,7 +499,6 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0) return tokens;
 #ifdef CBATCH_X86
   using B16 = c10::BFloat16;
-  const ScreenNorms norms{w_norm, screen_norm, error_norm};
   // x~ and the row terms of B, in double
   at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
   std::vector<double> bound(M);
@@ -519,11 +514,11 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
       nx += v * v, nxb += vb * vb, ndx += (v - vb) * (v - vb);
     }
     nx = std::sqrt(nx), nxb = std::sqrt(nxb), ndx = std::sqrt(ndx);
-    const double tiny = std::ldexp(1.0, -100) * K * (1 + nxb + norms.screen_w);
-    double b = gK * nx * norms.w + g2K * nxb * norms.screen_w + ndx * norms.w +
-               nxb * norms.error + tiny;
+    const double tiny = std::ldexp(1.0, -100) * K * (1 + nxb + screen_norm);
+    double b = gK * nx * w_norm + g2K * nxb * screen_norm + ndx * w_norm + nxb * error_norm +
+               tiny;
     // no sum can overflow below this (each partial sum is at most |x| |w_j|)
-    if (!(nx * norms.w < 1e37 && nxb * norms.screen_w < 1e37)) b = INFINITY;
+    if (!(nx * w_norm < 1e37 && nxb * screen_norm < 1e37)) b = INFINITY;
     bound[m] = b * (1 + 1e-6);  // the double arithmetic's own rounding
   }
   at::Tensor approx = at::empty({M, N}, x.options());
