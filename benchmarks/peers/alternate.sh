@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One round of cbatch beside OpenVINO GenAI, alternated (benchmarks/NOTES.md, "The lm_head's
-# greedy screen"): cbatch, then (fp32) cbatch with its greedy screen off, then OpenVINO GenAI
-# (2 reps), then for `seed` OpenVINO GenAI with its prefix cache.  Set up the peers first as
-# benchmarks/peers/README.md says (PEERS, default /tmp/peers, holds its venv, IR and workloads).
+# One round of cbatch beside its peers, alternated (benchmarks/NOTES.md, "The lm_head's greedy
+# screen"): cbatch, then (fp32) cbatch with its greedy screen off, then each peer named (2 reps
+# each): `openvino` (the default; for `seed` also with its prefix cache) and `vllm`.  Set up
+# the peers first as benchmarks/peers/README.md says (PEERS, default /tmp/peers, holds their
+# venvs, the checkpoint, the IR and the workloads).
 #
-#   bash benchmarks/peers/alternate.sh seed|longtail float32|bfloat16
+#   bash benchmarks/peers/alternate.sh seed|longtail float32|bfloat16 [openvino] [vllm]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 workload=${1:?usage: alternate.sh seed|longtail float32|bfloat16}
 dtype=${2:?usage: alternate.sh seed|longtail float32|bfloat16}
 peers=${PEERS:-/tmp/peers}
+shift 2
+names=("${@:-openvino}")
 args=(--workload "$workload")
 [ "$workload" = longtail ] && args+=(--scale 0.125 --max-len 256)
 precision=$([ "$dtype" = bfloat16 ] && echo bf16 || echo fp32)
@@ -26,8 +29,20 @@ openvino() {  # $1: label; the rest: extra arguments
     --workloads "$peers/workloads.json" --workload "$workload" --precision "$precision" \
     --reps 2 "$@" 2>&1 | grep -E "^rep|RESULT" | sed "s/^/$label /"
 }
+vllm() {
+  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
+    benchmarks/peers/bench_vllm_cpu.py --model "$peers/gpt2-random" \
+    --workloads "$peers/workloads.json" --workload "$workload" --dtype "$dtype" --reps 2 2>&1 |
+    grep -E "^rep|RESULT" | sed "s/^/vllm /"
+}
 cbatch cbatch CBATCH_GREEDY_SCREEN=1
 [ "$dtype" = float32 ] && cbatch cbatch-no-screen CBATCH_GREEDY_SCREEN=0
-openvino openvino
-[ "$workload" = seed ] && openvino openvino-prefix --prefix-caching
+for name in "${names[@]}"; do
+  case "$name" in
+    openvino) openvino openvino
+              [ "$workload" = seed ] && openvino openvino-prefix --prefix-caching ;;
+    vllm) vllm ;;
+    *) echo "unknown peer $name (openvino, vllm)" >&2; exit 2 ;;
+  esac
+done
 exit 0
