@@ -33,7 +33,7 @@ CASES = [pytest.param(route, dtype, id=f"{route}-{str(dtype)[6:]}",
          for route in PACKED_ROUTES for dtype in TOLERANCE]
 
 
-SHAPES = [(M, N, K) for M in (1, 2, 5, 17, 64)
+SHAPES = [(M, N, K) for M in (1, 2, 5, 12, 15, 17, 64)
           for N, K in ((123, 6), (96, 64), (2304, 768), (768, 3072))]
 SHAPES += [(1027, N, K) for N, K in ((123, 6), (96, 64))]  # long prefill chunks
 
@@ -63,7 +63,7 @@ def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
 
 
 @pytest.mark.parametrize("route,dtype", CASES)
-@pytest.mark.parametrize("M", [7, 40])
+@pytest.mark.parametrize("M", [7, 9, 10, 11, 40])
 def test_fused_epilogues(route, dtype, M):
     """GELU (tanh and exact) and a residual add inside the matmul, against the unfused ops."""
     gen = torch.Generator().manual_seed(M)
