@@ -4,8 +4,9 @@ Routes (:data:`ROUTES`), measured per shape and row count in benchmarks/NOTES.md
 routes", ``benchmarks/bench_linear.py``):
 
 - ``"cbatch"``: cbatch's own kernel (csrc/cpu/linear.cpp) on x86 CPUs with AVX-512 (bf16: with
-  AVX512-BF16) and, fp32 only, on those with AVX2 and FMA.  The weight is packed into blocks of 16 output columns, each ``[K, 16]``
-  (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once per call;
+  AVX512-BF16) and, fp32 only, on those with AVX2 and FMA.  The weight is packed into blocks
+  of 16 output columns, each ``[K, 16]`` (bf16: pairs of k side by side, the operand of
+  ``vdpbf16ps``), streamed once per call;
   bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
   are memory-bound, and there it runs the layers 1.1-1.8x faster than oneDNN (no per-call
   primitive set-up).  It also runs long prefill chunks (compute-bound): oneDNN on weights it
