@@ -172,7 +172,9 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     for layer in layers:  # an instance attribute, which cbatch's layers call (layers/module.py)
         layer.forward = timed(layer.forward)
     model.greedy_tokens = timed(model.greedy_tokens)  # the lm_head of screened greedy steps
-    clock = StepClock(llm.engine.runner)
+    runner = llm.engine.runner
+    execute = runner.execute  # the timed run's own clock stays as it was
+    clock = StepClock(runner)
     llm.engine.block_manager.reset_prefix_cache()
     try:
         llm.generate(wl.prompts[:num_requests], wl.params[:num_requests], use_tqdm=False)
@@ -180,7 +182,7 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
         for layer in layers:
             del layer.forward
         del model.greedy_tokens
-        del llm.engine.runner.execute
+        runner.execute = execute
     total = sum(s for _, _, s in clock.steps)
     return spent[0] / total if total else float("nan")
 
