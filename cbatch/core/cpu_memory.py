@@ -14,13 +14,25 @@ step's activations, as an engine on a GPU holds its cache.
 
 Settings the user chose (``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` in the
 environment) are left alone, as is any C library other than glibc.
+
+The bytes every decode step streams, the packed weights and the KV cache, live on 2 MB
+transparent huge pages where Linux gives them (:class:`HugePages`, :func:`huge_page_zeros`):
+a GPT-2 step walks ~250 MB (bf16) to ~400 MB (fp32), i.e. 60k-100k 4 KB pages and as many
+TLB misses, where 2 MB pages need ~200.  torch's own allocations stay on malloc (torch's
+``THP_MEM_ALLOC_ENABLE`` would move every allocation of 2 MB or more, and is read once, before
+an engine exists).  ``$CBATCH_HUGE_PAGES=0`` keeps them on malloc too (benchmarks/NOTES.md,
+"Huge pages for the streamed bytes").
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
 import platform
+
+import torch
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -43,3 +55,71 @@ def keep_freed_memory() -> bool:
     _done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                  and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+HUGE_PAGE = 2 << 20
+CHUNK = 64 << 20  # HugePages maps this much at a time (a larger tensor gets its own mapping)
+ALIGN = 4096  # each tensor starts on its own 4 KB page
+
+
+def huge_pages_available() -> bool:
+    """Whether a private mapping can ask Linux for transparent huge pages (THP ``always`` or
+    ``madvise``) and ``$CBATCH_HUGE_PAGES`` is not ``0``."""
+    if os.environ.get("CBATCH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _mapping(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeros (uint8) starting on a 2 MB boundary, in a private anonymous mapping
+    that asks for huge pages; untouched pages cost no memory."""
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no THP in this kernel: 4 KB pages, still zeroed on first touch
+        pass
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps buf mapped while it lives
+    start = -flat.data_ptr() % HUGE_PAGE
+    return flat[start:start + nbytes]
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on huge pages (its own mapping), zeroed by the
+    kernel page by page on first touch; plain ``torch.zeros`` where huge pages are not
+    available."""
+    if not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return _mapping(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
+
+
+class HugePages:
+    """Copies of long-lived CPU tensors on huge pages: :meth:`copy` places each after the last
+    in a mapping of :data:`CHUNK` bytes (a new one when it is full), so a model's weights share
+    ~2 MB pages rather than each rounding up to its own."""
+
+    def __init__(self) -> None:
+        self.enabled = huge_pages_available()
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of the CPU ``tensor`` on huge pages (``tensor`` itself where they
+        are not available)."""
+        if not self.enabled or tensor.device.type != "cpu":
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > CHUNK:
+            out = _mapping(nbytes)
+        else:
+            if self._chunk is None or self._used + nbytes > CHUNK:
+                self._chunk, self._used = _mapping(CHUNK), 0
+            out = self._chunk[self._used:self._used + nbytes]
+            self._used += -(-nbytes // ALIGN) * ALIGN
+        out = out.view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        return out

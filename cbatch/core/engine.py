@@ -29,6 +29,7 @@ from torch import nn
 
 from cbatch.config import EngineConfig
 from cbatch.core.block_manager import BlockManager
+from cbatch.core.cpu_memory import huge_page_zeros
 from cbatch.core.model_runner import ModelRunner, SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
@@ -98,8 +99,10 @@ class Engine:
                              f"length ({model.config.max_model_len})")
         model.set_batch_invariant(config.batch_invariant)
         num_blocks = num_kv_blocks(config, model.config)
+        on_cpu = torch.device(config.device).type == "cpu"
         self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
-                                config.torch_dtype, config.device)
+                                config.torch_dtype, config.device,
+                                zeros=huge_page_zeros if on_cpu else None)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.cache_salt)
         max_tokens = config.max_num_batched_tokens

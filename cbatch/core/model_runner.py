@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cbatch import ops
-from cbatch.core.cpu_memory import keep_freed_memory
+from cbatch.core.cpu_memory import HugePages, keep_freed_memory
 from cbatch.core.cpu_threads import ThreadPolicy
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
@@ -97,7 +97,8 @@ class ModelRunner:
         self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
             if self.device.type == "cpu" else None
         if self.device.type == "cpu":  # the CPU's fastest linear route (and batch-invariant)
-            pack_linears(model, batch_invariant=model.batch_invariant)
+            pack_linears(model, batch_invariant=model.batch_invariant,
+                         place=HugePages().copy)  # the bytes each step streams
             keep_freed_memory()  # a step's activations stay for the next (no page faults)
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request

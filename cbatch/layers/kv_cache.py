@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cbatch.config import EngineConfig, GPT2Config
@@ -46,12 +48,18 @@ class KVCache:
     ``key_cache, value_cache`` views, each ``[num_blocks, block_size, H, D]`` and contiguous."""
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+        """``zeros(shape, dtype)``: how a CPU pool is allocated (the engine's: on huge pages,
+        :func:`cbatch.core.cpu_memory.huge_page_zeros`); default ``torch.zeros`` on
+        ``device``."""
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size,
-                                config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+                 config.head_dim)
+        self.data = zeros(shape, dtype) if zeros else \
+            torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,9 @@ LayerNorm, the activation, the embeddings and the sampler work row by row alread
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,12 +96,16 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
+def pack_linears(model: nn.Module, batch_invariant: bool = False,
+                 place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
     """Pack every :class:`Linear` of a CPU model for its dtype's route on this CPU (see
     :func:`cbatch.layers.cpu_linear.cpu_linear_route`; ``"torch"`` packs nothing);
     idempotent.  ``batch_invariant``: only the ``"cbatch"`` route, whose kernel sums a row
     alike for every row count, keeps packed weights; with another route the dense weights
-    come back (:func:`linear` pads their rows).  Returns whether the weights are packed."""
+    come back (:func:`linear` pads their rows).  ``place``: where each packed weight (and
+    greedy screen) goes, a copy of it in other memory (the model runner's huge pages); one
+    at a time, so the dense weight it replaces is freed before the next is packed.  Returns
+    whether the weights are packed."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cpu":
         return False
@@ -123,8 +130,12 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False) -> bool:
             if route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
                 continue  # vdpbf16ps takes pairs of k
             if layer is head and screened:
-                layer.greedy_screen = cpu_linear.pack_screen(layer.weight)
+                screen = cpu_linear.pack_screen(layer.weight)
+                layer.greedy_screen = dataclasses.replace(screen, weight=place(screen.weight)) \
+                    if place else screen
             packed = cpu_linear.pack(layer.weight, route)
+            if place and not packed.is_mkldnn:  # oneDNN's opaque tensors stay where they are
+                packed = place(packed)
             if id(layer.weight) in shared:
                 layer.packed_weight = packed  # the dense weight stays for its other user
             else:
