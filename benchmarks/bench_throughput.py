@@ -23,7 +23,9 @@ prompt tokens found in the prefix cache (the cache is emptied after the warm-up)
 cbatch's engines also print the decode step (median at the most common decode batch size)
 beside the weight-streaming floor (every weight read once at the highest read bandwidth
 measured in this run: at its start and after each timed cbatch run, since a shared host's
-bandwidth moves from minute to minute), and the share of the step spent in the linear layers
+bandwidth moves from minute to minute) and the compute floor (the step's linear-layer FLOPs
+at the rate its first linear layer reaches on those rows with the weight in cache: a bf16
+step at batch 8 can be bound by either), and the share of the step spent in the linear layers
 (GEMMs).  Results
 in throughput.* (throughput-batch-invariant.* with --batch-invariant), written to a new
 folder under benchmarks/runs/ or to --out.
@@ -50,7 +52,8 @@ from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
            "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate",
-           "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "gemm_share",
+           "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "compute_floor_ms",
+           "gemm_share",
            "status"]
 
 
@@ -103,6 +106,8 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
         probe = read_bandwidth(torch.device(args.device), (64 << 20) if args.quick else None)
         args.floor_bytes_per_s = max(args.floor_bytes_per_s, probe)
         summary.update(clock.decode_summary(args.floor_bytes_per_s))
+        if "decode_batch" in summary:
+            summary["compute_floor_ms"] = 1e3 * compute_floor(llm, summary["decode_batch"])
         summary["gemm_share"] = gemm_share(llm, wl)
     if policy != "static":
         stats = llm.engine.stats()
@@ -148,6 +153,29 @@ class StepClock:
         floor = weight_bytes / bytes_per_s
         return {"decode_batch": rows, "decode_step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
                 "step_over_floor": step / floor}
+
+
+@torch.inference_mode()
+def compute_floor(llm, rows: int, reps: int = 20) -> float:
+    """Seconds a decode step of ``rows`` rows needs for its linear layers' multiply-adds
+    alone: 2 x rows x (every Linear's in x out features, the lm_head included) FLOP at the
+    rate the model's first linear layer reaches on ``rows`` random rows with its weight in
+    cache (min of ``reps`` calls after a warm-up; its own call overhead counts, as in a
+    step).  Where this exceeds the weight-streaming floor, the step is compute-bound."""
+    from cbatch.layers.linear import Linear
+
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    first = layers[0]
+    x = torch.randn(rows, first.in_features).to(first.weight.dtype if first.packed_weight is None
+                                               else first.packed_weight.dtype)
+    best = float("inf")
+    for i in range(reps + 3):
+        start = time.perf_counter()
+        first(x)
+        if i >= 3:
+            best = min(best, time.perf_counter() - start)
+    rate = 2 * rows * first.in_features * first.out_features / best
+    return sum(2 * rows * m.in_features * m.out_features for m in layers) / rate
 
 
 def gemm_share(llm, wl, num_requests: int = 8) -> float:
@@ -379,7 +407,8 @@ def run(args) -> Path:
             if "decode_step_ms" in row:
                 print(f"  {'':18s} decode step at batch {row['decode_batch']}: "
                       f"{row['decode_step_ms']:.1f} ms, weight-streaming floor "
-                      f"{row['floor_ms']:.1f} ms ({row['step_over_floor']:.2f}x); "
+                      f"{row['floor_ms']:.1f} ms ({row['step_over_floor']:.2f}x), compute "
+                      f"floor {row.get('compute_floor_ms', float('nan')):.1f} ms; "
                       f"GEMM share of the step {100 * row['gemm_share']:.0f}%", flush=True)
         base = results.get("cbatch-continuous")
         for row in rows:
@@ -401,6 +430,12 @@ def run(args) -> Path:
                         "measured so far in the run (at its start and after each timed cbatch "
                         "run; read_bandwidth_GBps is the highest of all); an fp32 lm_head with "
                         "a greedy screen reads half its bytes, so greedy steps can beat it",
+            "compute_floor_ms": "CPU: the decode step's linear-layer FLOPs (2 x rows x in x "
+                                "out features, lm_head included) at the rate the model's "
+                                "first linear layer reaches on that many rows with its weight "
+                                "in cache; the step cannot beat the larger of the two floors "
+                                "(greedy steps excepted, whose fp32 lm_head a screen computes "
+                                "in bf16)",
             "gemm_share": "CPU: time inside the linear layers (each Linear's forward and the "
                           "screened lm_head wrapped with a timer) / step time, over a rerun "
                           "of the first 8 requests after the timed run"}

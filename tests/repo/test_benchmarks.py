@@ -89,6 +89,7 @@ def test_throughput_benchmark(tmp_path):
     if DEVICE == "cpu":  # the decode step beside its floor, and the GEMM share
         for r in (r for r in rows if r["engine"] == "cbatch-continuous"):
             assert r["decode_step_ms"] > 0 and r["floor_ms"] > 0 and r["decode_batch"] >= 1
+            assert 0 < r["compute_floor_ms"] < float("inf")
             assert 0 < r["gemm_share"] < 1
 
 
