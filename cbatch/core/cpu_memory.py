@@ -22,6 +22,11 @@ TLB misses, where 2 MB pages need ~200.  torch's own allocations stay on malloc 
 ``THP_MEM_ALLOC_ENABLE`` would move every allocation of 2 MB or more, and is read once, before
 an engine exists).  ``$CBATCH_HUGE_PAGES=0`` keeps them on malloc too (benchmarks/NOTES.md,
 "Huge pages for the streamed bytes").
+
+The KV pool is then zeroed by the kernel a page at a time as blocks are first written, not
+at start-up (an engine starts ~1 s sooner and holds only the pages it used); the price is
+that the first use of each 2 MB page happens inside a step, and that a machine short of
+memory says so then rather than when the engine is made.
 """
 
 from __future__ import annotations

@@ -99,10 +99,9 @@ class Engine:
                              f"length ({model.config.max_model_len})")
         model.set_batch_invariant(config.batch_invariant)
         num_blocks = num_kv_blocks(config, model.config)
-        on_cpu = torch.device(config.device).type == "cpu"
         self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
                                 config.torch_dtype, config.device,
-                                zeros=huge_page_zeros if on_cpu else None)
+                                zeros=None if config.on_cuda else huge_page_zeros)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.cache_salt)
         max_tokens = config.max_num_batched_tokens

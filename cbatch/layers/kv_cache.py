@@ -52,14 +52,19 @@ class KVCache:
                  zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
         """``zeros(shape, dtype)``: how a CPU pool is allocated (the engine's: on huge pages,
         :func:`cbatch.core.cpu_memory.huge_page_zeros`); default ``torch.zeros`` on
-        ``device``."""
+        ``device``.  A pool from ``zeros`` must be on ``device``."""
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
                  config.head_dim)
-        self.data = zeros(shape, dtype) if zeros else \
-            torch.zeros(shape, dtype=dtype, device=device)
+        if zeros is None:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.data = zeros(shape, dtype)
+            if self.data.device.type != torch.device(device).type:
+                raise ValueError(f"the KV pool's zeros gave a {self.data.device} tensor for "
+                                 f"a {device} cache")
 
     @property
     def num_tokens(self) -> int:
