@@ -54,7 +54,7 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
 #endif
 
 // CPU linear layers (cpu/linear.cpp).  Whether this CPU runs linear_cpu for `dtype` (float32:
-// AVX-512; bfloat16: AVX-512 and AVX512-BF16).
+// AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and AVX512-BF16).
 bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
@@ -68,7 +68,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
 // (the same weight rounded to bf16, packed alike) and the fp32 sums of the few columns it
 // cannot rule out.  x: fp32 [M, K] (dense rows); packed: fp32 as linear_cpu's; w_norm,
 // screen_norm, error_norm: the maxima over columns of |w_j|, |bf16(w_j)| and
-// |w_j - bf16(w_j)| (2-norms, rounded up).  Returns int64 [M].  AVX-512 with AVX512-BF16.
+// |w_j - bf16(w_j)| (2-norms, rounded up).  Returns int64 [M].  Wherever linear_cpu runs fp32.
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
                            double screen_norm, double error_norm);

@@ -34,8 +34,8 @@ packed copy beside it.  Results differ from ``F.linear``'s only in summation ord
 ``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
 
 A greedy step needs only each row's argmax of the lm_head, and an fp32 lm_head is a third of
-the bytes a GPT-2 decode step reads.  On CPUs with AVX512-BF16 an fp32 model's lm_head gets
-a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its weight;
+the bytes a GPT-2 decode step reads.  On x86 CPUs with AVX2 or AVX-512 an fp32 model's lm_head
+gets a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its weight;
 :func:`greedy_tokens` screens every column on it, then sums the few it cannot rule out in
 fp32 as the kernel does: the same tokens as the argmax of the fp32 logits, bit for bit,
 from half the bytes (the bound that makes it exact is in csrc/cpu/linear.cpp,
@@ -161,12 +161,12 @@ class GreedyScreen:
 
 
 def screen_available(dtype: torch.dtype) -> bool:
-    """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32, cbatch's
-    kernel for fp32 and bf16 alike (AVX-512 with AVX512-BF16), and ``$CBATCH_GREEDY_SCREEN``
-    not ``0``."""
+    """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32 on cbatch's
+    kernel (x86 with AVX2 and FMA, or AVX-512: the screen runs ``vdpbf16ps`` where the CPU
+    has AVX512-BF16, bf16 widened to fp32 in registers elsewhere), and
+    ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
     return dtype == torch.float32 and os.environ.get("CBATCH_GREEDY_SCREEN", "1") != "0" \
-        and route_available("cbatch", torch.float32) \
-        and route_available("cbatch", torch.bfloat16)
+        and route_available("cbatch", torch.float32)
 
 
 def pack_screen(weight: torch.Tensor) -> GreedyScreen:

@@ -117,7 +117,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
-    # An fp32 lm_head gets a bf16 greedy screen where cbatch's kernel runs both dtypes
+    # An fp32 lm_head gets a bf16 greedy screen where cbatch's kernel runs fp32
     # (cpu_linear.GreedyScreen); it is exact for the logits of cbatch's kernel, which also
     # streams the lm_head faster than oneDNN (benchmarks/NOTES.md, "The lm_head's greedy screen").
     head = getattr(model, "lm_head", None)

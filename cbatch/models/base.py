@@ -47,8 +47,8 @@ class PagedCausalLM(nn.Module):
 
     @property
     def greedy_screened(self) -> bool:
-        """Whether :meth:`greedy_tokens` runs (an fp32 lm_head packed on a CPU with
-        AVX512-BF16: :func:`cbatch.layers.linear.pack_linears`)."""
+        """Whether :meth:`greedy_tokens` runs (an fp32 lm_head packed on an x86 CPU with AVX2
+        or AVX-512: :func:`cbatch.layers.linear.pack_linears`)."""
         return self.lm_head.greedy_screen is not None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,12 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define CBATCH_X86 1
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define CBATCH_AVX512_BF16 \
@@ -16,12 +20,18 @@
 
 namespace cbatch {
 
-// AVX-512 F/BW/DQ/VL, as the CPU reports it.
+// AVX-512 F/BW/DQ/VL, as the CPU reports it, unless $CBATCH_CPU_ISA is "avx2" (read once per
+// process): the CPU kernels then take the paths of a CPU without AVX-512, so that those are
+// tested and compared on any x86 machine.
 inline bool cpu_has_avx512() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
-                                                     __builtin_cpu_supports("avx512bw") &&
-                                                     __builtin_cpu_supports("avx512dq") &&
-                                                     __builtin_cpu_supports("avx512vl"));
+  static const bool yes = [] {
+    const char* isa = std::getenv("CBATCH_CPU_ISA");
+    if (isa && std::strcmp(isa, "avx2") == 0) return false;
+    if (isa && *isa) TORCH_WARN("CBATCH_CPU_ISA=", isa, " ignored: the one value it takes is avx2");
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
   return yes;
 }
 

@@ -262,9 +262,10 @@ void run(Args<T, O> a) {
   }
 }
 
-// ---- AVX2 + FMA (fp32 only): CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.
+// ---- AVX2 + FMA: CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.  fp32 linear
+// layers, and bf16 in / fp32 out for the greedy head's screen (no bf16 linear layers here).
 // The same packed layout and loop; a tile is kRows2 rows times one block of 16 columns (two
-// 8-lane halves): 8 of the 16 ymm registers hold sums, 2 the block's row of weights.
+// 8-lane halves): 8 of the 16 ymm registers hold sums, 2 (bf16: 4) the block's weights.
 
 constexpr int kRows2 = 4;
 
@@ -280,18 +281,13 @@ CBATCH_AVX2 inline __m256 gelu_tanh8(__m256 v) {
   return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), one_plus_tanh);
 }
 
-// Rows [m, m + R) times the block that starts at column n; epilogue; store.  kNext: as
-// prefetch_ahead (the next item is the next block).
+// acc[r][h] (h: the block's two 8-column halves) += x[r] . W over all K, as tile2 sums it.
+// Row r's element k of x is x[r * rs + k * ks].  kNext: as prefetch_ahead (the next item is
+// the next block).
 template <int R, bool kNext>
-CBATCH_AVX2 void tile2(const Args<float>& a, int64_t m, int64_t n) {
-  __m256 acc[kRows2][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* w = a.w + (n / kBlock) * a.K * kBlock;
-  // Row r's element k of x is x[r * rs + k * ks] (packed: groups of kRows rows, k-major).
-  const float* x = a.xp ? a.xp + (m / kRows) * kRows * a.K + m % kRows : a.x + m * a.ldx;
-  const int64_t rs = a.xp ? 1 : a.ldx, ks = a.xp ? kRows : 1;
-  const int64_t K = a.K, next_item = K * kBlock;
+CBATCH_AVX2 inline void dot_tile2(const float* x, int64_t rs, int64_t ks, const float* w,
+                                  int64_t K, __m256 (&acc)[kRows2][2]) {
+  const int64_t next_item = K * kBlock;
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kBlock;
     if constexpr (kNext) {
@@ -307,30 +303,91 @@ CBATCH_AVX2 void tile2(const Args<float>& a, int64_t m, int64_t n) {
       acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
     }
   }
+}
+
+// bf16 x and W (pairs of k, as packed), widened to fp32 in registers: a bf16 value is the top
+// half of its fp32, so the low element of a 32-bit pair is `pair << 16` and the high one
+// `pair & 0xffff0000`.  The sums are fp32 fmas, two per pair of k, in order: within the
+// greedy screen's bound, which holds for sums of the K products in any order (its `tiny`
+// term covering products that underflow).
+CBATCH_AVX2 inline __m256 low_bf16(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+CBATCH_AVX2 inline __m256 high_bf16(__m256i pairs, __m256i high) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+}
+
+template <int R, bool kNext>
+CBATCH_AVX2 inline void dot_tile2(const c10::BFloat16* x, int64_t rs, int64_t ks,
+                                  const c10::BFloat16* w, int64_t K,
+                                  __m256 (&acc)[kRows2][2]) {
+  const int64_t next_item = K * kBlock;  // in bf16 elements
+  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    const c10::BFloat16* wk = w + k * kBlock;  // 16 columns x 2 k: columns 0-7, then 8-15
+    if constexpr (kNext) {
+      _mm_prefetch(reinterpret_cast<const char*>(wk + next_item), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16));
+    const __m256 w00 = low_bf16(v0), w01 = high_bf16(v0, high), w10 = low_bf16(v1),
+                 w11 = high_bf16(v1, high);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * rs + k * ks, sizeof pair);
+      const __m256i p = _mm256_set1_epi32(pair);
+      const __m256 x0 = low_bf16(p), x1 = high_bf16(p, high);
+      acc[r][0] = _mm256_fmadd_ps(x1, w01, _mm256_fmadd_ps(x0, w00, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(x1, w11, _mm256_fmadd_ps(x0, w10, acc[r][1]));
+    }
+  }
+}
+
+// Rows [m, m + R) times the block that starts at column n; epilogue; store.  fp32 in and out,
+// or (the greedy head's screen) bf16 in, fp32 out, with no bias, GELU or residual.
+template <typename T, int R, bool kNext>
+CBATCH_AVX2 void tile2(const Args<T, float>& a, int64_t m, int64_t n) {
+  __m256 acc[kRows2][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const T* w = a.w + (n / kBlock) * a.K * kBlock;
+  // Row r's broadcast at k is x[r * rs + k * ks] (packed: groups of kRows rows, k-major).
+  constexpr int64_t P = kPairs<T>;
+  const T* x = a.xp ? a.xp + (m / kRows) * kRows * a.K + (m % kRows) * P : a.x + m * a.ldx;
+  dot_tile2<R, kNext>(x, a.xp ? P : a.ldx, a.xp ? kRows : 1, w, a.K, acc);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {  // unrolled, so that acc stays in registers
     const int64_t col = n + 8 * h;
     if (col >= a.N) continue;
     const __m256i mask = first_lanes8(a.N - col);
-    const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + col, mask) : _mm256_setzero_ps();
+    __m256 bias = _mm256_setzero_ps();
+    if constexpr (std::is_same_v<T, float>) {
+      if (a.bias) bias = _mm256_maskload_ps(a.bias + col, mask);
+    }
     for (int r = 0; r < R; ++r) {
-      __m256 v = _mm256_add_ps(acc[r][h], bias);
-      if (a.gelu) v = gelu_tanh8(v);
-      if (a.residual) {
-        v = _mm256_add_ps(_mm256_maskload_ps(a.residual + (m + r) * a.ldr + col, mask), v);
+      __m256 v = acc[r][h];
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_add_ps(v, bias);
+        if (a.gelu) v = gelu_tanh8(v);
+        if (a.residual) {
+          v = _mm256_add_ps(_mm256_maskload_ps(a.residual + (m + r) * a.ldr + col, mask), v);
+        }
       }
       _mm256_maskstore_ps(a.out + (m + r) * a.N + col, mask, v);
     }
   }
 }
 
-template <bool kNext>
-CBATCH_AVX2 void passes2(const Args<float>& a, int64_t n, int64_t m, int64_t m_end) {
-  for (; m + kRows2 <= m_end; m += kRows2) tile2<kRows2, kNext>(a, m, n);
+template <typename T, bool kNext>
+CBATCH_AVX2 void passes2(const Args<T, float>& a, int64_t n, int64_t m, int64_t m_end) {
+  for (; m + kRows2 <= m_end; m += kRows2) tile2<T, kRows2, kNext>(a, m, n);
   switch (m_end - m) {
-    case 3: return tile2<3, kNext>(a, m, n);
-    case 2: return tile2<2, kNext>(a, m, n);
-    case 1: return tile2<1, kNext>(a, m, n);
+    case 3: return tile2<T, 3, kNext>(a, m, n);
+    case 2: return tile2<T, 2, kNext>(a, m, n);
+    case 1: return tile2<T, 1, kNext>(a, m, n);
     default: return;
   }
 }
@@ -342,19 +399,22 @@ struct Avx2 {
   // benchmarks/NOTES.md, "cbatch's kernel on AVX2").
   static constexpr int64_t kNextFrom = 2 * kRows2;
   static constexpr int64_t kL2Budget = 256 << 10;  // half of a Zen 2/3 core's L2
-  static void item(const Args<float>& a, int64_t block, int64_t, int64_t m0, int64_t m1) {
+  template <typename T, typename O>
+  static void item(const Args<T, O>& a, int64_t block, int64_t, int64_t m0, int64_t m1) {
+    static_assert(std::is_same_v<O, float>, "the AVX2 kernel writes fp32");
     const int64_t n = block * kBlock;
-    if (!a.prefetch_next || m1 - m0 <= kRows2) return passes2<false>(a, n, m0, m1);
-    tile2<kRows2, false>(a, m0, n);
-    passes2<true>(a, n, m0 + kRows2, m1);
+    if (!a.prefetch_next || m1 - m0 <= kRows2) return passes2<T, false>(a, n, m0, m1);
+    tile2<T, kRows2, false>(a, m0, n);
+    passes2<T, true>(a, n, m0 + kRows2, m1);
   }
 };
 
 // ---- Greedy tokens of an fp32 lm_head read through a bf16 copy (greedy_head_cpu).
 //
 // A greedy step needs each row's argmax of x @ W^T, not its logits.  The screen runs the bf16
-// kernel above (fp32 sums, fp32 out) on x and W rounded to bf16: half of W's bytes, and an
-// fp32 lm_head is a third of a GPT-2 decode step's.  Its A_j differs from the fp32 kernel's
+// kernel above (fp32 sums, fp32 out; vdpbf16ps with AVX512-BF16, else the AVX2 tile with bf16
+// widened in registers) on x and W rounded to bf16: half of W's bytes, and an fp32 lm_head
+// is a third of a GPT-2 decode step's.  Its A_j differs from the fp32 kernel's
 // logit E_j by at most
 //   B = g_K |x| |w_j| + g_2K |x~| |w~_j| + |x - x~| |w_j| + |x~| |w_j - w~_j| + tiny
 // (|.| the 2-norm, ~ the bf16 rounding, g_n = nu / (1 - nu) with u = 2^-24: the two sums of K
@@ -369,33 +429,77 @@ struct Avx2 {
 
 constexpr int64_t kMaxBlocks = 256;  // ~3 us each (a 16-column block is K cache lines)
 
-// E for the 16 columns of one packed fp32 block, as tile<float> computes them.
-CBATCH_AVX512 inline __m512 exact_block(const float* x, const float* block, int64_t K) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(block + k * kBlock), acc);
+// The two ISAs' parts of settle_row: next_kept(approx, n, N, cut, &lanes), the first block of
+// 16 columns from column n on holding a screened value >= cut (its first column, N if none;
+// lanes: which of its columns, as bits), and exact(x, block, K, out), E for the 16 columns of
+// one packed fp32 block as the fp32 kernels (tile, tile2) sum them: one fma per k, in order,
+// from zero, then + 0 for the absent bias.
+struct Screen512 {
+  CBATCH_AVX512 static int64_t next_kept(const float* approx, int64_t n, int64_t N, float cut,
+                                         uint32_t* lanes) {
+    const __m512 c = _mm512_set1_ps(cut);
+    for (; n < N; n += kBlock) {
+      const __mmask16 valid = first_lanes(N - n);
+      *lanes = _mm512_mask_cmp_ps_mask(valid, load16(approx + n, valid), c, _CMP_GE_OQ);
+      if (*lanes) return n;
+    }
+    return N;
   }
-  return _mm512_add_ps(acc, _mm512_setzero_ps());
-}
+  CBATCH_AVX512 static void exact(const float* x, const float* block, int64_t K, float* out) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(block + k * kBlock), acc);
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(acc, _mm512_setzero_ps()));
+  }
+};
+
+struct Screen2 {
+  CBATCH_AVX2 static int64_t next_kept(const float* approx, int64_t n, int64_t N, float cut,
+                                       uint32_t* lanes) {
+    const __m256 c = _mm256_set1_ps(cut);
+    for (; n < N; n += kBlock) {
+      uint32_t bits = 0;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i valid = first_lanes8(N - n - 8 * h);
+        const __m256 v = _mm256_maskload_ps(approx + n + 8 * h, valid);
+        const __m256 ge = _mm256_and_ps(_mm256_cmp_ps(v, c, _CMP_GE_OQ),
+                                        _mm256_castsi256_ps(valid));
+        bits |= uint32_t(_mm256_movemask_ps(ge)) << (8 * h);
+      }
+      if ((*lanes = bits)) return n;
+    }
+    return N;
+  }
+  CBATCH_AVX2 static void exact(const float* x, const float* block, int64_t K, float* out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 xk = _mm256_broadcast_ss(x + k);
+      acc0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock), acc0);
+      acc1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock + 8), acc1);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, _mm256_setzero_ps()));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(acc1, _mm256_setzero_ps()));
+  }
+};
 
 // The row's greedy token, or -1 where the fp32 kernel must run the whole row.  approx: the
-// screen's [N] sums; top: their argmax; bound: B.
-CBATCH_AVX512 int64_t settle_row(const float* x, const float* packed, int64_t K, int64_t N,
-                                 const float* approx, int64_t top, double bound) {
+// screen's [N] sums; top: their argmax; bound: B.  S: Screen512 or Screen2.
+template <typename S>
+int64_t settle_row(const float* x, const float* packed, int64_t K, int64_t N,
+                   const float* approx, int64_t top, double bound) {
   const double threshold = double(approx[top]) - 2 * bound;
   if (!std::isfinite(threshold)) return -1;
   // the largest float at most `threshold`: no column the bound keeps is dropped
   const float below = std::nextafter(static_cast<float>(threshold), -INFINITY);
-  const __m512 cut = _mm512_set1_ps(below);
   int64_t best = -1, blocks = 0;
   float best_value = -INFINITY;
-  for (int64_t n = 0; n < N; n += kBlock) {
-    const __mmask16 valid = first_lanes(N - n);
-    __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, load16(approx + n, valid), cut, _CMP_GE_OQ);
-    if (!keep) continue;
+  uint32_t keep = 0;
+  for (int64_t n = S::next_kept(approx, 0, N, below, &keep); n < N;
+       n = S::next_kept(approx, n + kBlock, N, below, &keep)) {
     if (++blocks > kMaxBlocks) return -1;
     float exact[kBlock];
-    _mm512_storeu_ps(exact, exact_block(x, packed + n * K, K));
+    S::exact(x, packed + n * K, K, exact);
     for (; keep; keep &= keep - 1) {
       const int lane = __builtin_ctz(keep);
       if (exact[lane] > best_value) best = n + lane, best_value = exact[lane];
@@ -482,8 +586,9 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                        screen.scalar_type() == at::kBFloat16,
                    "greedy_head takes fp32 x and packed weight and a bf16 screen, got ",
                    x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type());
-  TORCH_CHECK_VALUE(cpu_linear_supported(at::kBFloat16),
-                    "greedy_head runs only on an x86 CPU with AVX-512 and AVX512-BF16");
+  // where the fp32 kernel runs, whose sums settle_row reproduces
+  TORCH_CHECK_VALUE(cpu_linear_supported(at::kFloat),
+                    "greedy_head runs only on an x86 CPU with AVX2 and FMA, or AVX-512");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
                     x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
@@ -522,15 +627,20 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
     bound[m] = b * (1 + 1e-6);  // the double arithmetic's own rounding
   }
   at::Tensor approx = at::empty({M, N}, x.options());
-  run<Avx512>(Args<B16, float>{xb.data_ptr<B16>(), K, M, K, N, nullptr, screen.data_ptr<B16>(),
-                               nullptr, nullptr, 0, false, approx.data_ptr<float>()});
+  const Args<B16, float> args{xb.data_ptr<B16>(), K, M, K, N, nullptr, screen.data_ptr<B16>(),
+                              nullptr, nullptr, 0, false, approx.data_ptr<float>()};
+  if (cpu_linear_supported(at::kBFloat16)) {  // vdpbf16ps
+    run<Avx512>(args);
+  } else {  // bf16 widened to fp32 in registers
+    run<Avx2>(args);
+  }
   const at::Tensor top = argmax_cpu(approx);
   int64_t* out = tokens.data_ptr<int64_t>();
+  const auto settle = cpu_has_avx512() ? settle_row<Screen512> : settle_row<Screen2>;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      out[m] = settle_row(x.data_ptr<float>() + m * x.stride(0), packed.data_ptr<float>(), K,
-                          N, approx.data_ptr<float>() + m * N, top.data_ptr<int64_t>()[m],
-                          bound[m]);
+      out[m] = settle(x.data_ptr<float>() + m * x.stride(0), packed.data_ptr<float>(), K, N,
+                      approx.data_ptr<float>() + m * N, top.data_ptr<int64_t>()[m], bound[m]);
     }
   });
   std::vector<int64_t> unsettled;

@@ -13,7 +13,7 @@ from cbatch.models.loader import load_model
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.skipif(not cpu_linear.screen_available(torch.float32),
-                       reason="the greedy screen runs on x86 CPUs with AVX512-BF16"),
+                       reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
 
 
