@@ -27,7 +27,9 @@ inline bool cpu_has_avx512() {
   static const bool yes = [] {
     const char* isa = std::getenv("CBATCH_CPU_ISA");
     if (isa && std::strcmp(isa, "avx2") == 0) return false;
-    if (isa && *isa) TORCH_WARN("CBATCH_CPU_ISA=", isa, " ignored: the one value it takes is avx2");
+    if (isa && *isa) {
+      TORCH_WARN("CBATCH_CPU_ISA=", isa, " ignored: the one value it takes is avx2");
+    }
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
