@@ -161,7 +161,8 @@ def compute_floor(llm, rows: int, reps: int = 20) -> float:
     alone: 2 x rows x (every Linear's in x out features, the lm_head included) FLOP at the
     rate the model's first linear layer reaches on ``rows`` random rows with its weight in
     cache (min of ``reps`` calls after a warm-up, at torch's thread count; its own call
-    overhead counts, as in a step).  Where this exceeds the weight-streaming floor, the step is compute-bound."""
+    overhead counts, as in a step).  Where this exceeds the weight-streaming floor, the step
+    is compute-bound."""
     from cbatch.layers.linear import Linear
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
