@@ -167,8 +167,7 @@ def compute_floor(llm, rows: int, reps: int = 20) -> float:
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     first = layers[0]
-    x = torch.randn(rows, first.in_features).to(first.weight.dtype if first.packed_weight is None
-                                               else first.packed_weight.dtype)
+    x = torch.randn(rows, first.in_features).to(first.weight.dtype)  # packed or not: its dtype
     best = float("inf")
     for i in range(reps + 3):
         start = time.perf_counter()
