@@ -47,8 +47,9 @@ constexpr int64_t kPrefetchBytes = 3072;
 // weights from L2, so the same place of the next item (next_item elements on) is brought
 // into L2 meanwhile.  Otherwise DRAM idles while those passes run: from 16 rows (x packed),
 // 6-13% less time at 16-64 rows; below 16 rows it cost fp32 2-8% (benchmarks/NOTES.md).
+// Baseline x86-64 (prefetch is SSE): the AVX-512 and the AVX2 tiles share it.
 template <bool kNext, typename T>
-CBATCH_AVX512 inline void prefetch_ahead(const T* p, int64_t next_item) {
+inline void prefetch_ahead(const T* p, int64_t next_item) {
   if constexpr (kNext) {
     _mm_prefetch(reinterpret_cast<const char*>(p + next_item), _MM_HINT_T1);
   } else {
@@ -290,11 +291,7 @@ CBATCH_AVX2 inline void dot_tile2(const float* x, int64_t rs, int64_t ks, const 
   const int64_t next_item = K * kBlock;
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kBlock;
-    if constexpr (kNext) {
-      _mm_prefetch(reinterpret_cast<const char*>(wk + next_item), _MM_HINT_T1);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
-    }
+    prefetch_ahead<kNext>(wk, next_item);
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -325,11 +322,7 @@ CBATCH_AVX2 inline void dot_tile2(const c10::BFloat16* x, int64_t rs, int64_t ks
   const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* wk = w + k * kBlock;  // 16 columns x 2 k: columns 0-7, then 8-15
-    if constexpr (kNext) {
-      _mm_prefetch(reinterpret_cast<const char*>(wk + next_item), _MM_HINT_T1);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
-    }
+    prefetch_ahead<kNext>(wk, next_item);
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16));
     const __m256 w00 = low_bf16(v0), w01 = high_bf16(v0, high), w10 = low_bf16(v1),
