@@ -115,7 +115,7 @@ class HugePages:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of the CPU ``tensor`` on huge pages (``tensor`` itself where they
         are not available)."""
-        if not self.enabled or tensor.device.type != "cpu":
+        if not self.enabled:
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > CHUNK:
