@@ -23,12 +23,13 @@ prompt tokens found in the prefix cache (the cache is emptied after the warm-up)
 cbatch's engines also print the decode step (median at the most common decode batch size)
 beside the weight-streaming floor (every weight read once at the highest read bandwidth
 measured in this run: at its start and after each timed cbatch run, since a shared host's
-bandwidth moves from minute to minute) and the compute floor (the step's linear-layer FLOPs
-at the rate its first linear layer reaches on those rows with the weight in cache: a bf16
-step at batch 8 can be bound by either), and the share of the step spent in the linear layers
-(GEMMs).  Results
-in throughput.* (throughput-batch-invariant.* with --batch-invariant), written to a new
-folder under benchmarks/runs/ or to --out.
+bandwidth moves from minute to minute; and, since it also moves within seconds, the median
+ratio of the same step replayed right after a read of the weights' bytes) and the compute
+floor (the step's linear-layer FLOPs at the rate its first linear layer reaches on those rows
+with the weight in cache: a bf16 step at batch 8 can be bound by either), and the share of
+the step spent in the linear layers (GEMMs).  Results in throughput.*
+(throughput-batch-invariant.* with --batch-invariant), written to a new folder under
+benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",
            "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate",
-           "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "compute_floor_ms",
-           "gemm_share",
+           "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "paired_floor_ms",
+           "step_over_paired_floor", "compute_floor_ms", "gemm_share",
            "status"]
 
 
@@ -108,6 +109,8 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
         summary.update(clock.decode_summary(args.floor_bytes_per_s))
         if "decode_batch" in summary:
             summary["compute_floor_ms"] = 1e3 * compute_floor(llm, summary["decode_batch"])
+            summary.update(paired_floor(llm, wl, summary["decode_batch"],
+                                        pairs=5 if args.quick else 30))
         summary["gemm_share"] = gemm_share(llm, wl)
     if policy != "static":
         stats = llm.engine.stats()
@@ -176,6 +179,49 @@ def compute_floor(llm, rows: int, reps: int = 20) -> float:
             best = min(best, time.perf_counter() - start)
     rate = 2 * rows * first.in_features * first.out_features / best
     return sum(2 * rows * m.in_features * m.out_features for m in layers) / rate
+
+
+@torch.inference_mode()
+def paired_floor(llm, wl, rows: int, pairs: int = 30) -> dict:
+    """The decode step of ``rows`` rows against a floor read right beside it.  A shared
+    host's bandwidth moves within seconds (reads of the same buffer ten seconds apart gave
+    30 and 53 GB/s on the 2-core host of benchmarks/NOTES.md), so the highest reading of a
+    run (``floor_ms``) can be one the steps never had.  Here a rerun of the first ``rows``
+    requests replays its first decode step of ``rows`` rows in place ``pairs`` times (the
+    step rewrites the same K/V slots with the same values; its tokens are discarded), each
+    replay right after one read of a buffer of the model's parameter bytes; the result is the
+    median over pairs of step time / that read's time, and the median read as the floor.
+    Empty if the rerun has no such step."""
+    runner = llm.engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    buffer = torch.ones(weight_bytes // 4)
+    buffer.sum()  # its pages faulted in before the first pair
+    ratios, floors = [], []
+    execute = runner.execute
+
+    def replaying(batch, scheduled):
+        if not ratios and batch.is_decode and batch.num_seqs - batch.num_padded_seqs == rows:
+            execute(batch, scheduled).wait()  # warm
+            for _ in range(pairs):
+                start = time.perf_counter()
+                buffer.sum()
+                floor = time.perf_counter() - start
+                start = time.perf_counter()
+                execute(batch, scheduled).wait()
+                ratios.append((time.perf_counter() - start) / floor)
+                floors.append(floor)
+        return execute(batch, scheduled)
+
+    runner.execute = replaying
+    llm.engine.block_manager.reset_prefix_cache()
+    try:
+        llm.generate(wl.prompts[:rows], wl.params[:rows], use_tqdm=False)
+    finally:
+        runner.execute = execute
+    if not ratios:
+        return {}
+    return {"paired_floor_ms": 1e3 * statistics.median(floors),
+            "step_over_paired_floor": statistics.median(ratios)}
 
 
 def gemm_share(llm, wl, num_requests: int = 8) -> float:
@@ -407,7 +453,9 @@ def run(args) -> Path:
             if "decode_step_ms" in row:
                 print(f"  {'':18s} decode step at batch {row['decode_batch']}: "
                       f"{row['decode_step_ms']:.1f} ms, weight-streaming floor "
-                      f"{row['floor_ms']:.1f} ms ({row['step_over_floor']:.2f}x), compute "
+                      f"{row['floor_ms']:.1f} ms ({row['step_over_floor']:.2f}x; read "
+                      f"beside the step {row.get('paired_floor_ms', float('nan')):.1f} ms, "
+                      f"{row.get('step_over_paired_floor', float('nan')):.2f}x), compute "
                       f"floor {row.get('compute_floor_ms', float('nan')):.1f} ms; "
                       f"GEMM share of the step {100 * row['gemm_share']:.0f}%", flush=True)
         base = results.get("cbatch-continuous")
@@ -430,6 +478,11 @@ def run(args) -> Path:
                         "measured so far in the run (at its start and after each timed cbatch "
                         "run; read_bandwidth_GBps is the highest of all); an fp32 lm_head with "
                         "a greedy screen reads half its bytes, so greedy steps can beat it",
+            "paired_floor_ms": "CPU: the median time of one read of the parameter bytes, each "
+                               "read right before a replay of a decode step at decode_batch "
+                               "(paired_floor)",
+            "step_over_paired_floor": "CPU: the median over those pairs of replayed step time "
+                                      "/ the read's time",
             "compute_floor_ms": "CPU: the decode step's linear-layer FLOPs (2 x rows x in x "
                                 "out features, lm_head included) at the rate the model's "
                                 "first linear layer reaches on that many rows with its weight "

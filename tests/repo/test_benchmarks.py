@@ -90,6 +90,7 @@ def test_throughput_benchmark(tmp_path):
         for r in (r for r in rows if r["engine"] == "cbatch-continuous"):
             assert r["decode_step_ms"] > 0 and r["floor_ms"] > 0 and r["decode_batch"] >= 1
             assert 0 < r["compute_floor_ms"] < float("inf")
+            assert r["paired_floor_ms"] > 0 and r["step_over_paired_floor"] > 0
             assert 0 < r["gemm_share"] < 1
 
 
