@@ -8,10 +8,10 @@
 // item is 32 columns (two blocks, each read front to back); it runs rows of x through them
 // eight at a time, with 8 x 32 accumulators in registers.  From 16 rows on, x is first copied
 // into groups of 8 rows (the broadcasts then read one stream), and rows go through in chunks
-// of 64.  Weights are prefetched ahead of the loads, and passes of rows after an item's first
-// (which read it from L2) prefetch the next item's weights (prefetch_ahead).  Each output
-// element is one thread's sum over k in order, so a row's result does not depend on the other
-// rows nor on the thread count.
+// of 64.  Weights are prefetched ahead of the loads, and an item's first pass of rows also
+// brings the next item's weights into L2 (prefetch_ahead).  Each output element is one
+// thread's sum over k in order, so a row's result does not depend on the other rows nor on
+// the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -43,18 +43,18 @@ constexpr int kRows = 8;  // rows of x per register tile
 // alike (benchmarks/NOTES.md, "Software prefetch in the linear kernel").
 constexpr int64_t kPrefetchBytes = 3072;
 
-// The tile loads p; kNext: a later pass of rows over a column item, which reads the item's
-// weights from L2, so the same place of the next item (next_item elements on) is brought
-// into L2 meanwhile.  Otherwise DRAM idles while those passes run: from 16 rows (x packed),
-// 6-13% less time at 16-64 rows; below 16 rows it cost fp32 2-8% (benchmarks/NOTES.md).
-// Baseline x86-64 (prefetch is SSE): the AVX-512 and the AVX2 tiles share it.
+// The tile loads p.  kNext: the first pass of rows over a column item, which also brings the
+// same place of the next item (next_item elements on) into L2, so that every item is fetched
+// from DRAM a whole item ahead of its loads (and later passes read it from L2).  3 KB ahead
+// hides DRAM's latency only while the loop waits on memory; where the multiply-adds keep
+// pace with the stream (bf16 at 8 rows on a host giving 50 GB/s) the two then added up
+// instead of overlapping.  A step's chain of GEMMs took 9-16% less time at 8 and 15 rows
+// (benchmarks/NOTES.md, "One item ahead").  Baseline x86-64 (prefetch is SSE): the AVX-512
+// and the AVX2 tiles share it.
 template <bool kNext, typename T>
 inline void prefetch_ahead(const T* p, int64_t next_item) {
-  if constexpr (kNext) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + next_item), _MM_HINT_T1);
-  } else {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-  }
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+  if constexpr (kNext) _mm_prefetch(reinterpret_cast<const char*>(p + next_item), _MM_HINT_T1);
 }
 
 CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
@@ -89,7 +89,7 @@ struct Args {
   int64_t ldr;
   bool gelu;
   O* out;  // [M, N] dense
-  bool prefetch_next = false;  // later passes of rows prefetch the next item (prefetch_ahead)
+  bool prefetch_next = false;  // first passes of rows prefetch the next item (prefetch_ahead)
 };
 
 // Elements of x that one row contributes to one broadcast: fp32 1, bf16 a pair of k.
@@ -204,16 +204,15 @@ CBATCH_AVX512_BF16 void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_
   }
 }
 
-// Rows [m_begin, m_end) times the B blocks that start at column n.  With prefetch_next the
-// passes after the first bring the next item's weights into L2 (prefetch_ahead).
+// Rows [m_begin, m_end) times the B blocks that start at column n.  next: the first pass
+// brings the next item's weights into L2 (prefetch_ahead).
 template <typename T, typename O, int B>
 CBATCH_AVX512_BF16 void column_item(const Args<T, O>& a, int64_t n, int64_t m_begin,
-                                    int64_t m_end) {
-  if (!a.prefetch_next || m_end - m_begin <= kRows) {
-    return passes<T, O, B, false>(a, n, m_begin, m_end);
-  }
-  tile<T, O, kRows, B>(a, m_begin, n);
-  passes<T, O, B, true>(a, n, m_begin + kRows, m_end);
+                                    int64_t m_end, bool next) {
+  if (!next) return passes<T, O, B, false>(a, n, m_begin, m_end);
+  const int64_t first = std::min(m_end, m_begin + kRows);
+  passes<T, O, B, true>(a, n, m_begin, first);  // one tile
+  passes<T, O, B, false>(a, n, first, m_end);
 }
 
 constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
@@ -224,14 +223,15 @@ constexpr int64_t kChunkRows = 64;
 // The AVX-512 kernel: an item is two blocks (the last may be one).
 struct Avx512 {
   static constexpr int64_t kItemBlocks = 2;
-  static constexpr int64_t kNextFrom = kPackFrom;  // rows from which prefetch_next may be on
+  static constexpr int64_t kRowsPerPass = kRows;
   static constexpr int64_t kL2Budget = 512 << 10;  // half of a Zen 4/5 core's L2
   template <typename T, typename O>
-  static void item(const Args<T, O>& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
+  static void item(const Args<T, O>& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1,
+                   bool next) {
     if (block + 1 < blocks) {
-      column_item<T, O, 2>(a, block * kBlock, m0, m1);
+      column_item<T, O, 2>(a, block * kBlock, m0, m1, next);
     } else {
-      column_item<T, O, 1>(a, block * kBlock, m0, m1);
+      column_item<T, O, 1>(a, block * kBlock, m0, m1, next);
     }
   }
 };
@@ -246,19 +246,21 @@ void run(Args<T, O> a) {
     pack_rows(a, xp.get());
     a.xp = xp.get();
   }
-  if (a.M >= Isa::kNextFrom) {
-    // Only while a chunk of rows and two items' weights fill at most half of L2: with
-    // K = 3072 in fp32 the next item pushed the rows out (5-7% slower at 64-256 rows).
-    const int64_t bytes = (std::min(a.M, kChunkRows) + 2 * Isa::kItemBlocks * kBlock) * a.K *
-                          int64_t(sizeof(T));
-    a.prefetch_next = bytes <= Isa::kL2Budget;
-  }
+  // The next item is prefetched only while what must stay in L2 meanwhile fills at most half
+  // of it: a chunk of rows, the next item and, with more than one pass of rows, the current
+  // one (with K = 3072 in fp32 the next item pushed the rows out: 5-7% slower at 64-256 rows).
+  const int64_t rows = std::min(a.M, kChunkRows);
+  const int64_t items_kept = rows > Isa::kRowsPerPass ? 2 : 1;
+  const int64_t bytes = (rows + items_kept * Isa::kItemBlocks * kBlock) * a.K * int64_t(sizeof(T));
+  a.prefetch_next = bytes <= Isa::kL2Budget;
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t items = (blocks + Isa::kItemBlocks - 1) / Isa::kItemBlocks;
   for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
     const int64_t m1 = std::min(a.M, m0 + kChunkRows);
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) Isa::item(a, i * Isa::kItemBlocks, blocks, m0, m1);
+      for (int64_t i = begin; i < end; ++i) {  // the next item, if this thread runs it
+        Isa::item(a, i * Isa::kItemBlocks, blocks, m0, m1, a.prefetch_next && i + 1 < end);
+      }
     });
   }
 }
@@ -385,20 +387,20 @@ CBATCH_AVX2 void passes2(const Args<T, float>& a, int64_t n, int64_t m, int64_t 
   }
 }
 
-// An item is one block; passes after the first prefetch the next (as column_item).
+// An item is one block; with next, its first pass prefetches the next (as column_item).
 struct Avx2 {
   static constexpr int64_t kItemBlocks = 1;
-  // From two passes of rows, x packed or not: at 8-12 rows 0-20% less time (the lm_head most;
-  // benchmarks/NOTES.md, "cbatch's kernel on AVX2").
-  static constexpr int64_t kNextFrom = 2 * kRows2;
+  static constexpr int64_t kRowsPerPass = kRows2;
   static constexpr int64_t kL2Budget = 256 << 10;  // half of a Zen 2/3 core's L2
   template <typename T, typename O>
-  static void item(const Args<T, O>& a, int64_t block, int64_t, int64_t m0, int64_t m1) {
+  static void item(const Args<T, O>& a, int64_t block, int64_t, int64_t m0, int64_t m1,
+                   bool next) {
     static_assert(std::is_same_v<O, float>, "the AVX2 kernel writes fp32");
     const int64_t n = block * kBlock;
-    if (!a.prefetch_next || m1 - m0 <= kRows2) return passes2<T, false>(a, n, m0, m1);
-    tile2<T, kRows2, false>(a, m0, n);
-    passes2<T, true>(a, n, m0 + kRows2, m1);
+    if (!next) return passes2<T, false>(a, n, m0, m1);
+    const int64_t first = std::min(m1, m0 + kRows2);
+    passes2<T, true>(a, n, m0, first);  // one tile
+    passes2<T, false>(a, n, first, m1);
   }
 };
 
