@@ -8,8 +8,8 @@
 // item is 32 columns (two blocks, each read front to back); it runs rows of x through them
 // eight at a time, with 8 x 32 accumulators in registers.  From 16 rows on, x is first copied
 // into groups of 8 rows (the broadcasts then read one stream), and rows go through in chunks
-// of 64.  Weights are prefetched ahead of the loads, and an item's first pass of rows also
-// brings the next item's weights into L2 (prefetch_ahead).  Each output element is one
+// of 64.  Weights are prefetched ahead of the loads, and passes of rows over an item also
+// bring the next item's weights into L2 (prefetch_ahead).  Each output element is one
 // thread's sum over k in order, so a row's result does not depend on the other rows nor on
 // the thread count.
 #include <ATen/Parallel.h>
@@ -43,14 +43,16 @@ constexpr int kRows = 8;  // rows of x per register tile
 // alike (benchmarks/NOTES.md, "Software prefetch in the linear kernel").
 constexpr int64_t kPrefetchBytes = 3072;
 
-// The tile loads p.  kNext: the first pass of rows over a column item, which also brings the
-// same place of the next item (next_item elements on) into L2, so that every item is fetched
-// from DRAM a whole item ahead of its loads (and later passes read it from L2).  3 KB ahead
-// hides DRAM's latency only while the loop waits on memory; where the multiply-adds keep
-// pace with the stream (bf16 at 8 rows on a host giving 50 GB/s) the two then added up
-// instead of overlapping.  A step's chain of GEMMs took 9-16% less time at 8 and 15 rows
-// (benchmarks/NOTES.md, "One item ahead").  Baseline x86-64 (prefetch is SSE): the AVX-512
-// and the AVX2 tiles share it.
+// The tile loads p; kNext: it also brings the same place of the next item (next_item elements
+// on) into L2.  Which passes of rows over a column item do that (column_item, Avx2::item):
+// - Few rows (below 16; AVX2: 8): the first pass, so the next item is fetched from DRAM a
+//   whole item ahead of its loads.  3 KB ahead alone hides DRAM's latency only while the
+//   loop waits on memory; where the multiply-adds keep pace with the stream (bf16 at 8 rows
+//   on a host giving 50 GB/s) the two added up instead of overlapping.  A step's chain of
+//   GEMMs took 4-23% less time at 1-15 rows (benchmarks/NOTES.md, "One item ahead").
+// - More rows: the passes after the first, which read the item from L2 while DRAM would
+//   otherwise idle: 6-13% less time at 16-64 rows ("Software prefetch in the linear kernel").
+// Baseline x86-64 (prefetch is SSE): the AVX-512 and the AVX2 tiles share it.
 template <bool kNext, typename T>
 inline void prefetch_ahead(const T* p, int64_t next_item) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
@@ -89,7 +91,7 @@ struct Args {
   int64_t ldr;
   bool gelu;
   O* out;  // [M, N] dense
-  bool prefetch_next = false;  // first passes of rows prefetch the next item (prefetch_ahead)
+  bool prefetch_next = false;  // passes of rows prefetch the next item (prefetch_ahead)
 };
 
 // Elements of x that one row contributes to one broadcast: fp32 1, bf16 a pair of k.
@@ -204,18 +206,23 @@ CBATCH_AVX512_BF16 void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_
   }
 }
 
-// Rows [m_begin, m_end) times the B blocks that start at column n.  next: the first pass
-// brings the next item's weights into L2 (prefetch_ahead).
+constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
+
+// Rows [m_begin, m_end) times the B blocks that start at column n.  next: passes bring the
+// next item's weights into L2, the first below kPackFrom rows, else the later ones
+// (prefetch_ahead).
 template <typename T, typename O, int B>
 CBATCH_AVX512_BF16 void column_item(const Args<T, O>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end, bool next) {
   if (!next) return passes<T, O, B, false>(a, n, m_begin, m_end);
-  const int64_t first = std::min(m_end, m_begin + kRows);
-  passes<T, O, B, true>(a, n, m_begin, first);  // one tile
-  passes<T, O, B, false>(a, n, first, m_end);
+  const int64_t first = std::min(m_end, m_begin + kRows);  // one tile
+  if (m_end - m_begin < kPackFrom) {
+    passes<T, O, B, true>(a, n, m_begin, first);
+    return passes<T, O, B, false>(a, n, first, m_end);
+  }
+  passes<T, O, B, false>(a, n, m_begin, first);
+  passes<T, O, B, true>(a, n, first, m_end);
 }
-
-constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
 // Rows go through in chunks that stay in each core's L2 while every column item reads them;
 // the weights then stream once per chunk (from L3, where a layer's weights fit).
 constexpr int64_t kChunkRows = 64;
@@ -387,7 +394,10 @@ CBATCH_AVX2 void passes2(const Args<T, float>& a, int64_t n, int64_t m, int64_t 
   }
 }
 
-// An item is one block; with next, its first pass prefetches the next (as column_item).
+// An item is one block; with next, passes prefetch the next one: the first below two passes
+// of rows, else the later ones (as column_item; from two passes the later ones measured 0-20%
+// faster at 8-12 rows on a Zen 3, the lm_head most: benchmarks/NOTES.md, "cbatch's kernel on
+// AVX2").
 struct Avx2 {
   static constexpr int64_t kItemBlocks = 1;
   static constexpr int64_t kRowsPerPass = kRows2;
@@ -398,9 +408,13 @@ struct Avx2 {
     static_assert(std::is_same_v<O, float>, "the AVX2 kernel writes fp32");
     const int64_t n = block * kBlock;
     if (!next) return passes2<T, false>(a, n, m0, m1);
-    const int64_t first = std::min(m1, m0 + kRows2);
-    passes2<T, true>(a, n, m0, first);  // one tile
-    passes2<T, false>(a, n, first, m1);
+    const int64_t first = std::min(m1, m0 + kRows2);  // one tile
+    if (m1 - m0 < 2 * kRows2) {
+      passes2<T, true>(a, n, m0, first);
+      return passes2<T, false>(a, n, first, m1);
+    }
+    passes2<T, false>(a, n, m0, first);
+    passes2<T, true>(a, n, first, m1);
   }
 };
 
