@@ -24,10 +24,10 @@ cbatch's engines also print the decode step (median at the most common decode ba
 beside the weight-streaming floor (every weight read once at the highest read bandwidth
 measured in this run: at its start and after each timed cbatch run, since a shared host's
 bandwidth moves from minute to minute; and, since it also moves within seconds, the median
-ratio of the same step replayed right after a read of the weights' bytes) and the compute
-floor (the step's linear-layer FLOPs at the rate its first linear layer reaches on those rows
-with the weight in cache: a bf16 step at batch 8 can be bound by either), and the share of
-the step spent in the linear layers (GEMMs).  Results in throughput.*
+ratio of a decode step of that size replayed right after reads of the weights' bytes) and the
+compute floor (the step's linear-layer FLOPs at the rate its first linear layer reaches on
+those rows with the weight in cache: a bf16 step at batch 8 can be bound by either), and the
+share of the step spent in the linear layers (GEMMs).  Results in throughput.*
 (throughput-batch-invariant.* with --batch-invariant), written to a new folder under
 benchmarks/runs/ or to --out.
 """
@@ -103,21 +103,24 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
     per = [{"token_ids": o.token_ids, "ttft": o.metrics.first_token_time - start,
             "finish": o.metrics.finished_time - start} for o in outs]
     summary = _summary(per, wall)
+    if policy != "static":  # before the reruns below, which add to the engine's counters
+        stats = llm.engine.stats()
+        summary["host_overhead"] = stats.host_overhead
+        queried = stats.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
+        hits = stats.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+        summary["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
     if clock is not None:
         probe = read_bandwidth(torch.device(args.device), (64 << 20) if args.quick else None)
         args.floor_bytes_per_s = max(args.floor_bytes_per_s, probe)
         summary.update(clock.decode_summary(args.floor_bytes_per_s))
         if "decode_batch" in summary:
             summary["compute_floor_ms"] = 1e3 * compute_floor(llm, summary["decode_batch"])
-            summary.update(paired_floor(llm, wl, summary["decode_batch"],
-                                        pairs=5 if args.quick else 30))
+            try:  # an extra column: its failure must not cost the timed row
+                summary.update(paired_floor(llm, wl, summary["decode_batch"],
+                                            pairs=5 if args.quick else 30))
+            except Exception as e:
+                print(f"  paired_floor failed: {type(e).__name__}: {e}", flush=True)
         summary["gemm_share"] = gemm_share(llm, wl)
-    if policy != "static":
-        stats = llm.engine.stats()
-        summary["host_overhead"] = stats.host_overhead
-        queried = stats.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
-        hits = stats.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
-        summary["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
     return summary, [o.token_ids for o in outs]
 
 
@@ -183,18 +186,21 @@ def compute_floor(llm, rows: int, reps: int = 20) -> float:
 
 @torch.inference_mode()
 def paired_floor(llm, wl, rows: int, pairs: int = 30) -> dict:
-    """The decode step of ``rows`` rows against a floor read right beside it.  A shared
-    host's bandwidth moves within seconds (reads of the same buffer ten seconds apart gave
-    30 and 53 GB/s on the 2-core host of benchmarks/NOTES.md), so the highest reading of a
-    run (``floor_ms``) can be one the steps never had.  Here a rerun of the first ``rows``
-    requests replays its first decode step of ``rows`` rows in place ``pairs`` times (the
-    step rewrites the same K/V slots with the same values; its tokens are discarded), each
-    replay right after one read of a buffer of the model's parameter bytes; the result is the
-    median over pairs of step time / that read's time, and the median read as the floor.
-    Empty if the rerun has no such step."""
+    """A decode step of ``rows`` rows against a floor read right beside it.  A shared host's
+    bandwidth moves within seconds (reads of the same buffer ten seconds apart gave 32 and
+    53 GB/s on the 2-core host of benchmarks/NOTES.md), so the highest reading of a run
+    (``floor_ms``) can be one the steps never had.  Here a rerun of the first ``rows``
+    requests replays its first decode step of ``rows`` rows (its shortest contexts, not the
+    timed run's median step) in place ``pairs`` times (the step rewrites the same K/V slots
+    with the same values; its tokens are discarded), each replay right after one read of a
+    buffer (the model's parameter bytes, at most 1 GiB, the time scaled to all of them; read
+    on all of torch's threads); the result is the median over pairs of step time / that
+    floor, and the median floor.  Empty if the rerun never decodes ``rows`` rows at once
+    (requests with short outputs can finish before the last prompt is prefilled)."""
     runner = llm.engine.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    buffer = torch.ones(weight_bytes // 4)
+    buffer = torch.ones(min(weight_bytes, 1 << 30) // 4)
+    scale = weight_bytes / (buffer.numel() * 4)
     buffer.sum()  # its pages faulted in before the first pair
     ratios, floors = [], []
     execute = runner.execute
@@ -205,7 +211,7 @@ def paired_floor(llm, wl, rows: int, pairs: int = 30) -> dict:
             for _ in range(pairs):
                 start = time.perf_counter()
                 buffer.sum()
-                floor = time.perf_counter() - start
+                floor = (time.perf_counter() - start) * scale
                 start = time.perf_counter()
                 execute(batch, scheduled).wait()
                 ratios.append((time.perf_counter() - start) / floor)
@@ -478,9 +484,10 @@ def run(args) -> Path:
                         "measured so far in the run (at its start and after each timed cbatch "
                         "run; read_bandwidth_GBps is the highest of all); an fp32 lm_head with "
                         "a greedy screen reads half its bytes, so greedy steps can beat it",
-            "paired_floor_ms": "CPU: the median time of one read of the parameter bytes, each "
-                               "read right before a replay of a decode step at decode_batch "
-                               "(paired_floor)",
+            "paired_floor_ms": "CPU: the median time of one read of the parameter bytes (at "
+                               "most 1 GiB read, scaled), each read right before a replay of "
+                               "a decode step at decode_batch (paired_floor); empty when the "
+                               "rerun never decodes that many rows at once",
             "step_over_paired_floor": "CPU: the median over those pairs of replayed step time "
                                       "/ the read's time",
             "compute_floor_ms": "CPU: the decode step's linear-layer FLOPs (2 x rows x in x "
