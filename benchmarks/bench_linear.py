@@ -13,9 +13,11 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
 - ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp) on its packed layout, on CPUs with
   AVX-512 or (fp32) AVX2 (``cbatch.layers.cpu_linear``, which picks the route the model runs);
-- ``cbatch-greedy`` (fp32 lm_head, CPUs with AVX2 or AVX-512): what a greedy step runs instead of
-  the lm_head, its tokens through the bf16 screen (``cpu_linear.greedy_tokens``); its error
-  column counts the rows whose token is not the argmax of ``cbatch``'s logits (0 expected).
+- ``cbatch-greedy`` (the lm_head; fp32 on CPUs with AVX2 or AVX-512, bf16 on those with
+  AVX512-BF16 and AVX512-VNNI): what a greedy step runs instead of the lm_head, its tokens
+  through the screen (a bf16 copy of an fp32 weight, an int8 one of a bf16 weight:
+  ``cpu_linear.greedy_tokens``); its error column counts the rows whose token is not the
+  argmax of ``cbatch``'s logits (0 expected).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
 once per round, round-robin, with the last-level cache flushed before each call, so that a

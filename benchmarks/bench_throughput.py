@@ -482,8 +482,9 @@ def run(args) -> Path:
                               "size, in the timed run",
             "floor_ms": "every weight read once (parameter bytes) / the highest read bandwidth "
                         "measured so far in the run (at its start and after each timed cbatch "
-                        "run; read_bandwidth_GBps is the highest of all); an fp32 lm_head with "
-                        "a greedy screen reads half its bytes, so greedy steps can beat it",
+                        "run; read_bandwidth_GBps is the highest of all); an lm_head with "
+                        "a greedy screen (fp32: a bf16 copy; bf16 below 16 rows: an int8 "
+                        "one) reads half its bytes, so greedy steps can beat it",
             "paired_floor_ms": "CPU: the median time of one read of the parameter bytes (at "
                                "most 1 GiB read, scaled), each read right before a replay of "
                                "a decode step at decode_batch (paired_floor); empty when the "

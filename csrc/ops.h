@@ -63,15 +63,21 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual, const std::string& activation);
 
-// Greedy tokens of an fp32 lm_head without reading its fp32 weights, as
+// Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
-// (the same weight rounded to bf16, packed alike) and the fp32 sums of the few columns it
-// cannot rule out.  x: fp32 [M, K] (dense rows); packed: fp32 as linear_cpu's; w_norm,
-// screen_norm, error_norm: the maxima over columns of |w_j|, |bf16(w_j)| and
-// |w_j - bf16(w_j)| (2-norms, rounded up).  Returns int64 [M].  Wherever linear_cpu runs fp32.
+// (a smaller copy of the weight, packed alike) and the kernel's sums of the few columns it
+// cannot rule out (cpu/linear.cpp).  x: [M, K] (dense rows); packed: as linear_cpu's.
+// - fp32: screen = bf16(W); scales: none; w_norm, screen_norm, error_norm: the maxima over
+//   columns of |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| (2-norms, rounded up).
+// - bf16: screen = q, int8, with W ~ diag(scales) q (fp32 [N] scales); the norms those of
+//   w_j, s_j q_j and w_j - s_j q_j.
+// Returns int64 [M].  Where greedy_head_supported(x's dtype): fp32 wherever linear_cpu runs
+// it, bf16 with AVX512-VNNI besides.
+bool greedy_head_supported(at::ScalarType dtype);
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
-                           double screen_norm, double error_norm);
+                           double screen_norm, double error_norm,
+                           const std::optional<at::Tensor>& scales);
 
 // Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.

@@ -21,9 +21,10 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
       "str activation) -> Tensor");
+  m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
-      "float screen_norm, float error_norm) -> Tensor");  // an fp32 lm_head's greedy tokens
+      "float screen_norm, float error_norm, Tensor? scales=None) -> Tensor");  // greedy tokens
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
 }
 

@@ -184,7 +184,7 @@ class ModelRunner:
         num_logprobs = [p.logprobs for p in params]
         with self.threads.step() if self.threads else contextlib.nullcontext():
             if sampling.all_greedy and not any(num_logprobs) and self.model.greedy_screened \
-                    and not self._graphs:  # no logits needed: the lm_head's screen (CPU, fp32)
+                    and not self._graphs:  # no logits needed: the lm_head's screen (CPU)
                 tokens, logprobs = self.model.greedy_tokens(self.last_hidden(batch)), None
             else:
                 logits = self.logits(batch)

@@ -33,14 +33,15 @@ packed copy beside it.  Results differ from ``F.linear``'s only in summation ord
 
 ``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
 
-A greedy step needs only each row's argmax of the lm_head, and an fp32 lm_head is a third of
-the bytes a GPT-2 decode step reads.  On x86 CPUs with AVX2 or AVX-512 an fp32 model's lm_head
-gets a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its weight;
-:func:`greedy_tokens` screens every column on it, then sums the few it cannot rule out in
-fp32 as the kernel does: the same tokens as the argmax of the fp32 logits, bit for bit,
-from half the bytes (the bound that makes it exact is in csrc/cpu/linear.cpp,
+A greedy step needs only each row's argmax of the lm_head, and the lm_head is a third of the
+bytes a GPT-2 decode step reads in fp32, a quarter in bf16.  An fp32 lm_head on x86 CPUs with
+AVX2 or AVX-512 gets a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its
+weight, and a bf16 lm_head on CPUs with AVX512-VNNI an int8 copy with a scale per column;
+:func:`greedy_tokens` screens every column on it, then computes the few it cannot rule out
+as the kernel does: the same tokens as the argmax of the kernel's logits, bit for bit, from
+half the bytes (the bound that makes it exact is in csrc/cpu/linear.cpp,
 ``greedy_head_cpu``).  ``$CBATCH_GREEDY_SCREEN=0`` turns it off (the copy costs half the
-lm_head's fp32 bytes in memory).
+lm_head's bytes in memory).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def cpu_linear_route(dtype: torch.dtype) -> str:
 
 def pack(weight: torch.Tensor, route: str) -> torch.Tensor:
     """A dense ``[N, K]`` weight in ``route``'s layout: ``"onednn"``: an opaque mkldnn
-    tensor; ``"cbatch"``: ``[ceil(N / 16), K, 16]`` (bf16: element ``[b, k, j]`` of
+    tensor; ``"cbatch"``: ``[ceil(N / 16), K, 16]`` (bf16 and int8: element ``[b, k, j]`` of
     ``[b, K / 2, 16, 2]`` order, i.e. pairs of k per column), zero past column N."""
     w = weight.detach().contiguous()
     if route == "onednn":
@@ -102,7 +103,7 @@ def pack(weight: torch.Tensor, route: str) -> torch.Tensor:
     N, K = w.shape
     blocks = -(-N // BLOCK)
     w = F.pad(w, (0, 0, 0, blocks * BLOCK - N))
-    if w.dtype == torch.bfloat16:
+    if w.dtype in (torch.bfloat16, torch.int8):
         return w.view(blocks, BLOCK, K // 2, 2).permute(0, 2, 1, 3).reshape(blocks, K, BLOCK)
     return w.view(blocks, BLOCK, K).permute(0, 2, 1).contiguous()
 
@@ -116,7 +117,7 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     if packed.is_mkldnn:
         return packed.to_dense()
     blocks, K, _ = packed.shape
-    if packed.dtype == torch.bfloat16:
+    if packed.dtype in (torch.bfloat16, torch.int8):
         dense = packed.view(blocks, K // 2, BLOCK, 2).permute(0, 2, 1, 3)
     else:
         dense = packed.permute(0, 2, 1)
@@ -148,45 +149,65 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
 
 @dataclass(frozen=True)
 class GreedyScreen:
-    """A bf16 copy of an fp32 weight ``[N, K]`` for :func:`greedy_tokens`.
+    """A smaller copy of an lm_head's weight ``W [N, K]`` for :func:`greedy_tokens`.
 
-    weight: bf16, packed as :func:`pack` packs the fp32 one; the norms: the largest 2-norm
-    over columns j (rows of the dense weight) of ``w_j``, ``bf16(w_j)`` and
-    ``w_j - bf16(w_j)``, in float64, rounded up."""
+    weight: packed as :func:`pack` packs ``W``: fp32 ``W``: ``bf16(W)``; bf16 ``W``: int8
+    ``q`` with ``W ~ scales[:, None] * q`` (``scales``: fp32 ``[N]``, a column's largest
+    magnitude / 127; None for fp32).  The norms: the largest 2-norm over columns j (rows of
+    the dense weight) of ``w_j``, of its copy (``bf16(w_j)``, ``s_j q_j``) and of their
+    difference, in float64, rounded up."""
 
     weight: torch.Tensor
     w_norm: float
     screen_norm: float
     error_norm: float
+    scales: torch.Tensor | None = None
 
 
 def screen_available(dtype: torch.dtype) -> bool:
     """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32 on cbatch's
     kernel (x86 with AVX2 and FMA, or AVX-512: the screen runs ``vdpbf16ps`` where the CPU
-    has AVX512-BF16, bf16 widened to fp32 in registers elsewhere), and
-    ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
-    return dtype == torch.float32 and os.environ.get("CBATCH_GREEDY_SCREEN", "1") != "0" \
-        and route_available("cbatch", torch.float32)
+    has AVX512-BF16, bf16 widened to fp32 in registers elsewhere), bf16 on cbatch's kernel
+    where the CPU also has AVX512-VNNI (``vpdpwssd``), and ``$CBATCH_GREEDY_SCREEN`` not
+    ``0``."""
+    return dtype in (torch.float32, torch.bfloat16) \
+        and os.environ.get("CBATCH_GREEDY_SCREEN", "1") != "0" \
+        and route_available("cbatch", dtype) and torch.ops.cbatch.greedy_head_supported(dtype)
+
+
+def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` → int8 ``q`` and fp32 ``scales [N]`` (a column's largest magnitude / 127;
+    1 for a zero column), ``w ~ scales[:, None] * q``."""
+    top = w.float().abs().amax(dim=1)
+    scales = torch.where(top > 0, top / 127, torch.ones_like(top))
+    q = (w.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
 
 
 def pack_screen(weight: torch.Tensor) -> GreedyScreen:
-    """The :class:`GreedyScreen` of a dense fp32 ``[N, K]`` weight (K even)."""
+    """The :class:`GreedyScreen` of a dense fp32 or bf16 ``[N, K]`` weight (K even)."""
     w = weight.detach()
-    rounded = w.to(torch.bfloat16)
+    if w.dtype == torch.bfloat16:
+        copy, scales = _quantize_int8(w)
+    else:
+        copy, scales = w.to(torch.bfloat16), None
     norms = torch.zeros(3, dtype=torch.float64)  # NaN, if any, propagates (and disables it)
-    for part, part16 in zip(w.split(4096), rounded.split(4096)):  # float64 a slice at a time
-        part, part16 = part.double(), part16.double()
-        for i, t in enumerate((part, part16, part - part16)):
+    rows = range(0, w.shape[0], 4096)  # float64 a slice at a time
+    for r in rows:
+        part, part_copy = w[r:r + 4096].double(), copy[r:r + 4096].double()
+        if scales is not None:
+            part_copy = part_copy * scales[r:r + 4096, None].double()
+        for i, t in enumerate((part, part_copy, part - part_copy)):
             norms[i] = torch.maximum(norms[i], t.norm(dim=1).max())
     up = 1 + 1e-9  # float64 sums of K squares are within K * 2^-53 relative
-    return GreedyScreen(pack(rounded, "cbatch"), *(float(n) * up for n in norms))
+    return GreedyScreen(pack(copy, "cbatch"), *(float(n) * up for n in norms), scales=scales)
 
 
 def greedy_tokens(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
                   out_features: int) -> torch.Tensor:
     """``argmax(linear(x, packed, None, out_features), dim=-1)`` bit for bit, reading
-    ``screen`` instead of most of ``packed``.  x: fp32 ``[M, K]``; packed: :func:`pack`'s
-    fp32 layout → int64 ``[M]``."""
+    ``screen`` instead of most of ``packed``.  x: ``[M, K]``, the dtype of ``packed`` (fp32
+    or bf16, :func:`pack`'s layout) → int64 ``[M]``."""
     return torch.ops.cbatch.greedy_head(x if x.stride(-1) == 1 else x.contiguous(), packed,
                                         screen.weight, out_features, screen.w_norm,
-                                        screen.screen_norm, screen.error_norm)
+                                        screen.screen_norm, screen.error_norm, screen.scales)

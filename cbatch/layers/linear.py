@@ -66,7 +66,7 @@ class Linear(DirectCall, nn.Linear):
 
     batch_invariant = False
     packed_weight: torch.Tensor | None = None  # the route's layout: the weight itself, or a copy
-    greedy_screen: cpu_linear.GreedyScreen | None = None  # an fp32 lm_head's (pack_linears)
+    greedy_screen: cpu_linear.GreedyScreen | None = None  # an lm_head's (pack_linears)
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,9 +117,10 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
     shared = _shared_weights(model)
-    # An fp32 lm_head gets a bf16 greedy screen where cbatch's kernel runs fp32
-    # (cpu_linear.GreedyScreen); it is exact for the logits of cbatch's kernel, which also
-    # streams the lm_head faster than oneDNN (benchmarks/NOTES.md, "The lm_head's greedy screen").
+    # The lm_head gets a greedy screen (cpu_linear.GreedyScreen: fp32 a bf16 copy, bf16 an
+    # int8 one) where cbatch's kernel runs it; it is exact for the logits of cbatch's kernel,
+    # which also streams the lm_head faster than oneDNN (benchmarks/NOTES.md, "The lm_head's
+    # greedy screen", "An int8 screen for the bf16 lm_head").
     head = getattr(model, "lm_head", None)
     screened = route == "cbatch" and isinstance(head, Linear) and head.bias is None \
         and head.in_features % 2 == 0 and cpu_linear.screen_available(dtype)

@@ -47,15 +47,16 @@ class PagedCausalLM(nn.Module):
 
     @property
     def greedy_screened(self) -> bool:
-        """Whether :meth:`greedy_tokens` runs (an fp32 lm_head packed on an x86 CPU with AVX2
-        or AVX-512: :func:`cbatch.layers.linear.pack_linears`)."""
+        """Whether :meth:`greedy_tokens` runs (an lm_head packed on an x86 CPU with AVX2 or
+        AVX-512, bf16 with AVX512-VNNI: :func:`cbatch.layers.linear.pack_linears`)."""
         return self.lm_head.greedy_screen is not None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` hidden states → int64 ``[N]``: the argmax of
-        :meth:`compute_logits`' rows, bit for bit, from the lm_head's bf16 screen and the
-        fp32 sums of the few columns it cannot rule out (:func:`cbatch.layers.cpu_linear.
-        greedy_tokens`); only where :attr:`greedy_screened`."""
+        :meth:`compute_logits`' rows, bit for bit, from the lm_head's screen (a bf16 copy
+        of an fp32 weight, an int8 one of a bf16 weight) and the kernel's logits of the few
+        columns it cannot rule out (:func:`cbatch.layers.cpu_linear.greedy_tokens`); only
+        where :attr:`greedy_screened`."""
         head = self.lm_head
         return cpu_linear.greedy_tokens(hidden, head.packed_weight, head.greedy_screen,
                                         head.out_features)

@@ -96,7 +96,7 @@ if compiled.compiled_backends():
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")
-    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm):
+    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None):
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("cbatch::argmax")

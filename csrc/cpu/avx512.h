@@ -15,8 +15,9 @@
 #include <cstring>
 
 #define CBATCH_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define CBATCH_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+// The dot products of linear.cpp's tiles: vdpbf16ps (bf16) and vpdpwssd (the int8 screen).
+#define CBATCH_AVX512_DOT \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")))
 
 namespace cbatch {
 

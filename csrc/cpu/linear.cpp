@@ -62,7 +62,7 @@ inline void prefetch_ahead(const T* p, int64_t next_item) {
 CBATCH_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
 }
-CBATCH_AVX512_BF16 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+CBATCH_AVX512_DOT inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
@@ -79,12 +79,26 @@ CBATCH_AVX512 inline __m512 gelu_tanh16(__m512 v) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), one_plus_tanh);
 }
 
-// T: x and the weight; O: the output (T, or fp32 for the greedy head's bf16 screen).
+// The type of x for a weight of type T: T, or int16 for the int8 weight of a bf16 lm_head's
+// greedy screen (vpdpwssd multiplies pairs of int16; the weight is widened in registers).
+template <typename T>
+struct XOf {
+  using type = T;
+};
+template <>
+struct XOf<int8_t> {
+  using type = int16_t;
+};
+template <typename T>
+using X = typename XOf<T>::type;
+
+// T: the weight (and x, but int8 takes int16 x); O: the output (T, or fp32 for the greedy
+// head's screens).
 template <typename T, typename O = T>
 struct Args {
-  const T* x;  // [M, K], rows ldx apart
+  const X<T>* x;  // [M, K], rows ldx apart
   int64_t ldx, M, K, N;
-  const T* xp;  // null, or x packed by pack_rows
+  const X<T>* xp;  // null, or x packed by pack_rows
   const T* w;  // packed
   const T* bias;      // [N] or null
   const T* residual;  // [M, N] (rows ldr apart) or null
@@ -92,9 +106,10 @@ struct Args {
   bool gelu;
   O* out;  // [M, N] dense
   bool prefetch_next = false;  // passes of rows prefetch the next item (prefetch_ahead)
+  const float* scale = nullptr;  // int8 weights: [N] column scales (out = int32 sum * scale)
 };
 
-// Elements of x that one row contributes to one broadcast: fp32 1, bf16 a pair of k.
+// Elements of x that one row contributes to one broadcast: fp32 1, bf16 and int8 a pair of k.
 template <typename T>
 constexpr int64_t kPairs = std::is_same_v<T, float> ? 1 : 2;
 
@@ -102,17 +117,17 @@ constexpr int64_t kPairs = std::is_same_v<T, float> ? 1 : 2;
 // tile's broadcasts then read one stream instead of kRows rows far apart (for many rows;
 // a few rows stay in cache as they are).
 template <typename T, typename O>
-void pack_rows(const Args<T, O>& a, T* xp) {
+void pack_rows(const Args<T, O>& a, X<T>* xp) {
   constexpr int64_t P = kPairs<T>;
   const int64_t groups = (a.M + kRows - 1) / kRows;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      T* dst = xp + g * kRows * a.K;
+      X<T>* dst = xp + g * kRows * a.K;
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t m = g * kRows + r;
         for (int64_t k = 0; k < a.K; k += P) {
           for (int64_t p = 0; p < P; ++p) {
-            dst[(k / P) * kRows * P + r * P + p] = m < a.M ? a.x[m * a.ldx + k + p] : T(0);
+            dst[(k / P) * kRows * P + r * P + p] = m < a.M ? a.x[m * a.ldx + k + p] : X<T>(0);
           }
         }
       }
@@ -143,7 +158,7 @@ CBATCH_AVX512 inline void dot_tile(const float* x, int64_t rs, int64_t ks, const
 }
 
 template <int R, int B, bool kNext>
-CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int64_t ks,
+CBATCH_AVX512_DOT inline void dot_tile(const c10::BFloat16* x, int64_t rs, int64_t ks,
                                         const c10::BFloat16* w, int64_t K,
                                         __m512 (&acc)[kRows][2]) {
   const int64_t block_stride = K * kBlock;  // in bf16 elements
@@ -165,9 +180,51 @@ CBATCH_AVX512_BF16 inline void dot_tile(const c10::BFloat16* x, int64_t rs, int6
   }
 }
 
+// acc + the pairwise products of a and b (vpdpwssd), in asm: GCC 12's intrinsic keeps the
+// accumulator in zmm0-15, and with 16 sums the tile then moved each one there and back around
+// every instruction (half the speed).
+CBATCH_AVX512_DOT inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// int16 x and int8 W (pairs of k, as bf16 is packed; the greedy screen of a bf16 lm_head):
+// exact int32 sums, kept in acc's bits (the caller's scale keeps them from overflowing).
+template <int R, int B, bool kNext>
+CBATCH_AVX512_DOT inline void dot_tile(const int16_t* x, int64_t rs, int64_t ks,
+                                       const int8_t* w, int64_t K, __m512 (&acc)[kRows][2]) {
+  const int64_t block_stride = K * kBlock;  // in int8 elements
+  __m512i sum[kRows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) sum[r][b] = _mm512_castps_si512(acc[r][b]);
+  }
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512i wk[2];
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) {
+      prefetch_ahead<kNext>(w + b * block_stride + k * kBlock, 2 * block_stride);
+      wk[b] = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * block_stride + k * kBlock)));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * rs + k * ks, sizeof pair);
+      const __m512i xr = _mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+      for (int b = 0; b < B; ++b) sum[r][b] = dpwssd(sum[r][b], xr, wk[b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_castsi512_ps(sum[r][b]);
+  }
+}
+
 // Rows [m, m + R) times the B blocks that start at column n; epilogue; store.
 template <typename T, typename O, int R, int B, bool kNext = false>
-CBATCH_AVX512_BF16 void tile(const Args<T, O>& a, int64_t m, int64_t n) {
+CBATCH_AVX512_DOT void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -180,19 +237,27 @@ CBATCH_AVX512_BF16 void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   for (int b = 0; b < B; ++b) {
     const int64_t col = n + b * kBlock;
     const __mmask16 mask = first_lanes(a.N - col);
-    const __m512 bias = a.bias ? load16(a.bias + col, mask) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_add_ps(acc[r][b], bias);
-      if (a.gelu) v = gelu_tanh16(v);
-      if (a.residual) v = _mm512_add_ps(load16(a.residual + (m + r) * a.ldr + col, mask), v);
-      store16(a.out + (m + r) * a.N + col, v, mask);
+    if constexpr (std::is_same_v<T, int8_t>) {  // the screen: int32 sums times column scales
+      const __m512 scale = load16(a.scale + col, mask);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_castps_si512(acc[r][b]));
+        store16(a.out + (m + r) * a.N + col, _mm512_mul_ps(sum, scale), mask);
+      }
+    } else {
+      const __m512 bias = a.bias ? load16(a.bias + col, mask) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        __m512 v = _mm512_add_ps(acc[r][b], bias);
+        if (a.gelu) v = gelu_tanh16(v);
+        if (a.residual) v = _mm512_add_ps(load16(a.residual + (m + r) * a.ldr + col, mask), v);
+        store16(a.out + (m + r) * a.N + col, v, mask);
+      }
     }
   }
 }
 
 // Rows [m, m_end) times the B blocks that start at column n, kRows at a time, then the rest.
 template <typename T, typename O, int B, bool kNext>
-CBATCH_AVX512_BF16 void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_t m_end) {
+CBATCH_AVX512_DOT void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_t m_end) {
   for (; m + kRows <= m_end; m += kRows) tile<T, O, kRows, B, kNext>(a, m, n);
   switch (m_end - m) {
     case 7: return tile<T, O, 7, B, kNext>(a, m, n);
@@ -212,7 +277,7 @@ constexpr int64_t kPackFrom = 2 * kRows;  // rows from which x is packed
 // next item's weights into L2, the first below kPackFrom rows, else the later ones
 // (prefetch_ahead).
 template <typename T, typename O, int B>
-CBATCH_AVX512_BF16 void column_item(const Args<T, O>& a, int64_t n, int64_t m_begin,
+CBATCH_AVX512_DOT void column_item(const Args<T, O>& a, int64_t n, int64_t m_begin,
                                     int64_t m_end, bool next) {
   if (!next) return passes<T, O, B, false>(a, n, m_begin, m_end);
   const int64_t first = std::min(m_end, m_begin + kRows);  // one tile
@@ -247,9 +312,9 @@ struct Avx512 {
 // items: Avx512 above, Avx2 below), the items shared out among threads.
 template <typename Isa, typename T, typename O>
 void run(Args<T, O> a) {
-  std::unique_ptr<T[]> xp;  // every element written by pack_rows: no zeroing first
+  std::unique_ptr<X<T>[]> xp;  // every element written by pack_rows: no zeroing first
   if (a.M >= kPackFrom) {
-    xp.reset(new T[(a.M + kRows - 1) / kRows * kRows * a.K]);
+    xp.reset(new X<T>[(a.M + kRows - 1) / kRows * kRows * a.K]);
     pack_rows(a, xp.get());
     a.xp = xp.get();
   }
@@ -258,7 +323,8 @@ void run(Args<T, O> a) {
   // one (with K = 3072 in fp32 the next item pushed the rows out: 5-7% slower at 64-256 rows).
   const int64_t rows = std::min(a.M, kChunkRows);
   const int64_t items_kept = rows > Isa::kRowsPerPass ? 2 : 1;
-  const int64_t bytes = (rows + items_kept * Isa::kItemBlocks * kBlock) * a.K * int64_t(sizeof(T));
+  const int64_t bytes = (rows * int64_t(sizeof(X<T>)) +
+                         items_kept * Isa::kItemBlocks * kBlock * int64_t(sizeof(T))) * a.K;
   a.prefetch_next = bytes <= Isa::kL2Budget;
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t items = (blocks + Isa::kItemBlocks - 1) / Isa::kItemBlocks;
@@ -418,31 +484,54 @@ struct Avx2 {
   }
 };
 
-// ---- Greedy tokens of an fp32 lm_head read through a bf16 copy (greedy_head_cpu).
+// ---- Greedy tokens of an lm_head read through a smaller copy of its weight (greedy_head_cpu).
 //
-// A greedy step needs each row's argmax of x @ W^T, not its logits.  The screen runs the bf16
-// kernel above (fp32 sums, fp32 out; vdpbf16ps with AVX512-BF16, else the AVX2 tile with bf16
-// widened in registers) on x and W rounded to bf16: half of W's bytes, and an fp32 lm_head
-// is a third of a GPT-2 decode step's.  Its A_j differs from the fp32 kernel's
-// logit E_j by at most
-//   B = g_K |x| |w_j| + g_2K |x~| |w~_j| + |x - x~| |w_j| + |x~| |w_j - w~_j| + tiny
-// (|.| the 2-norm, ~ the bf16 rounding, g_n = nu / (1 - nu) with u = 2^-24: the two sums of K
-// products in any order, Cauchy-Schwarz for the rest, `tiny` for bf16 products flushed to
-// zero), with each column norm's maximum over W.  A column with A_j < A_t - 2B, t the
-// screen's argmax, has E_j < E_t, so the fp32 kernel's argmax (its first maximum) is among
-// the others: for each block of 16 columns that holds one, E is summed as the kernel sums it
-// (one fma per k, in order, from zero, then + 0 for the absent bias), bit for bit.  Rows the
-// screen cannot settle cheaply run the fp32 kernel on the whole row: a NaN or infinity
-// anywhere, sums that could overflow, or more than kMaxBlocks blocks to sum (x = 0 ties every
+// A greedy step needs each row's argmax of x @ W^T, not its logits, and the lm_head is a
+// third of the bytes a GPT-2 decode step reads (fp32), a quarter in bf16.  A screen runs the
+// kernel above on a copy of W with half the bytes, then bounds how far each screened value
+// can be from the lm_head's own logit:
+// - fp32 lm_head, bf16 screen (vdpbf16ps with AVX512-BF16, else the AVX2 tile with bf16
+//   widened in registers) on x and W rounded to bf16: its A_j differs from the fp32
+//   kernel's logit E_j by at most
+//     B = g_K |x| |w_j| + g_2K |x~| |w~_j| + |x - x~| |w_j| + |x~| |w_j - w~_j| + tiny
+//   (|.| the 2-norm, ~ the bf16 rounding, g_n = nu / (1 - nu) with u = 2^-24: the two sums
+//   of K products in any order, Cauchy-Schwarz for the rest, `tiny` for bf16 products
+//   flushed to zero), with each column norm's maximum over W.  A column with A_j < A_t - 2B,
+//   t the screen's argmax, has E_j < E_t, so the fp32 kernel's argmax (its first maximum) is
+//   among the others.
+// - bf16 lm_head, int8 screen (AVX512-VNNI's vpdpwssd): W ~ s_j q_j per column (q int8,
+//   s_j = max_k |w_jk| / 127), x ~ t p per row (p int16, t a power of two so large that no
+//   int32 sum of K products overflows), exact int32 sums S_j = p . q_j, and A_j =
+//   fl(fl(S_j) s_j) in units of t.  The bf16 kernel's fp32 sum E_j is within
+//     B = g_K |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j| + tiny
+//   of t A_j, and its logit is E_j rounded to bf16, which ties far more often.  With lb =
+//   t A_t - B <= E_t, q the largest bf16 <= lb and p' the largest bf16 < q, a column with
+//   t A_j + B <= p' has bf16(E_j) <= p' < q <= bf16(E_t): neither the maximum nor a tie of it.
+// For each block of 16 columns that holds one the screen keeps, the logits are computed as
+// the kernel computes them (fp32: one fma per k, in order, from zero, then + 0 for the absent
+// bias; bf16: one vdpbf16ps per pair of k, in order, from zero, + 0, rounded to bf16), bit for
+// bit, and the first maximum wins.  Rows the screen cannot settle cheaply run the kernel on
+// the whole row: a NaN or infinity anywhere, sums that could overflow (or, bf16, a bound
+// reaching bf16's subnormals), or more than kMaxBlocks blocks to sum (x = 0 ties every
 // column).
+//
+// The int8 screen runs below kPackFrom rows (16).  From there the bf16 lm_head is
+// compute-bound, and the screen's multiply-adds are as many as the kernel's: on a Zen 4 host
+// (bench_linear, lm_head, cache flushed) it took 1.71 / 2.22 / 2.61 / 2.90 / 3.17 ms at 8 /
+// 10 / 12 / 14 / 15 rows against the kernel's 2.45 / 2.73 / 2.94 / 3.31 / 3.16 ms, and 10%
+// more than the kernel at 64 rows (benchmarks/NOTES.md, "An int8 screen for the bf16
+// lm_head").  The fp32 one (half the multiply-adds' cost in bf16) runs at every row count.
 
 constexpr int64_t kMaxBlocks = 256;  // ~3 us each (a 16-column block is K cache lines)
 
 // The two ISAs' parts of settle_row: next_kept(approx, n, N, cut, &lanes), the first block of
 // 16 columns from column n on holding a screened value >= cut (its first column, N if none;
-// lanes: which of its columns, as bits), and exact(x, block, K, out), E for the 16 columns of
-// one packed fp32 block as the fp32 kernels (tile, tile2) sum them: one fma per k, in order,
-// from zero, then + 0 for the absent bias.
+// lanes: which of its columns, as bits), and exact(x, packed, cols, count, K, out), the
+// logits of the 16 columns of each of `count` (at most kGroup) packed blocks, starting at
+// columns cols[], as the kernels (tile, tile2) compute them: on AVX-512 kGroup blocks at once,
+// so that one sum's chain of K dependent multiply-adds hides the others' latency.  The bf16
+// exact exists only on AVX-512 (AVX512-BF16: the one place bf16 lm_heads run the kernel).
+constexpr int kGroup = 4;
 struct Screen512 {
   CBATCH_AVX512 static int64_t next_kept(const float* approx, int64_t n, int64_t N, float cut,
                                          uint32_t* lanes) {
@@ -454,12 +543,44 @@ struct Screen512 {
     }
     return N;
   }
-  CBATCH_AVX512 static void exact(const float* x, const float* block, int64_t K, float* out) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(block + k * kBlock), acc);
+  // (every group sums kGroup blocks; past `count` it repeats the first, unstored)
+  CBATCH_AVX512 static void exact(const float* x, const float* packed, const int64_t* cols,
+                                  int count, int64_t K, float (*out)[kBlock]) {
+    __m512 acc[kGroup];
+    const float* w[kGroup];
+    for (int g = 0; g < kGroup; ++g) {
+      acc[g] = _mm512_setzero_ps(), w[g] = packed + cols[g < count ? g : 0] * K;
     }
-    _mm512_storeu_ps(out, _mm512_add_ps(acc, _mm512_setzero_ps()));
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 xk = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 4
+      for (int g = 0; g < kGroup; ++g) {
+        acc[g] = _mm512_fmadd_ps(xk, _mm512_loadu_ps(w[g] + k * kBlock), acc[g]);
+      }
+    }
+    for (int g = 0; g < count; ++g) _mm512_storeu_ps(out[g], _mm512_add_ps(acc[g], _mm512_setzero_ps()));
+  }
+  CBATCH_AVX512_DOT static void exact(const c10::BFloat16* x, const c10::BFloat16* packed,
+                                      const int64_t* cols, int count, int64_t K,
+                                      float (*out)[kBlock]) {
+    __m512 acc[kGroup];
+    const c10::BFloat16* w[kGroup];
+    for (int g = 0; g < kGroup; ++g) {
+      acc[g] = _mm512_setzero_ps(), w[g] = packed + cols[g < count ? g : 0] * K;
+    }
+    for (int64_t k = 0; k < K; k += 2) {
+      int32_t pair;
+      std::memcpy(&pair, x + k, sizeof pair);
+      const __m512bh xk = (__m512bh)(_mm512_set1_epi32(pair));
+#pragma GCC unroll 4
+      for (int g = 0; g < kGroup; ++g) {
+        acc[g] = _mm512_dpbf16_ps(acc[g], xk, (__m512bh)(_mm512_loadu_si512(w[g] + k * kBlock)));
+      }
+    }
+    for (int g = 0; g < count; ++g) {  // + 0 and rounded to bf16, as tile and store16 do
+      const __m512 v = _mm512_add_ps(acc[g], _mm512_setzero_ps());
+      _mm512_storeu_ps(out[g], widen16((__m256i)(_mm512_cvtneps_pbh(v))));
+    }
   }
 };
 
@@ -480,41 +601,106 @@ struct Screen2 {
     }
     return N;
   }
-  CBATCH_AVX2 static void exact(const float* x, const float* block, int64_t K, float* out) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      const __m256 xk = _mm256_broadcast_ss(x + k);
-      acc0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock), acc0);
-      acc1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock + 8), acc1);
+  CBATCH_AVX2 static void exact(const float* x, const float* packed, const int64_t* cols,
+                                int count, int64_t K, float (*out)[kBlock]) {
+    for (int g = 0; g < count; ++g) {  // one block at a time
+      const float* block = packed + cols[g] * K;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const __m256 xk = _mm256_broadcast_ss(x + k);
+        acc0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock), acc0);
+        acc1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(block + k * kBlock + 8), acc1);
+      }
+      _mm256_storeu_ps(out[g], _mm256_add_ps(acc0, _mm256_setzero_ps()));
+      _mm256_storeu_ps(out[g] + 8, _mm256_add_ps(acc1, _mm256_setzero_ps()));
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc0, _mm256_setzero_ps()));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(acc1, _mm256_setzero_ps()));
   }
 };
 
-// The row's greedy token, or -1 where the fp32 kernel must run the whole row.  approx: the
-// screen's [N] sums; top: their argmax; bound: B.  S: Screen512 or Screen2.
-template <typename S>
-int64_t settle_row(const float* x, const float* packed, int64_t K, int64_t N,
-                   const float* approx, int64_t top, double bound) {
-  const double threshold = double(approx[top]) - 2 * bound;
-  if (!std::isfinite(threshold)) return -1;
-  // the largest float at most `threshold`: no column the bound keeps is dropped
-  const float below = std::nextafter(static_cast<float>(threshold), -INFINITY);
-  int64_t best = -1, blocks = 0;
-  float best_value = -INFINITY;
+// The row's greedy token, or -1 where the kernel must run the whole row.  approx: the
+// screen's [N] values; cut: keep the columns whose value is at least this (NaN: settle
+// nothing).  S: Screen512 or Screen2; T: fp32 or bf16 (x and the packed weight).
+template <typename S, typename T>
+int64_t settle_row(const T* x, const T* packed, int64_t K, int64_t N, const float* approx,
+                   float cut) {
+  if (!std::isfinite(cut)) return -1;
+  int64_t cols[kMaxBlocks];  // the kept blocks' first columns, ascending
+  uint32_t lanes[kMaxBlocks];
+  int count = 0;
   uint32_t keep = 0;
-  for (int64_t n = S::next_kept(approx, 0, N, below, &keep); n < N;
-       n = S::next_kept(approx, n + kBlock, N, below, &keep)) {
-    if (++blocks > kMaxBlocks) return -1;
-    float exact[kBlock];
-    S::exact(x, packed + n * K, K, exact);
-    for (; keep; keep &= keep - 1) {
-      const int lane = __builtin_ctz(keep);
-      if (exact[lane] > best_value) best = n + lane, best_value = exact[lane];
+  for (int64_t n = S::next_kept(approx, 0, N, cut, &keep); n < N;
+       n = S::next_kept(approx, n + kBlock, N, cut, &keep)) {
+    if (count == kMaxBlocks) return -1;
+    cols[count] = n, lanes[count++] = keep;
+  }
+  int64_t best = -1;
+  float best_value = -INFINITY;
+  for (int i = 0; i < count; i += kGroup) {  // columns in order: the first maximum wins
+    const int group = std::min(kGroup, count - i);
+    float exact[kGroup][kBlock];
+    S::exact(x, packed, cols + i, group, K, exact);
+    for (int g = 0; g < group; ++g) {
+      for (uint32_t bits = lanes[i + g]; bits; bits &= bits - 1) {
+        const int lane = __builtin_ctz(bits);
+        if (exact[g][lane] > best_value) best = cols[i + g] + lane, best_value = exact[g][lane];
+      }
     }
   }
   return best;
+}
+
+// A float at most v: the cut that drops no column the bound keeps (NaN if v is not finite).
+float float_below(double v) {
+  return std::isfinite(v) ? std::nextafter(static_cast<float>(v), -INFINITY) : NAN;
+}
+
+// bf16 values (as doubles): the largest at most v, and the next one below b; for normal
+// values (|v| and |b| at least 2^-125, v below bf16's largest).
+double bf16_floor(double v) {
+  float f = static_cast<float>(v);
+  if (f > v) f = std::nextafter(f, -INFINITY);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  uint32_t top = bits & 0xffff0000u;  // towards zero
+  if (f < 0 && top != bits) top += 0x10000u;  // one step further from zero
+  std::memcpy(&f, &top, sizeof f);
+  return f;
+}
+double bf16_below(double b) {
+  float f = static_cast<float>(b);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits = f > 0 ? bits - 0x10000u : bits + 0x10000u;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Settle every row (settle_row, in parallel), then run the kernel on the rows it could not:
+// torch.argmax's answer of their logits (argmax_cpu).
+template <typename S, typename T>
+void settle_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                 const at::Tensor& approx, const std::vector<float>& cuts, int64_t* out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      out[m] = settle_row<S>(x.data_ptr<T>() + m * x.stride(0), packed.data_ptr<T>(), K, N,
+                             approx.data_ptr<float>() + m * N, cuts[m]);
+    }
+  });
+  std::vector<int64_t> unsettled;
+  for (int64_t m = 0; m < M; ++m) {
+    if (out[m] < 0) unsettled.push_back(m);
+  }
+  if (unsettled.empty()) return;
+  const int64_t U = static_cast<int64_t>(unsettled.size());
+  at::Tensor rows = at::empty({U, K}, x.options());
+  for (int64_t i = 0; i < U; ++i) {
+    std::memcpy(rows.data_ptr<T>() + i * K, x.data_ptr<T>() + unsettled[i] * x.stride(0),
+                K * sizeof(T));
+  }
+  const at::Tensor picked =
+      argmax_cpu(linear_cpu(rows, packed, N, std::nullopt, std::nullopt, "none"));
+  for (int64_t i = 0; i < U; ++i) out[unsettled[i]] = picked.data_ptr<int64_t>()[i];
 }
 
 }  // namespace
@@ -588,34 +774,27 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
 }
 
 
-at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
-                           const at::Tensor& screen, int64_t out_features, double w_norm,
-                           double screen_norm, double error_norm) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
-                       screen.scalar_type() == at::kBFloat16,
-                   "greedy_head takes fp32 x and packed weight and a bf16 screen, got ",
-                   x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type());
-  // where the fp32 kernel runs, whose sums settle_row reproduces
-  TORCH_CHECK_VALUE(cpu_linear_supported(at::kFloat),
-                    "greedy_head runs only on an x86 CPU with AVX2 and FMA, or AVX-512");
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
-                    x.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  for (const at::Tensor* w : {&packed, &screen}) {
-    TORCH_CHECK_VALUE(w->is_contiguous() && w->dim() == 3 && w->size(0) == blocks &&
-                          w->size(1) == K && w->size(2) == kBlock,
-                      "packed weight ", w->sizes(), " does not hold ", N, " x ", K);
-  }
-  TORCH_CHECK_VALUE(K % 2 == 0 && N > 0, "greedy_head needs an even K and N > 0, got K = ", K,
-                    ", N = ", N);
-  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
-  if (M == 0) return tokens;
+bool greedy_head_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
-  using B16 = c10::BFloat16;
-  // x~ and the row terms of B, in double
-  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
-  std::vector<double> bound(M);
+  static const bool vnni = cpu_linear_supported(at::kBFloat16) &&
+                           __builtin_cpu_supports("avx512vnni");
+  return dtype == at::kFloat ? cpu_linear_supported(at::kFloat) : dtype == at::kBFloat16 && vnni;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+namespace {
+#ifdef CBATCH_X86
+using B16 = c10::BFloat16;
+
+// The fp32 lm_head's screen (bf16 copy): each row's cut, then the tokens.
+void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,
+                 int64_t N, double w_norm, double screen_norm, double error_norm, int64_t* out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));  // x~
+  std::vector<double> bound(M);  // B, in double
   const double u = std::ldexp(1.0, -24), gK = K * u / (1 - K * u),
                g2K = 2 * K * u / (1 - 2 * K * u);
   for (int64_t m = 0; m < M; ++m) {
@@ -644,30 +823,129 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
     run<Avx2>(args);
   }
   const at::Tensor top = argmax_cpu(approx);
-  int64_t* out = tokens.data_ptr<int64_t>();
-  const auto settle = cpu_has_avx512() ? settle_row<Screen512> : settle_row<Screen2>;
+  std::vector<float> cuts(M);
+  for (int64_t m = 0; m < M; ++m) {
+    cuts[m] = float_below(approx.data_ptr<float>()[m * N + top.data_ptr<int64_t>()[m]] -
+                          2 * bound[m]);
+  }
+  if (cpu_has_avx512()) {
+    settle_rows<Screen512, float>(x, packed, N, approx, cuts, out);
+  } else {
+    settle_rows<Screen2, float>(x, packed, N, approx, cuts, out);
+  }
+}
+
+// The bf16 lm_head's screen (int8 copy and its column scales): each row's cut, then the
+// tokens.
+void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,
+                 const at::Tensor& scales, int64_t N, double w_norm, double screen_norm,
+                 double error_norm, int64_t* out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  // |p_k| <= levels: no int32 sum of K products with |q| <= 127 can overflow
+  const int64_t levels = std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * K));
+  at::Tensor p = at::empty({M, K}, x.options().dtype(at::kShort));
+  std::vector<double> bound(M), unit(M);  // B and t
+  const double u = std::ldexp(1.0, -24), gK = K * u / (1 - K * u);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      out[m] = settle(x.data_ptr<float>() + m * x.stride(0), packed.data_ptr<float>(), K, N,
-                      approx.data_ptr<float>() + m * N, top.data_ptr<int64_t>()[m], bound[m]);
+      const B16* row = x.data_ptr<B16>() + m * x.stride(0);
+      int16_t* q = p.data_ptr<int16_t>() + m * K;
+      double top = 0, nx = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = static_cast<float>(row[k]);
+        top = std::max(top, std::fabs(v)), nx += v * v;  // NaN: top stays, nx is NaN
+      }
+      nx = std::sqrt(nx);
+      int e = 0;
+      std::frexp(top / levels, &e);
+      const double t = std::ldexp(1.0, e), inv = std::ldexp(1.0, -e);  // t >= top / levels
+      double ndx = 0, nq = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = static_cast<float>(row[k]);
+        const double level = std::isfinite(v) ? std::nearbyint(v * inv) : 0;
+        q[k] = static_cast<int16_t>(level);
+        ndx += (v - t * level) * (v - t * level), nq += (t * level) * (t * level);
+      }
+      ndx = std::sqrt(ndx), nq = std::sqrt(nq);
+      const double tiny =
+          std::ldexp(1.0, -100) * K * (1 + nx + w_norm) + t * std::ldexp(1.0, -140);
+      double b = gK * nx * w_norm + ndx * w_norm + nq * error_norm +
+                 2.01 * u * nq * screen_norm + tiny;
+      // no sum can overflow below this; x = 0 ties every column
+      if (!(nx * w_norm < 1e37 && top > 0)) b = INFINITY;
+      bound[m] = b * (1 + 1e-6), unit[m] = t;
     }
   });
-  std::vector<int64_t> unsettled;
+  at::Tensor approx = at::empty({M, N}, x.options().dtype(at::kFloat));
+  Args<int8_t, float> args{p.data_ptr<int16_t>(), K, M, K, N, nullptr,
+                           screen.data_ptr<int8_t>(), nullptr, nullptr, 0, false,
+                           approx.data_ptr<float>()};
+  args.scale = scales.data_ptr<float>();
+  run<Avx512>(args);
+  const at::Tensor top = argmax_cpu(approx);
+  std::vector<float> cuts(M);
   for (int64_t m = 0; m < M; ++m) {
-    if (out[m] < 0) unsettled.push_back(m);
+    const double t = unit[m];
+    const double lb = t * approx.data_ptr<float>()[m * N + top.data_ptr<int64_t>()[m]] - bound[m];
+    cuts[m] = NAN;  // settle nothing: the bound may reach bf16's subnormals, or is not finite
+    if (std::fabs(lb) >= std::ldexp(1.0, -125) && std::fabs(lb) < 1e38) {
+      cuts[m] = float_below((bf16_below(bf16_floor(lb)) - bound[m]) / t);
+    }
   }
-  if (!unsettled.empty()) {  // the fp32 kernel on those rows, then torch.argmax's answer
-    const int64_t U = static_cast<int64_t>(unsettled.size());
-    at::Tensor rows = at::empty({U, K}, x.options());
-    for (int64_t i = 0; i < U; ++i) {
-      std::memcpy(rows.data_ptr<float>() + i * K, x.data_ptr<float>() + unsettled[i] * x.stride(0),
-                  K * sizeof(float));
-    }
-    const at::Tensor logits = linear_cpu(rows, packed, N, std::nullopt, std::nullopt, "none");
-    const at::Tensor picked = argmax_cpu(logits);
-    for (int64_t i = 0; i < U; ++i) {
-      out[unsettled[i]] = picked.data_ptr<int64_t>()[i];
-    }
+  settle_rows<Screen512, B16>(x, packed, N, approx, cuts, out);
+}
+#endif
+}  // namespace
+
+at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& screen, int64_t out_features, double w_norm,
+                           double screen_norm, double error_norm,
+                           const std::optional<at::Tensor>& scales) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    TORCH_CHECK_TYPE(packed.scalar_type() == at::kBFloat16 && screen.scalar_type() == at::kChar &&
+                         scales && scales->scalar_type() == at::kFloat,
+                     "greedy_head takes a bf16 x with a bf16 packed weight, an int8 screen and "
+                     "fp32 scales, got ", packed.scalar_type(), ", ", screen.scalar_type(),
+                     scales ? ", scales" : ", no scales");
+  } else {
+    TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+                         screen.scalar_type() == at::kBFloat16 && !scales,
+                     "greedy_head takes fp32 x and packed weight and a bf16 screen (no scales),"
+                     " or bf16 x and packed weight and an int8 screen, got ", x.scalar_type(),
+                     ", ", packed.scalar_type(), ", ", screen.scalar_type());
+  }
+  // where the kernel runs, whose sums settle_row reproduces
+  TORCH_CHECK_VALUE(greedy_head_supported(x.scalar_type()), "greedy_head runs ",
+                    x.scalar_type(), " only on an x86 CPU with ",
+                    bf16 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
+                    x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  for (const at::Tensor* w : {&packed, &screen}) {
+    TORCH_CHECK_VALUE(w->is_contiguous() && w->dim() == 3 && w->size(0) == blocks &&
+                          w->size(1) == K && w->size(2) == kBlock,
+                      "packed weight ", w->sizes(), " does not hold ", N, " x ", K);
+  }
+  TORCH_CHECK_VALUE(K % 2 == 0 && N > 0, "greedy_head needs an even K and N > 0, got K = ", K,
+                    ", N = ", N);
+  if (scales) {
+    TORCH_CHECK_VALUE(scales->is_contiguous() && scales->dim() == 1 && scales->size(0) == N,
+                      "scales must be a dense [", N, "], got ", scales->sizes());
+  }
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+#ifdef CBATCH_X86
+  if (bf16 && M >= kPackFrom) {  // compute-bound: the int8 screen saves nothing (see below)
+    return argmax_cpu(linear_cpu(x, packed, N, std::nullopt, std::nullopt, "none"));
+  }
+  if (bf16) {
+    greedy_bf16(x, packed, screen, *scales, N, w_norm, screen_norm, error_norm,
+                tokens.data_ptr<int64_t>());
+  } else {
+    greedy_fp32(x, packed, screen, N, w_norm, screen_norm, error_norm,
+                tokens.data_ptr<int64_t>());
   }
 #endif
   return tokens;

@@ -1,6 +1,6 @@
-"""The fp32 lm_head's greedy screen (cbatch.layers.cpu_linear.greedy_tokens, csrc/cpu/
-linear.cpp's greedy_head_cpu): the argmax of the fp32 kernel's logits, bit for bit, read
-through a bf16 copy of the weight."""
+"""The lm_head's greedy screens (cbatch.layers.cpu_linear.greedy_tokens, csrc/cpu/linear.cpp's
+greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
+of the weight (fp32: bf16; bf16: int8 with a scale per column)."""
 
 import pytest
 import torch
@@ -15,59 +15,110 @@ pytestmark = [
     pytest.mark.skipif(not cpu_linear.screen_available(torch.float32),
                        reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu_linear.screen_available(torch.bfloat16),
+    reason="the bf16 lm_head's screen needs AVX-512 with AVX512-BF16 and AVX512-VNNI"))]
 
 
-def _fp32_argmax(x, packed, N):
+def _kernel_argmax(x, packed, N):
     """What an unscreened greedy step answers: torch's argmax of the kernel's logits."""
     return cpu_linear.linear(x, packed, None, N).argmax(dim=-1)
 
 
 def _check(x, w):
     packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w)
+    assert screen.weight.dtype == (torch.int8 if w.dtype == torch.bfloat16 else torch.bfloat16)
     got = cpu_linear.greedy_tokens(x, packed, screen, w.shape[0])
     assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
-    assert torch.equal(got, _fp32_argmax(x, packed, w.shape[0]))
+    assert torch.equal(got, _kernel_argmax(x, packed, w.shape[0]))
 
 
+def _screen_argmax(x, w):
+    """The screen's own answer, without the kernel's sums (near enough: x unrounded)."""
+    if w.dtype == torch.bfloat16:
+        q, scales = cpu_linear._quantize_int8(w)
+        copy = q.float() * scales[:, None]
+    else:
+        x, copy = x.bfloat16().float(), w.bfloat16().float()
+    return (x.float() @ copy.T).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 8, 17, 70])
 @pytest.mark.parametrize("N,K", [(37, 2), (1000, 64), (4099, 768)])
-def test_tokens_are_the_fp32_argmax(M, N, K):
+def test_tokens_are_the_kernels_argmax(dtype, M, N, K):
     """Fresh random weights and rows of very different scales (1e-3 to 1e3); N not a
-    multiple of 16; row counts below, at and past the kernel's tile and packing sizes."""
+    multiple of 16; row counts below, at and past the kernel's tile and packing sizes (from
+    16 rows a bf16 lm_head computes its logits: no screen)."""
     gen = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
     x = torch.randn(M, K, generator=gen) * 10.0 ** torch.randint(-3, 4, (M, 1), generator=gen)
-    _check(x, w)
+    _check(x.to(dtype), w.to(dtype))
 
 
-def test_near_ties_are_settled_in_fp32():
-    """Columns the bf16 screen cannot tell apart: copies of one column moved by less than a
-    bf16 step, where the fp32 sums decide (and the screen's own argmax is wrong for some
-    rows), and exact duplicates of each row's winner further on (the first index wins, as
-    torch.argmax)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_near_ties_are_settled_by_the_kernels_sums(dtype):
+    """Columns the screen cannot tell apart: copies of one column moved by less than the
+    screen's error (fp32: 1e-4, under a bf16 step; bf16: 1%, under the int8 step, made 20x
+    coarser by one large weight in each, and where many logits round to one bf16), where the
+    kernel's logits decide (and the screen's own argmax is wrong for some rows), and exact
+    duplicates of each row's winner further on (the first index wins, as torch.argmax)."""
     gen = torch.Generator().manual_seed(0)
     K, N = 256, 300
-    x = torch.randn(8, K, generator=gen)
+    x = torch.randn(12, K, generator=gen)  # below 16 rows: the bf16 screen's
+    x[:, 0] = x[:, 0].abs()
+    x = x.to(dtype)
     w = torch.randn(N, K, generator=gen) * 0.02
-    best = 0.5 * x.sum(0) / x.sum(0).norm()  # a column every row likes
+    best = 0.5 * x.float().sum(0) / x.float().sum(0).norm()  # a column every row likes
     near = list(range(40, 260, 7))
+    move = 1e-4 if dtype == torch.float32 else 1e-2
     for j in near:
-        w[j] = best * (1 + 1e-4 * torch.randn(K, generator=gen))
+        w[j] = best * (1 + move * torch.randn(K, generator=gen))
+        if dtype == torch.bfloat16:
+            w[j, 0] = 20 * best.abs().max()
+    w = w.to(dtype)
     packed = cpu_linear.pack(w, "cbatch")
-    winners = _fp32_argmax(x, packed, N)
+    winners = _kernel_argmax(x, packed, N)
     assert set(winners.tolist()) <= set(near)
-    screen_argmax = (x.bfloat16().float() @ w.bfloat16().float().T).argmax(dim=-1)
-    assert (screen_argmax != winners).any()  # the screen alone would not do
+    assert (_screen_argmax(x, w) != winners).any()  # the screen alone would not do
     for i, j in enumerate(winners.tolist()):
-        w[261 + i] = w[j]  # a later tie of the winner
+        w[261 + i] = w[j]  # a later tie of the winner (or a copy of an earlier one's)
     _check(x, w)
     _check(x.flip(0), w)
 
 
-def test_rows_the_screen_cannot_settle():
+@pytest.mark.skipif(not cpu_linear.screen_available(torch.bfloat16),
+                    reason="the bf16 lm_head's screen needs AVX512-BF16 and AVX512-VNNI")
+def test_bf16_logits_that_round_alike_go_to_the_first():
+    """A bf16 lm_head's logits are its fp32 sums rounded to bf16: an earlier column whose sum
+    is smaller by far more than the screen's error, but rounds to the same bf16, ties with the
+    later one and wins (the screen's cut follows bf16's steps, not only its error bound).
+    Every weight here is exact in the int8 copy but one, so the bound is ~1e-4."""
+    K = 256
+    x = torch.ones(2, K, dtype=torch.bfloat16)  # exact in int16 too
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (100, K), generator=gen) * 2.0 ** -14  # sums within +-0.3
+    w[:, 0] = 127 * 2.0 ** -14  # each column's largest magnitude: scale 2^-14, exact
+    w[30] = 2.0 ** -8
+    w[30, 5] = 0.875 * 2.0 ** -8  # sums to 1 - 2^-11 in fp32, to 1 in bf16
+    w[70] = 2.0 ** -8  # sums to exactly 1
+    w = w.bfloat16()
+    packed = cpu_linear.pack(w, "cbatch")
+    logits = cpu_linear.linear(x, packed, None, 100)
+    assert logits[0, 30] == logits[0, 70] == 1.0 and logits.max() == 1.0
+    screen = cpu_linear.pack_screen(w)
+    assert screen.error_norm < 1e-5
+    assert cpu_linear.greedy_tokens(x, packed, screen, 100).tolist() == [30, 30]
+    _check(x, w)
+    w[[30, 70]] = w[[70, 30]]  # the larger sum first: still 30
+    _check(x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_the_screen_cannot_settle(dtype):
     """Rows that tie every column (x = 0: index 0), hold NaN or infinity, or whose sums
-    could overflow run the fp32 kernel on the whole row: torch.argmax's answer still (the
-    first NaN for NaN logits)."""
+    could overflow run the kernel on the whole row: torch.argmax's answer still (the first
+    NaN for NaN logits)."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(500, 64, generator=gen) * 0.05
     x = torch.randn(6, 64, generator=gen)
@@ -76,6 +127,7 @@ def test_rows_the_screen_cannot_settle():
     x[2, 5] = float("inf")
     x[3] *= 1e36
     x[4, 7] = float("-inf")
+    x, w = x.to(dtype), w.to(dtype)
     _check(x, w)
     w[123, 9] = float("nan")  # a NaN column: every row's logit there is NaN
     _check(x[5:], w)
@@ -84,32 +136,52 @@ def test_rows_the_screen_cannot_settle():
 def test_rejects_bad_arguments():
     w = torch.randn(40, 8)
     packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w)
-    with pytest.raises(TypeError, match="fp32 x"):
+    with pytest.raises(TypeError, match="bf16 x with a bf16 packed weight"):
         cpu_linear.greedy_tokens(torch.randn(2, 8).bfloat16(), packed, screen, 40)
+    with pytest.raises(TypeError, match="fp32 x and packed weight and a bf16 screen"):
+        torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight.view(torch.int16)
+                                     .to(torch.int8), 40, 1.0, 1.0, 1.0, None)
     with pytest.raises(ValueError, match="does not hold"):
         cpu_linear.greedy_tokens(torch.randn(2, 8), packed, screen, 50)
     assert cpu_linear.greedy_tokens(torch.randn(0, 8), packed, screen, 40).shape == (0,)
+    if cpu_linear.screen_available(torch.bfloat16):
+        w16 = w.bfloat16()
+        packed16, screen16 = cpu_linear.pack(w16, "cbatch"), cpu_linear.pack_screen(w16)
+        with pytest.raises(TypeError, match="int8 screen"):
+            torch.ops.cbatch.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16.weight,
+                                         40, 1.0, 1.0, 1.0, None)
+        with pytest.raises(ValueError, match="scales must be"):
+            torch.ops.cbatch.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16.weight,
+                                         40, 1.0, 1.0, 1.0, screen16.scales[:20])
 
 
-def test_packing_gives_an_fp32_lm_head_a_screen(monkeypatch):
-    """pack_linears gives the fp32 lm_head a screen and keeps it on cbatch's kernel (the
-    logits the screen is exact for); not a bf16 model's, nor with $CBATCH_GREEDY_SCREEN=0
-    (the lm_head then goes back to its route without a screen); unpacking drops it."""
+def test_packing_gives_the_lm_head_a_screen(monkeypatch):
+    """pack_linears gives the fp32 lm_head a bf16 screen, and the bf16 one an int8 screen
+    where the CPU has AVX512-VNNI, and keeps it on cbatch's kernel (the logits the screen is
+    exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then goes back to its route
+    without a screen); unpacking drops it."""
     model = load_model("random:tiny")
     assert pack_linears(model) and model.greedy_screened
     assert not model.lm_head.packed_weight.is_mkldnn
     assert model.lm_head.greedy_screen.weight.dtype == torch.bfloat16
+    assert model.lm_head.greedy_screen.scales is None
     unpack_linears(model)
     assert not model.greedy_screened
-    assert pack_linears(load_model("random:tiny", dtype=torch.bfloat16)) \
-        and not load_model("random:tiny", dtype=torch.bfloat16).greedy_screened
+    model = load_model("random:tiny", dtype=torch.bfloat16)
+    assert pack_linears(model)
+    assert model.greedy_screened == cpu_linear.screen_available(torch.bfloat16)
+    if model.greedy_screened:
+        screen = model.lm_head.greedy_screen
+        assert screen.weight.dtype == torch.int8 and screen.scales.shape == (model.lm_head.out_features,)
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
-    model = load_model("random:tiny")
-    assert pack_linears(model) and not model.greedy_screened
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model("random:tiny", dtype=dtype)
+        assert pack_linears(model) and not model.greedy_screened
 
 
-def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch):
-    """An fp32 engine's greedy steps without logprobs take the screen, and give the tokens
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch, dtype):
+    """An engine's greedy steps without logprobs take the screen, and give the tokens
     the unscreened engine gives; a step with a sampled or a logprobs request computes the
     logits (and so does every step with the screen off)."""
     prompts = [[(7 * i + 3 * j) % 500 for j in range(3 + 5 * i)] for i in range(6)]
@@ -126,15 +198,15 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch):
         model.greedy_tokens = counted
         return [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
-    on = tokens(LLM("random:tiny", dtype="float32", max_num_seqs=4))
+    on = tokens(LLM("random:tiny", dtype=dtype, max_num_seqs=4))
     assert calls and max(calls) <= 4
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
     calls.clear()
-    off = LLM("random:tiny", dtype="float32", max_num_seqs=4)
+    off = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
     assert not off.engine.model.greedy_screened
     assert tokens(off) == on
     monkeypatch.delenv("CBATCH_GREEDY_SCREEN")
-    llm = LLM("random:tiny", dtype="float32", max_num_seqs=4)
+    llm = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
     calls.clear()
     tokens(llm)
     n = len(calls)
@@ -143,5 +215,5 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch):
     assert len(calls) == n  # a logprobs request in every step: logits computed
     assert outs[0].token_ids == on[0] and outs[1].token_ids == on[1]
     assert outs[1].logprobs and outs[1].logprobs[0]
-    engine = Engine(load_model("random:tiny"), max_num_seqs=4, batch_invariant=True)
+    engine = Engine(load_model("random:tiny", dtype=dtype), max_num_seqs=4, batch_invariant=True)
     assert engine.model.greedy_screened  # exact, so batch-invariant too
