@@ -503,8 +503,11 @@ struct Avx2 {
 //   s_j = max_k |w_jk| / 127), x ~ t p per row (p int16, t a power of two so large that no
 //   int32 sum of K products overflows), exact int32 sums S_j = p . q_j, and A_j =
 //   fl(fl(S_j) s_j) in units of t.  The bf16 kernel's fp32 sum E_j is within
-//     B = g_K |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j| + tiny
-//   of t A_j, and its logit is E_j rounded to bf16, which ties far more often.  With lb =
+//     B = g_2K |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j|
+//         + tiny
+//   of t A_j (g_2K: vdpbf16ps as two roundings per pair of k, as Intel's manual has it, and
+//   as measured here; g_K would do for that, g_2K also for any order of the two), and its
+//   logit is E_j rounded to bf16, which ties far more often.  With lb =
 //   t A_t - B <= E_t, q the largest bf16 <= lb and p' the largest bf16 < q, a column with
 //   t A_j + B <= p' has bf16(E_j) <= p' < q <= bf16(E_t): neither the maximum nor a tie of it.
 // For each block of 16 columns that holds one the screen keeps, the logits are computed as
@@ -841,11 +844,12 @@ void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                  const at::Tensor& scales, int64_t N, double w_norm, double screen_norm,
                  double error_norm, int64_t* out) {
   const int64_t M = x.size(0), K = x.size(1);
-  // |p_k| <= levels: no int32 sum of K products with |q| <= 127 can overflow
-  const int64_t levels = std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * K));
+  // |p_k| <= levels: no int32 sum of K products with |q| <= 128 can overflow
+  const int64_t levels = std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (128 * K));
+  TORCH_CHECK_VALUE(levels >= 1, "the int8 screen takes K below 2^24, got ", K);
   at::Tensor p = at::empty({M, K}, x.options().dtype(at::kShort));
   std::vector<double> bound(M), unit(M);  // B and t
-  const double u = std::ldexp(1.0, -24), gK = K * u / (1 - K * u);
+  const double u = std::ldexp(1.0, -24), g2K = 2 * K * u / (1 - 2 * K * u);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const B16* row = x.data_ptr<B16>() + m * x.stride(0);
@@ -856,23 +860,26 @@ void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
         top = std::max(top, std::fabs(v)), nx += v * v;  // NaN: top stays, nx is NaN
       }
       nx = std::sqrt(nx);
+      // no sum can overflow below this; x = 0 ties every column; NaN or infinity in x
+      if (!(nx * w_norm < 1e37 && top > 0 && std::isfinite(top))) {
+        std::fill(q, q + K, int16_t(0));
+        bound[m] = INFINITY, unit[m] = 1;
+        continue;
+      }
       int e = 0;
       std::frexp(top / levels, &e);
       const double t = std::ldexp(1.0, e), inv = std::ldexp(1.0, -e);  // t >= top / levels
       double ndx = 0, nq = 0;
       for (int64_t k = 0; k < K; ++k) {
         const double v = static_cast<float>(row[k]);
-        const double level = std::isfinite(v) ? std::nearbyint(v * inv) : 0;
+        const double level = std::nearbyint(v * inv);
         q[k] = static_cast<int16_t>(level);
         ndx += (v - t * level) * (v - t * level), nq += (t * level) * (t * level);
       }
       ndx = std::sqrt(ndx), nq = std::sqrt(nq);
-      const double tiny =
-          std::ldexp(1.0, -100) * K * (1 + nx + w_norm) + t * std::ldexp(1.0, -140);
-      double b = gK * nx * w_norm + ndx * w_norm + nq * error_norm +
-                 2.01 * u * nq * screen_norm + tiny;
-      // no sum can overflow below this; x = 0 ties every column
-      if (!(nx * w_norm < 1e37 && top > 0)) b = INFINITY;
+      const double tiny = std::ldexp(1.0, -100) * K * (1 + nx + w_norm);
+      const double b = g2K * nx * w_norm + ndx * w_norm + nq * error_norm +
+                       2.01 * u * nq * screen_norm + tiny;
       bound[m] = b * (1 + 1e-6), unit[m] = t;
     }
   });
@@ -930,6 +937,9 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
   }
   TORCH_CHECK_VALUE(K % 2 == 0 && N > 0, "greedy_head needs an even K and N > 0, got K = ", K,
                     ", N = ", N);
+  TORCH_CHECK_VALUE(!(w_norm < 0 || screen_norm < 0 || error_norm < 0),
+                    "greedy_head's norms cannot be negative, got ", w_norm, ", ", screen_norm,
+                    ", ", error_norm);
   if (scales) {
     TORCH_CHECK_VALUE(scales->is_contiguous() && scales->dim() == 1 && scales->size(0) == N,
                       "scales must be a dense [", N, "], got ", scales->sizes());

@@ -17,7 +17,7 @@ pytestmark = [
 ]
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not cpu_linear.screen_available(torch.bfloat16),
-    reason="the bf16 lm_head's screen needs AVX-512 with AVX512-BF16 and AVX512-VNNI"))]
+    reason="the bf16 lm_head's screen needs AVX512-BF16 and AVX512-VNNI"))]
 
 
 def _kernel_argmax(x, packed, N):
@@ -87,8 +87,24 @@ def test_near_ties_are_settled_by_the_kernels_sums(dtype):
     _check(x.flip(0), w)
 
 
-@pytest.mark.skipif(not cpu_linear.screen_available(torch.bfloat16),
-                    reason="the bf16 lm_head's screen needs AVX512-BF16 and AVX512-VNNI")
+BF16_SCREEN = pytest.mark.skipif(not cpu_linear.screen_available(torch.bfloat16),
+                                 reason="the bf16 lm_head's screen needs AVX512-BF16 and "
+                                        "AVX512-VNNI")
+UNIT = 2.0 ** -14  # weights in multiples of it with a column maximum of 127 units: exact in int8
+
+
+def _column(units, K):
+    """A column of whole units, 127 at k = 0, summing to ``units`` (x = ones)."""
+    c = torch.zeros(K)
+    c[0] = 127
+    rest = units - 127
+    c[1:] = rest // (K - 1)
+    c[1:1 + rest - rest // (K - 1) * (K - 1)] += 1
+    assert c.abs().max() <= 127 and c.sum() == units
+    return c * UNIT
+
+
+@BF16_SCREEN
 def test_bf16_logits_that_round_alike_go_to_the_first():
     """A bf16 lm_head's logits are its fp32 sums rounded to bf16: an earlier column whose sum
     is smaller by far more than the screen's error, but rounds to the same bf16, ties with the
@@ -97,8 +113,8 @@ def test_bf16_logits_that_round_alike_go_to_the_first():
     K = 256
     x = torch.ones(2, K, dtype=torch.bfloat16)  # exact in int16 too
     gen = torch.Generator().manual_seed(3)
-    w = torch.randint(-127, 128, (100, K), generator=gen) * 2.0 ** -14  # sums within +-0.3
-    w[:, 0] = 127 * 2.0 ** -14  # each column's largest magnitude: scale 2^-14, exact
+    w = torch.randint(-127, 128, (100, K), generator=gen) * UNIT  # sums within +-0.3
+    w[:, 0] = 127 * UNIT  # each column's largest magnitude: scale 2^-14, exact
     w[30] = 2.0 ** -8
     w[30, 5] = 0.875 * 2.0 ** -8  # sums to 1 - 2^-11 in fp32, to 1 in bf16
     w[70] = 2.0 ** -8  # sums to exactly 1
@@ -111,6 +127,97 @@ def test_bf16_logits_that_round_alike_go_to_the_first():
     assert cpu_linear.greedy_tokens(x, packed, screen, 100).tolist() == [30, 30]
     _check(x, w)
     w[[30, 70]] = w[[70, 30]]  # the larger sum first: still 30
+    _check(x, w)
+
+
+@BF16_SCREEN
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("power", [0, 3, -5, 20, -60])
+def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
+    """Sums 1 - 2^-10 and 1 + 2^-9 (times 2^power, and negated) both round to one bf16, a
+    whole bf16 step below the larger: the earlier column wins, so the cut keeps a column one
+    step below the bf16 at or under the top's lower bound (and finds that bf16 for negative
+    values too).  Exact int8 weights: the bound is tiny beside the step."""
+    K, one = 256, 2 ** 14
+    gen = torch.Generator().manual_seed(power + 100 * sign)
+    w = torch.randint(-60, 60, (100, K), generator=gen).float() * UNIT
+    w[:, 0] = 127 * UNIT
+    earlier, later = (one - 16, one + 32) if sign > 0 else (one + 32, one - 16)
+    w[30], w[70] = _column(earlier, K), _column(later, K)
+    if sign < 0:  # every other column far below
+        w[[i for i in range(100) if i not in (30, 70)]] = 127 * UNIT
+    w = (w * 2.0 ** power).bfloat16()
+    x = torch.full((3, K), float(sign), dtype=torch.bfloat16)
+    _check(x, w)
+    assert cpu_linear.greedy_tokens(x, cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w),
+                                    100).tolist() == [30, 30, 30]
+
+
+@BF16_SCREEN
+def test_bf16_random_ties_of_exact_int8_columns():
+    """Columns that differ in a few whole units (exact in int8, so the bound is only the
+    kernel's rounding) against x of small integers, at scales 2^-54 to 2^26: bf16 rounding
+    makes ties of logits that differ in fp32 at every magnitude and sign."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        N, K = 64, 128
+        base = torch.randint(-127, 128, (K,), generator=gen).float()
+        base[0] = 127
+        w = base.repeat(N, 1)
+        w.scatter_add_(1, torch.randint(1, K, (N, 3), generator=gen),
+                       torch.randint(-3, 4, (N, 3), generator=gen).float())
+        w = w.clamp(-127, 127) * 2.0 ** (int(torch.randint(-40, 40, (), generator=gen)) - 14)
+        x = torch.randint(-3, 4, (5, K), generator=gen).float()
+        x *= 2.0 ** int(torch.randint(-20, 20, (), generator=gen))
+        x[:, 0] = torch.randn(5, generator=gen).sign() * 3
+        _check(x.bfloat16(), w.bfloat16())
+
+
+def _bound_case(name):
+    """x, W (both exact in bf16) and the kernel's token for a row that one term of the bf16
+    screen's bound (csrc/cpu/linear.cpp, greedy_bf16) decides."""
+    if name == "x quantization":  # small entries that round to level 0 carry the winner
+        K = 1024
+        x = torch.full((1, K), 63 / 128 * UNIT)
+        x[0, 0] = 1
+        w = torch.zeros(8, K)
+        w[:, 0] = 100 * UNIT
+        w[2, 0] = 127 * UNIT  # the screen's top
+        w[5, 0], w[5, 1:] = 124 * UNIT, 127 * UNIT  # in truth ~127.9 units
+        return x, w, 5
+    if name == "kernel rounding":  # fp32 absorbs column 6's small terms: 0, not -2^-14
+        K, s = 256, 2.0 ** -7
+        x = torch.ones(1, K)
+        x[0, 64:192] = UNIT
+        w = torch.zeros(8, K)
+        w[:, 0], w[:, 192], w[:, 64:128] = 127 * s, -127 * s, -s  # the others: -2^-15
+        w[6, 0:64], w[6, 192:256], w[6, 64:192] = 127 * s, -127 * s, -s
+        w[1, 64:96] = 0  # -2^-16: the screen's top
+        return x, w, 6
+    if name == "int32 range":  # every level at its largest: the sums must not wrap
+        K = 768
+        x = torch.full((1, K), 1.9921875)
+        w = torch.zeros(4, K)
+        w[0], w[1], w[2], w[3] = 1.0, 0.5, 0.25, -1.0
+        w[1, 0] = 1.0
+        return x, w, 0
+    # "overflow": column 5's partial sums overflow to +inf (its true sum is -2^135)
+    K = 64
+    x = torch.full((2, K), 2.0 ** 60)
+    w = torch.full((40, K), 2.0 ** 53)
+    w[5, :24], w[5, 24:] = 2.0 ** 71, -2.0 ** 71
+    return x, w, 5
+
+
+@BF16_SCREEN
+@pytest.mark.parametrize("name", ["x quantization", "kernel rounding", "int32 range",
+                                  "overflow"])
+def test_bf16_bound_terms_each_decide_a_row(name):
+    x, w, token = _bound_case(name)
+    assert torch.equal(x.bfloat16().float(), x) and torch.equal(w.bfloat16().float(), w)
+    x, w = x.bfloat16(), w.bfloat16()
+    assert _kernel_argmax(x, cpu_linear.pack(w, "cbatch"), w.shape[0]).tolist() == \
+        [token] * x.shape[0]
     _check(x, w)
 
 
@@ -144,6 +251,9 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="does not hold"):
         cpu_linear.greedy_tokens(torch.randn(2, 8), packed, screen, 50)
     assert cpu_linear.greedy_tokens(torch.randn(0, 8), packed, screen, 40).shape == (0,)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight, 40, -1.0, 1.0,
+                                     1.0, None)
     if cpu_linear.screen_available(torch.bfloat16):
         w16 = w.bfloat16()
         packed16, screen16 = cpu_linear.pack(w16, "cbatch"), cpu_linear.pack_screen(w16)
