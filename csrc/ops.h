@@ -67,12 +67,13 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
 // (a smaller copy of the weight, packed alike) and the kernel's sums of the few columns it
 // cannot rule out (cpu/linear.cpp).  x: [M, K] (dense rows); packed: as linear_cpu's.
-// - fp32: screen = bf16(W); scales: none; w_norm, screen_norm, error_norm: the maxima over
-//   columns of |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| (2-norms, rounded up).
-// - bf16: screen = q, int8, with W ~ diag(scales) q (fp32 [N] scales); the norms those of
-//   w_j, s_j q_j and w_j - s_j q_j.
-// Returns int64 [M].  Where greedy_head_supported(x's dtype): fp32 wherever linear_cpu runs
-// it, bf16 with AVX512-VNNI besides.
+// - screen = bf16(W) (x fp32); scales: none; w_norm, screen_norm, error_norm: the maxima
+//   over columns of |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| (2-norms, rounded up).
+// - screen = q, int8, with W ~ diag(scales) q (fp32 [N] scales; x fp32 or bf16); the norms
+//   those of w_j, s_j q_j and w_j - s_j q_j.
+// Returns int64 [M].  greedy_head_supported(kFloat): where the bf16 screen runs (wherever
+// linear_cpu runs fp32); greedy_head_supported(kBFloat16): where int8 screens run (AVX-512
+// with AVX512-BF16 and AVX512-VNNI), the only screens of a bf16 lm_head.
 bool greedy_head_supported(at::ScalarType dtype);
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,

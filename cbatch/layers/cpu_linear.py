@@ -34,14 +34,15 @@ packed copy beside it.  Results differ from ``F.linear``'s only in summation ord
 ``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
 
 A greedy step needs only each row's argmax of the lm_head, and the lm_head is a third of the
-bytes a GPT-2 decode step reads in fp32, a quarter in bf16.  An fp32 lm_head on x86 CPUs with
-AVX2 or AVX-512 gets a :class:`GreedyScreen` (:func:`pack_screen`), a bf16 copy of its
-weight, and a bf16 lm_head on CPUs with AVX512-VNNI an int8 copy with a scale per column;
-:func:`greedy_tokens` screens every column on it, then computes the few it cannot rule out
-as the kernel does: the same tokens as the argmax of the kernel's logits, bit for bit, from
-half the bytes (the bound that makes it exact is in csrc/cpu/linear.cpp,
-``greedy_head_cpu``).  ``$CBATCH_GREEDY_SCREEN=0`` turns it off (the copy costs half the
-lm_head's bytes in memory).
+bytes a GPT-2 decode step reads in fp32, a quarter in bf16.  The lm_head gets a
+:class:`GreedyScreen` (:func:`pack_screen`), a smaller copy of its weight: int8 with a scale
+per column on CPUs with AVX512-BF16 and AVX512-VNNI (fp32 or bf16 lm_heads), else a bf16
+copy (fp32 lm_heads, on x86 CPUs with AVX2 or AVX-512); :func:`greedy_tokens` screens every
+column on it, then computes the few it cannot rule out as the kernel does: the same tokens
+as the argmax of the kernel's logits, bit for bit, from a half or a quarter of the bytes
+(the bound that makes it exact is in csrc/cpu/linear.cpp, ``greedy_head_cpu``).
+``$CBATCH_GREEDY_SCREEN=0`` turns it off (the copy costs memory: a quarter or half of the
+lm_head's bytes).
 """
 
 from __future__ import annotations
@@ -151,10 +152,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
 class GreedyScreen:
     """A smaller copy of an lm_head's weight ``W [N, K]`` for :func:`greedy_tokens`.
 
-    weight: packed as :func:`pack` packs ``W``: fp32 ``W``: ``bf16(W)``; bf16 ``W``: int8
-    ``q`` with ``W ~ scales[:, None] * q`` (``scales``: fp32 ``[N]``, a column's largest
-    magnitude / 127; None for fp32).  The norms: the largest 2-norm over columns j (rows of
-    the dense weight) of ``w_j``, of its copy (``bf16(w_j)``, ``s_j q_j``) and of their
+    weight: packed as :func:`pack` packs ``W``: int8 ``q`` with ``W ~ scales[:, None] * q``
+    (``scales``: fp32 ``[N]``, a column's largest magnitude / 127), or (an fp32 ``W``)
+    ``bf16(W)`` with ``scales`` None.  The norms: the largest 2-norm over columns j (rows of
+    the dense weight) of ``w_j``, of its copy (``s_j q_j``, ``bf16(w_j)``) and of their
     difference, in float64, rounded up."""
 
     weight: torch.Tensor
@@ -164,12 +165,19 @@ class GreedyScreen:
     scales: torch.Tensor | None = None
 
 
+def int8_screens() -> bool:
+    """Whether int8 screens run here (AVX-512 with AVX512-BF16 and AVX512-VNNI:
+    ``vpdpwssd``); a bf16 lm_head has no other."""
+    return "cpu" in compiled.compiled_backends() and \
+        torch.ops.cbatch.greedy_head_supported(torch.bfloat16)
+
+
 def screen_available(dtype: torch.dtype) -> bool:
     """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32 on cbatch's
-    kernel (x86 with AVX2 and FMA, or AVX-512: the screen runs ``vdpbf16ps`` where the CPU
-    has AVX512-BF16, bf16 widened to fp32 in registers elsewhere), bf16 on cbatch's kernel
-    where the CPU also has AVX512-VNNI (``vpdpwssd``), and ``$CBATCH_GREEDY_SCREEN`` not
-    ``0``."""
+    kernel (x86 with AVX2 and FMA, or AVX-512: an int8 screen where :func:`int8_screens`,
+    else a bf16 one, which runs ``vdpbf16ps`` where the CPU has AVX512-BF16 and bf16 widened
+    to fp32 in registers elsewhere), bf16 where :func:`int8_screens`; and
+    ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
     return dtype in (torch.float32, torch.bfloat16) \
         and os.environ.get("CBATCH_GREEDY_SCREEN", "1") != "0" \
         and route_available("cbatch", dtype) and torch.ops.cbatch.greedy_head_supported(dtype)
@@ -184,10 +192,15 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def pack_screen(weight: torch.Tensor) -> GreedyScreen:
-    """The :class:`GreedyScreen` of a dense fp32 or bf16 ``[N, K]`` weight (K even)."""
+def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
+    """The :class:`GreedyScreen` of a dense fp32 or bf16 ``[N, K]`` weight (K even): int8,
+    or (fp32 only) bf16; ``int8`` None: int8 where :func:`int8_screens`."""
     w = weight.detach()
-    if w.dtype == torch.bfloat16:
+    if int8 is None:
+        int8 = w.dtype == torch.bfloat16 or int8_screens()
+    if not int8 and w.dtype != torch.float32:
+        raise ValueError(f"a bf16 screen is for an fp32 weight, not {w.dtype}")
+    if int8:
         copy, scales = _quantize_int8(w)
     else:
         copy, scales = w.to(torch.bfloat16), None

@@ -488,8 +488,9 @@ struct Avx2 {
 //
 // A greedy step needs each row's argmax of x @ W^T, not its logits, and the lm_head is a
 // third of the bytes a GPT-2 decode step reads (fp32), a quarter in bf16.  A screen runs the
-// kernel above on a copy of W with half the bytes, then bounds how far each screened value
-// can be from the lm_head's own logit:
+// kernel above on a smaller copy of W (int8 with AVX512-VNNI and AVX512-BF16: half a bf16
+// W's bytes, a quarter of an fp32 one's; elsewhere, for fp32, bf16), then bounds how far each
+// screened value can be from the lm_head's own logit:
 // - fp32 lm_head, bf16 screen (vdpbf16ps with AVX512-BF16, else the AVX2 tile with bf16
 //   widened in registers) on x and W rounded to bf16: its A_j differs from the fp32
 //   kernel's logit E_j by at most
@@ -499,17 +500,17 @@ struct Avx2 {
 //   flushed to zero), with each column norm's maximum over W.  A column with A_j < A_t - 2B,
 //   t the screen's argmax, has E_j < E_t, so the fp32 kernel's argmax (its first maximum) is
 //   among the others.
-// - bf16 lm_head, int8 screen (AVX512-VNNI's vpdpwssd): W ~ s_j q_j per column (q int8,
-//   s_j = max_k |w_jk| / 127), x ~ t p per row (p int16, t a power of two so large that no
-//   int32 sum of K products overflows), exact int32 sums S_j = p . q_j, and A_j =
-//   fl(fl(S_j) s_j) in units of t.  The bf16 kernel's fp32 sum E_j is within
-//     B = g_2K |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j|
-//         + tiny
-//   of t A_j (g_2K: vdpbf16ps as two roundings per pair of k, as Intel's manual has it, and
-//   as measured here; g_K would do for that, g_2K also for any order of the two), and its
-//   logit is E_j rounded to bf16, which ties far more often.  With lb =
-//   t A_t - B <= E_t, q the largest bf16 <= lb and p' the largest bf16 < q, a column with
-//   t A_j + B <= p' has bf16(E_j) <= p' < q <= bf16(E_t): neither the maximum nor a tie of it.
+// - int8 screen (AVX512-VNNI's vpdpwssd) of a bf16 or fp32 lm_head: W ~ s_j q_j per column
+//   (q int8, s_j = max_k |w_jk| / 127), x ~ t p per row (p int16, t a power of two so large
+//   that no int32 sum of K products overflows), exact int32 sums S_j = p . q_j, and A_j =
+//   fl(fl(S_j) s_j) in units of t.  The kernel's fp32 sum E_j is within
+//     B = g |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j| + tiny
+//   of t A_j: g = g_K for fp32 (one fma per k), g_2K for bf16 (vdpbf16ps as two roundings per
+//   pair of k, as Intel's manual has it, and as measured here; g_2K holds for either order
+//   of the two).  fp32: a column with t A_j < t A_t - 2B is dropped, as above.  bf16: the
+//   logit is E_j rounded to bf16, which ties far more often; with lb = t A_t - B <= E_t, q
+//   the largest bf16 <= lb and p' the largest bf16 < q, a column with t A_j + B <= p' has
+//   bf16(E_j) <= p' < q <= bf16(E_t): neither the maximum nor a tie of it.
 // For each block of 16 columns that holds one the screen keeps, the logits are computed as
 // the kernel computes them (fp32: one fma per k, in order, from zero, then + 0 for the absent
 // bias; bf16: one vdpbf16ps per pair of k, in order, from zero, + 0, rounded to bf16), bit for
@@ -518,12 +519,13 @@ struct Avx2 {
 // reaching bf16's subnormals), or more than kMaxBlocks blocks to sum (x = 0 ties every
 // column).
 //
-// The int8 screen runs below kPackFrom rows (16).  From there the bf16 lm_head is
-// compute-bound, and the screen's multiply-adds are as many as the kernel's: on a Zen 4 host
+// A bf16 lm_head's int8 screen runs below kPackFrom rows (16).  From there the bf16 lm_head
+// is compute-bound, and the screen's multiply-adds are as many as the kernel's: on a Zen 4 host
 // (bench_linear, lm_head, cache flushed) it took 1.71 / 2.22 / 2.61 / 2.90 / 3.17 ms at 8 /
 // 10 / 12 / 14 / 15 rows against the kernel's 2.45 / 2.73 / 2.94 / 3.31 / 3.16 ms, and 10%
 // more than the kernel at 64 rows (benchmarks/NOTES.md, "An int8 screen for the bf16
-// lm_head").  The fp32 one (half the multiply-adds' cost in bf16) runs at every row count.
+// lm_head").  An fp32 lm_head's screens (their multiply-adds cost half the kernel's) run at
+// every row count.
 
 constexpr int64_t kMaxBlocks = 256;  // ~3 us each (a 16-column block is K cache lines)
 
@@ -792,7 +794,7 @@ namespace {
 #ifdef CBATCH_X86
 using B16 = c10::BFloat16;
 
-// The fp32 lm_head's screen (bf16 copy): each row's cut, then the tokens.
+// The fp32 lm_head's bf16 screen (CPUs without the int8 one): each row's cut, then the tokens.
 void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,
                  int64_t N, double w_norm, double screen_norm, double error_norm, int64_t* out) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -838,9 +840,10 @@ void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   }
 }
 
-// The bf16 lm_head's screen (int8 copy and its column scales): each row's cut, then the
-// tokens.
-void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,
+// An int8 screen (copy and column scales) of a bf16 or fp32 (T) lm_head: each row's cut,
+// then the tokens.
+template <typename T>
+void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,
                  const at::Tensor& scales, int64_t N, double w_norm, double screen_norm,
                  double error_norm, int64_t* out) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -849,10 +852,12 @@ void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   TORCH_CHECK_VALUE(levels >= 1, "the int8 screen takes K below 2^24, got ", K);
   at::Tensor p = at::empty({M, K}, x.options().dtype(at::kShort));
   std::vector<double> bound(M), unit(M);  // B and t
-  const double u = std::ldexp(1.0, -24), g2K = 2 * K * u / (1 - 2 * K * u);
+  // the kernel's own rounding: fp32 one fma per k, bf16 two roundings per pair (in any order)
+  const double u = std::ldexp(1.0, -24), n = std::is_same_v<T, float> ? K : 2 * K,
+               gamma = n * u / (1 - n * u);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const B16* row = x.data_ptr<B16>() + m * x.stride(0);
+      const T* row = x.data_ptr<T>() + m * x.stride(0);
       int16_t* q = p.data_ptr<int16_t>() + m * K;
       double top = 0, nx = 0;
       for (int64_t k = 0; k < K; ++k) {
@@ -878,7 +883,7 @@ void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       }
       ndx = std::sqrt(ndx), nq = std::sqrt(nq);
       const double tiny = std::ldexp(1.0, -100) * K * (1 + nx + w_norm);
-      const double b = g2K * nx * w_norm + ndx * w_norm + nq * error_norm +
+      const double b = gamma * nx * w_norm + ndx * w_norm + nq * error_norm +
                        2.01 * u * nq * screen_norm + tiny;
       bound[m] = b * (1 + 1e-6), unit[m] = t;
     }
@@ -894,12 +899,16 @@ void greedy_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   for (int64_t m = 0; m < M; ++m) {
     const double t = unit[m];
     const double lb = t * approx.data_ptr<float>()[m * N + top.data_ptr<int64_t>()[m]] - bound[m];
-    cuts[m] = NAN;  // settle nothing: the bound may reach bf16's subnormals, or is not finite
-    if (std::fabs(lb) >= std::ldexp(1.0, -125) && std::fabs(lb) < 1e38) {
-      cuts[m] = float_below((bf16_below(bf16_floor(lb)) - bound[m]) / t);
+    if constexpr (std::is_same_v<T, float>) {  // the fp32 logit of a dropped column < lb
+      cuts[m] = float_below((lb - bound[m]) / t);
+    } else {  // bf16: its logit one bf16 step below the top's
+      cuts[m] = NAN;  // settle nothing: the bound may reach bf16's subnormals, or is infinite
+      if (std::fabs(lb) >= std::ldexp(1.0, -125) && std::fabs(lb) < 1e38) {
+        cuts[m] = float_below((bf16_below(bf16_floor(lb)) - bound[m]) / t);
+      }
     }
   }
-  settle_rows<Screen512, B16>(x, packed, N, approx, cuts, out);
+  settle_rows<Screen512, T>(x, packed, N, approx, cuts, out);
 }
 #endif
 }  // namespace
@@ -908,24 +917,21 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
                            double screen_norm, double error_norm,
                            const std::optional<at::Tensor>& scales) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16) {
-    TORCH_CHECK_TYPE(packed.scalar_type() == at::kBFloat16 && screen.scalar_type() == at::kChar &&
-                         scales && scales->scalar_type() == at::kFloat,
-                     "greedy_head takes a bf16 x with a bf16 packed weight, an int8 screen and "
-                     "fp32 scales, got ", packed.scalar_type(), ", ", screen.scalar_type(),
-                     scales ? ", scales" : ", no scales");
-  } else {
-    TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
-                         screen.scalar_type() == at::kBFloat16 && !scales,
-                     "greedy_head takes fp32 x and packed weight and a bf16 screen (no scales),"
-                     " or bf16 x and packed weight and an int8 screen, got ", x.scalar_type(),
-                     ", ", packed.scalar_type(), ", ", screen.scalar_type());
-  }
-  // where the kernel runs, whose sums settle_row reproduces
-  TORCH_CHECK_VALUE(greedy_head_supported(x.scalar_type()), "greedy_head runs ",
-                    x.scalar_type(), " only on an x86 CPU with ",
-                    bf16 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
+  const bool int8 = screen.scalar_type() == at::kChar, bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE(
+      int8 ? (x.scalar_type() == at::kFloat || bf16) && packed.scalar_type() == x.scalar_type() &&
+                 scales && scales->scalar_type() == at::kFloat
+           : x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+                 screen.scalar_type() == at::kBFloat16 && !scales,
+      "greedy_head takes an fp32 x and packed weight with a bf16 screen and no scales, or an "
+      "fp32 or bf16 x and packed weight with an int8 screen and fp32 scales; got ",
+      x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type(),
+      scales ? " and scales" : " and no scales");
+  // where the kernel runs, whose sums settle_row reproduces (and, int8, vpdpwssd)
+  TORCH_CHECK_VALUE(greedy_head_supported(int8 ? at::kBFloat16 : at::kFloat),
+                    "greedy_head runs ", int8 ? "an int8" : "a bf16",
+                    " screen only on an x86 CPU with ",
+                    int8 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
                     x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
@@ -947,12 +953,15 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return tokens;
 #ifdef CBATCH_X86
-  if (bf16 && M >= kPackFrom) {  // compute-bound: the int8 screen saves nothing (see below)
+  if (bf16 && M >= kPackFrom) {  // compute-bound: the int8 screen saves nothing (kMaxBlocks)
     return argmax_cpu(linear_cpu(x, packed, N, std::nullopt, std::nullopt, "none"));
   }
   if (bf16) {
-    greedy_bf16(x, packed, screen, *scales, N, w_norm, screen_norm, error_norm,
-                tokens.data_ptr<int64_t>());
+    greedy_int8<B16>(x, packed, screen, *scales, N, w_norm, screen_norm, error_norm,
+                     tokens.data_ptr<int64_t>());
+  } else if (int8) {
+    greedy_int8<float>(x, packed, screen, *scales, N, w_norm, screen_norm, error_norm,
+                       tokens.data_ptr<int64_t>());
   } else {
     greedy_fp32(x, packed, screen, N, w_norm, screen_norm, error_norm,
                 tokens.data_ptr<int64_t>());

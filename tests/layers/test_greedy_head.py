@@ -1,6 +1,6 @@
 """The lm_head's greedy screens (cbatch.layers.cpu_linear.greedy_tokens, csrc/cpu/linear.cpp's
 greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
-of the weight (fp32: bf16; bf16: int8 with a scale per column)."""
+of the weight (int8 with a scale per column, or for fp32 bf16)."""
 
 import pytest
 import torch
@@ -15,9 +15,14 @@ pytestmark = [
     pytest.mark.skipif(not cpu_linear.screen_available(torch.float32),
                        reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not cpu_linear.screen_available(torch.bfloat16),
-    reason="the bf16 lm_head's screen needs AVX512-BF16 and AVX512-VNNI"))]
+INT8 = pytest.mark.skipif(not cpu_linear.int8_screens(),
+                          reason="the int8 screen (and the bf16 lm_head's) needs AVX512-BF16 "
+                                 "and AVX512-VNNI")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=INT8)]
+# (the lm_head's dtype, whether its screen is int8): every screen this CPU may run
+KINDS = [pytest.param((torch.float32, False), id="fp32-bf16screen"),
+         pytest.param((torch.float32, True), id="fp32-int8screen", marks=INT8),
+         pytest.param((torch.bfloat16, True), id="bf16-int8screen", marks=INT8)]
 
 
 def _kernel_argmax(x, packed, N):
@@ -25,17 +30,18 @@ def _kernel_argmax(x, packed, N):
     return cpu_linear.linear(x, packed, None, N).argmax(dim=-1)
 
 
-def _check(x, w):
-    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w)
-    assert screen.weight.dtype == (torch.int8 if w.dtype == torch.bfloat16 else torch.bfloat16)
+def _check(x, w, int8=None):
+    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w, int8)
+    if int8 is not None:
+        assert screen.weight.dtype == (torch.int8 if int8 else torch.bfloat16)
     got = cpu_linear.greedy_tokens(x, packed, screen, w.shape[0])
     assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
     assert torch.equal(got, _kernel_argmax(x, packed, w.shape[0]))
 
 
-def _screen_argmax(x, w):
+def _screen_argmax(x, w, int8):
     """The screen's own answer, without the kernel's sums (near enough: x unrounded)."""
-    if w.dtype == torch.bfloat16:
+    if int8:
         q, scales = cpu_linear._quantize_int8(w)
         copy = q.float() * scales[:, None]
     else:
@@ -43,26 +49,30 @@ def _screen_argmax(x, w):
     return (x.float() @ copy.T).argmax(dim=-1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M", [1, 3, 8, 17, 70])
 @pytest.mark.parametrize("N,K", [(37, 2), (1000, 64), (4099, 768)])
-def test_tokens_are_the_kernels_argmax(dtype, M, N, K):
+def test_tokens_are_the_kernels_argmax(kind, M, N, K):
     """Fresh random weights and rows of very different scales (1e-3 to 1e3); N not a
     multiple of 16; row counts below, at and past the kernel's tile and packing sizes (from
     16 rows a bf16 lm_head computes its logits: no screen)."""
     gen = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
     x = torch.randn(M, K, generator=gen) * 10.0 ** torch.randint(-3, 4, (M, 1), generator=gen)
-    _check(x.to(dtype), w.to(dtype))
+    dtype, int8 = kind
+    _check(x.to(dtype), w.to(dtype), int8)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_near_ties_are_settled_by_the_kernels_sums(dtype):
+@pytest.mark.parametrize("kind", KINDS)
+def test_near_ties_are_settled_by_the_kernels_sums(kind):
     """Columns the screen cannot tell apart: copies of one column moved by less than the
-    screen's error (fp32: 1e-4, under a bf16 step; bf16: 1%, under the int8 step, made 20x
-    coarser by one large weight in each, and where many logits round to one bf16), where the
-    kernel's logits decide (and the screen's own argmax is wrong for some rows), and exact
-    duplicates of each row's winner further on (the first index wins, as torch.argmax)."""
+    screen's error (bf16 screen: 1e-4, under a bf16 step; int8 screen: 1%, under the int8
+    step made 20x coarser by one large weight in each, and for bf16 where many logits round
+    to one bf16),
+    where the kernel's logits decide (and the screen's own argmax is wrong for some rows),
+    and exact duplicates of each row's winner further on (the first index wins, as
+    torch.argmax)."""
+    dtype, int8 = kind
     gen = torch.Generator().manual_seed(0)
     K, N = 256, 300
     x = torch.randn(12, K, generator=gen)  # below 16 rows: the bf16 screen's
@@ -71,20 +81,20 @@ def test_near_ties_are_settled_by_the_kernels_sums(dtype):
     w = torch.randn(N, K, generator=gen) * 0.02
     best = 0.5 * x.float().sum(0) / x.float().sum(0).norm()  # a column every row likes
     near = list(range(40, 260, 7))
-    move = 1e-4 if dtype == torch.float32 else 1e-2
+    move = 1e-2 if int8 else 1e-4
     for j in near:
         w[j] = best * (1 + move * torch.randn(K, generator=gen))
-        if dtype == torch.bfloat16:
+        if int8:
             w[j, 0] = 20 * best.abs().max()
     w = w.to(dtype)
     packed = cpu_linear.pack(w, "cbatch")
     winners = _kernel_argmax(x, packed, N)
     assert set(winners.tolist()) <= set(near)
-    assert (_screen_argmax(x, w) != winners).any()  # the screen alone would not do
+    assert (_screen_argmax(x, w, int8) != winners).any()  # the screen alone would not do
     for i, j in enumerate(winners.tolist()):
         w[261 + i] = w[j]  # a later tie of the winner (or a copy of an earlier one's)
-    _check(x, w)
-    _check(x.flip(0), w)
+    _check(x, w, int8)
+    _check(x.flip(0), w, int8)
 
 
 BF16_SCREEN = pytest.mark.skipif(not cpu_linear.screen_available(torch.bfloat16),
@@ -221,8 +231,8 @@ def test_bf16_bound_terms_each_decide_a_row(name):
     _check(x, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_the_screen_cannot_settle(dtype):
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_the_screen_cannot_settle(kind):
     """Rows that tie every column (x = 0: index 0), hold NaN or infinity, or whose sums
     could overflow run the kernel on the whole row: torch.argmax's answer still (the first
     NaN for NaN logits)."""
@@ -234,18 +244,19 @@ def test_rows_the_screen_cannot_settle(dtype):
     x[2, 5] = float("inf")
     x[3] *= 1e36
     x[4, 7] = float("-inf")
+    dtype, int8 = kind
     x, w = x.to(dtype), w.to(dtype)
-    _check(x, w)
+    _check(x, w, int8)
     w[123, 9] = float("nan")  # a NaN column: every row's logit there is NaN
-    _check(x[5:], w)
+    _check(x[5:], w, int8)
 
 
 def test_rejects_bad_arguments():
     w = torch.randn(40, 8)
-    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w)
-    with pytest.raises(TypeError, match="bf16 x with a bf16 packed weight"):
+    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w, int8=False)
+    with pytest.raises(TypeError, match="greedy_head takes"):  # bf16 x, fp32 weights
         cpu_linear.greedy_tokens(torch.randn(2, 8).bfloat16(), packed, screen, 40)
-    with pytest.raises(TypeError, match="fp32 x and packed weight and a bf16 screen"):
+    with pytest.raises(TypeError, match="greedy_head takes"):  # an int8 screen without scales
         torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight.view(torch.int16)
                                      .to(torch.int8), 40, 1.0, 1.0, 1.0, None)
     with pytest.raises(ValueError, match="does not hold"):
@@ -254,10 +265,12 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="cannot be negative"):
         torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight, 40, -1.0, 1.0,
                                      1.0, None)
-    if cpu_linear.screen_available(torch.bfloat16):
+    with pytest.raises(ValueError, match="a bf16 screen is for an fp32 weight"):
+        cpu_linear.pack_screen(w.bfloat16(), int8=False)
+    if cpu_linear.int8_screens():
         w16 = w.bfloat16()
         packed16, screen16 = cpu_linear.pack(w16, "cbatch"), cpu_linear.pack_screen(w16)
-        with pytest.raises(TypeError, match="int8 screen"):
+        with pytest.raises(TypeError, match="greedy_head takes"):  # no scales
             torch.ops.cbatch.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16.weight,
                                          40, 1.0, 1.0, 1.0, None)
         with pytest.raises(ValueError, match="scales must be"):
@@ -266,15 +279,16 @@ def test_rejects_bad_arguments():
 
 
 def test_packing_gives_the_lm_head_a_screen(monkeypatch):
-    """pack_linears gives the fp32 lm_head a bf16 screen, and the bf16 one an int8 screen
-    where the CPU has AVX512-VNNI, and keeps it on cbatch's kernel (the logits the screen is
-    exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then goes back to its route
-    without a screen); unpacking drops it."""
+    """pack_linears gives the lm_head a screen, int8 where the CPU has AVX512-BF16 and
+    AVX512-VNNI (bf16 lm_heads only there), else bf16 (fp32), and keeps it on cbatch's kernel
+    (the logits the screen is exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then
+    goes back to its route without a screen); unpacking drops it."""
     model = load_model("random:tiny")
     assert pack_linears(model) and model.greedy_screened
     assert not model.lm_head.packed_weight.is_mkldnn
-    assert model.lm_head.greedy_screen.weight.dtype == torch.bfloat16
-    assert model.lm_head.greedy_screen.scales is None
+    int8 = cpu_linear.int8_screens()
+    assert model.lm_head.greedy_screen.weight.dtype == (torch.int8 if int8 else torch.bfloat16)
+    assert (model.lm_head.greedy_screen.scales is None) != int8
     unpack_linears(model)
     assert not model.greedy_screened
     model = load_model("random:tiny", dtype=torch.bfloat16)
