@@ -563,7 +563,9 @@ struct Screen512 {
         acc[g] = _mm512_fmadd_ps(xk, _mm512_loadu_ps(w[g] + k * kBlock), acc[g]);
       }
     }
-    for (int g = 0; g < count; ++g) _mm512_storeu_ps(out[g], _mm512_add_ps(acc[g], _mm512_setzero_ps()));
+    for (int g = 0; g < count; ++g) {
+      _mm512_storeu_ps(out[g], _mm512_add_ps(acc[g], _mm512_setzero_ps()));
+    }
   }
   CBATCH_AVX512_DOT static void exact(const c10::BFloat16* x, const c10::BFloat16* packed,
                                       const int64_t* cols, int count, int64_t K,

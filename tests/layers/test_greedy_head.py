@@ -296,7 +296,8 @@ def test_packing_gives_the_lm_head_a_screen(monkeypatch):
     assert model.greedy_screened == cpu_linear.screen_available(torch.bfloat16)
     if model.greedy_screened:
         screen = model.lm_head.greedy_screen
-        assert screen.weight.dtype == torch.int8 and screen.scales.shape == (model.lm_head.out_features,)
+        assert screen.weight.dtype == torch.int8
+        assert screen.scales.shape == (model.lm_head.out_features,)
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model("random:tiny", dtype=dtype)
