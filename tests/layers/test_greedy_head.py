@@ -97,9 +97,6 @@ def test_near_ties_are_settled_by_the_kernels_sums(kind):
     _check(x.flip(0), w, int8)
 
 
-BF16_SCREEN = pytest.mark.skipif(not cpu_linear.screen_available(torch.bfloat16),
-                                 reason="the bf16 lm_head's screen needs AVX512-BF16 and "
-                                        "AVX512-VNNI")
 UNIT = 2.0 ** -14  # weights in multiples of it with a column maximum of 127 units: exact in int8
 
 
@@ -114,7 +111,7 @@ def _column(units, K):
     return c * UNIT
 
 
-@BF16_SCREEN
+@INT8
 def test_bf16_logits_that_round_alike_go_to_the_first():
     """A bf16 lm_head's logits are its fp32 sums rounded to bf16: an earlier column whose sum
     is smaller by far more than the screen's error, but rounds to the same bf16, ties with the
@@ -140,7 +137,7 @@ def test_bf16_logits_that_round_alike_go_to_the_first():
     _check(x, w)
 
 
-@BF16_SCREEN
+@INT8
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("power", [0, 3, -5, 20, -60])
 def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
@@ -163,7 +160,7 @@ def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
                                     100).tolist() == [30, 30, 30]
 
 
-@BF16_SCREEN
+@INT8
 def test_bf16_random_ties_of_exact_int8_columns():
     """Columns that differ in a few whole units (exact in int8, so the bound is only the
     kernel's rounding) against x of small integers, at scales 2^-54 to 2^26: bf16 rounding
@@ -219,7 +216,7 @@ def _bound_case(name):
     return x, w, 5
 
 
-@BF16_SCREEN
+@INT8
 @pytest.mark.parametrize("name", ["x quantization", "kernel rounding", "int32 range",
                                   "overflow"])
 def test_bf16_bound_terms_each_decide_a_row(name):
