@@ -1,7 +1,8 @@
 """Build cbatch and its compiled extension ``cbatch._C``.
 
 C++ CPU kernels are always compiled; CUDA kernels are added when the installed torch
-is a CUDA build and nvcc is found.  Knobs (environment variables):
+is a CUDA build and nvcc is found.  Knobs (environment variables; cbatch's own are read
+through cbatch/envs.py, the one list of them):
 
 - ``CBATCH_NO_EXT=1``         skip the compiled extension (pure-torch / Triton paths only)
 - ``CBATCH_NO_CUDA=1``        compile the CPU kernels only, even with a CUDA torch
@@ -10,6 +11,7 @@ is a CUDA build and nvcc is found.  Knobs (environment variables):
 - ``CUDA_HOME``               the CUDA toolkit; default: where the ``nvcc`` on PATH says it lives
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +20,17 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
+
+
+def _load_envs():
+    """cbatch/envs.py by its path: the package itself is not importable while it builds."""
+    spec = importlib.util.spec_from_file_location("cbatch_envs", ROOT / "cbatch" / "envs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _load_envs()
 # Every package under cbatch/ ships (a new subpackage needs only its __init__.py), plus the
 # Triton code, which lives in kernels/ and installs as cbatch.kernels: never a top-level
 # `kernels`.  Metadata and the version (cbatch.__version__) are in pyproject.toml.
@@ -48,7 +61,7 @@ def toolkit_root_from_nvcc() -> str | None:
 
 
 def _extensions():
-    if os.environ.get("CBATCH_NO_EXT", "0") == "1":
+    if envs.CBATCH_NO_EXT:
         return [], {}
     import torch
 
@@ -62,7 +75,7 @@ def _extensions():
     with_cuda = (
         torch.version.cuda is not None
         and CUDA_HOME is not None
-        and os.environ.get("CBATCH_NO_CUDA", "0") != "1"
+        and not envs.CBATCH_NO_CUDA
     )
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]

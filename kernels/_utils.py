@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cbatch import envs
+
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (the CPU interpreter used by the tests)."""
@@ -19,7 +21,7 @@ def autotuning() -> bool:
     benchmark every config of their space on each new key, which compiles 9-12 variants per
     (dtype, head_dim, page size, split), so that a first call takes minutes on a GPU.
     Otherwise each launch takes the one config its shape class's heuristic picks."""
-    return os.environ.get("CBATCH_TRITON_AUTOTUNE", "0") == "1" and not interpreting()
+    return envs.CBATCH_TRITON_AUTOTUNE and not interpreting()
 
 
 def configs(space: list[dict], num_warps: list[int]) -> list[triton.Config]:

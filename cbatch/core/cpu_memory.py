@@ -39,6 +39,8 @@ import platform
 
 import torch
 
+from cbatch import envs
+
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
@@ -70,7 +72,7 @@ ALIGN = 4096  # each tensor starts on its own 4 KB page
 def huge_pages_available() -> bool:
     """Whether a private mapping can ask Linux for transparent huge pages (THP ``always`` or
     ``madvise``) and ``$CBATCH_HUGE_PAGES`` is not ``0``."""
-    if os.environ.get("CBATCH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not envs.CBATCH_HUGE_PAGES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from cbatch import envs
 from cbatch.ops import compiled, reference
 
 BACKENDS = ("cuda", "triton", "cpu", "torch")
@@ -152,7 +153,7 @@ def resolve_backend(op: str, device: torch.device, backend: str | None = None,
     available one for the device.  Raises ValueError for an unknown name or a backend
     that cannot run this op on these tensors.
     """
-    backend = backend or os.environ.get("CBATCH_ATTENTION_BACKEND") or None
+    backend = backend or envs.CBATCH_ATTENTION_BACKEND or None
     key = (op, device.type, backend, head_dim, os.environ.get("TRITON_INTERPRET") == "1")
     resolved = _RESOLVED.get(key)  # every op call asks: keep the search off the hot path
     if resolved is None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import torch  # the extension links against libtorch: load it first
+
+from cbatch import envs
 
 
 def reinstall_command() -> str:
@@ -41,7 +42,7 @@ def _why(error: ImportError) -> str:
 
 def _load():
     """cbatch._C, or None and the reason; warns once, loudly, when a built extension fails."""
-    if os.environ.get("CBATCH_NO_EXT", "0") == "1":
+    if envs.CBATCH_NO_EXT:
         return None, "disabled by CBATCH_NO_EXT=1"
     if importlib.util.find_spec("cbatch._C") is None:  # installed with CBATCH_NO_EXT=1
         return None, ("not built (cbatch was installed with CBATCH_NO_EXT=1); to build it: "

@@ -174,7 +174,7 @@ def test_route_override(monkeypatch):
     Engine(model, max_num_seqs=2)
     assert not cpu_linear.is_packed(model.transformer.h[0].attn.c_attn.weight)
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR must be one of"):
+    with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR=.*expected one of"):
         cpu_linear.cpu_linear_route(torch.float32)
 
 

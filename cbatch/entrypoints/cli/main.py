@@ -9,10 +9,10 @@ argument errors answer at once; each ``run_*`` imports what it needs.  Errors ar
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
+from cbatch import envs
 from cbatch.entrypoints.cli.demo import add_demo_parser
 from cbatch.entrypoints.cli.engine_args import model_parser
 from cbatch.entrypoints.cli.generate import add_generate_parser
@@ -72,7 +72,7 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    debug = args.debug or os.environ.get("CBATCH_DEBUG", "") not in ("", "0")
+    debug = args.debug or envs.CBATCH_DEBUG
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from cbatch import envs
+
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
@@ -59,7 +61,7 @@ def guard_settings(args: argparse.Namespace) -> dict:
 
     allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
                else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
-    return dict(api_key=args.api_key or os.environ.get("CBATCH_API_KEY") or None,
+    return dict(api_key=args.api_key or envs.CBATCH_API_KEY or None,
                 allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
                 body_timeout=args.body_timeout)
 
