@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -26,6 +27,7 @@ def _load_envs():
     """cbatch/envs.py by its path: the package itself is not importable while it builds."""
     spec = importlib.util.spec_from_file_location("cbatch_envs", ROOT / "cbatch" / "envs.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -12,11 +12,11 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``onednn-packed``: the same with the weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
 - ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp) on its packed layout, on CPUs with
-  AVX-512 or (fp32) AVX2 (``cbatch.layers.cpu_linear``, which picks the route the model runs);
+  AVX-512 or (fp32) AVX2 (``cbatch.ops.cpu``, which picks the route the model runs);
 - ``cbatch-greedy`` (the lm_head; fp32 on CPUs with AVX2 or AVX-512, bf16 on those with
   AVX512-BF16 and AVX512-VNNI): what a greedy step runs instead of the lm_head, its tokens
   through the screen (a bf16 copy of an fp32 weight, an int8 one of a bf16 weight:
-  ``cpu_linear.greedy_tokens``); its error column counts the rows whose token is not the
+  ``cbatch.ops.cpu.greedy_head``); its error column counts the rows whose token is not the
   argmax of ``cbatch``'s logits (0 expected).
 
 Each in fp32 and bf16 (bf16 weights and activations, fp32 accumulation).  Every route runs
@@ -54,7 +54,7 @@ def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, M)
         out["mkl-packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, bias, M)
-    from cbatch.layers import cpu_linear
+    from cbatch.ops import cpu
     # oneDNN's bf16 linear needs AVX-512 (or AVX-NE-CONVERT): its reorder refuses otherwise
     if torch.backends.mkldnn.is_available() and (
             weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -63,12 +63,12 @@ def routes(weight: torch.Tensor, bias: torch.Tensor | None, M: int) -> dict:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
             x, packed, bias, "none", [], "")
-    if cpu_linear.route_available("cbatch", weight.dtype):
-        ours = cpu_linear.pack(weight, "cbatch")
-        out["cbatch"] = lambda x: cpu_linear.linear(x, ours, bias, weight.shape[0])
-        if bias is None and cpu_linear.screen_available(weight.dtype):
-            screen = cpu_linear.pack_screen(weight)
-            out["cbatch-greedy"] = lambda x: cpu_linear.greedy_tokens(x, ours, screen,
+    if cpu.route_available("cbatch", weight.dtype):
+        ours = cpu.pack(weight, "cbatch")
+        out["cbatch"] = lambda x: cpu.packed_linear(x, ours, bias, weight.shape[0])
+        if bias is None and cpu.screen_available(weight.dtype):
+            screen = cpu.pack_screen(weight)
+            out["cbatch-greedy"] = lambda x: cpu.greedy_head(x, ours, screen,
                                                                       weight.shape[0])
     return out
 

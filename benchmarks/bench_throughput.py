@@ -251,8 +251,10 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:  # an instance attribute, which cbatch's layers call (layers/module.py)
         layer.forward = timed(layer.forward)
-    model.greedy_tokens = timed(model.greedy_tokens)  # the lm_head of screened greedy steps
     runner = llm.engine.runner
+    screened = hasattr(runner, "greedy_tokens")  # a CPU runner: the lm_head of greedy steps
+    if screened:
+        runner.greedy_tokens = timed(runner.greedy_tokens)
     execute = runner.execute  # the timed run's own clock stays as it was
     clock = StepClock(runner)
     llm.engine.block_manager.reset_prefix_cache()
@@ -261,7 +263,8 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     finally:
         for layer in layers:
             del layer.forward
-        del model.greedy_tokens
+        if screened:
+            del runner.greedy_tokens
         runner.execute = execute
     total = sum(s for _, _, s in clock.steps)
     return spent[0] / total if total else float("nan")

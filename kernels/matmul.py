@@ -51,7 +51,7 @@ def _matmul_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T + bias[N]`` → ``[M, N]`` in x's dtype (fp32 accumulation).
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from cbatch.config import EngineConfig
 from cbatch.core.block_manager import BlockManager
-from cbatch.core.cpu_memory import huge_page_zeros
+from cbatch.core.cpu.model_runner import CPUModelRunner
 from cbatch.core.model_runner import ModelRunner, SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
@@ -60,6 +60,12 @@ def freeze_long_lived_objects() -> None:
 
 
 _unfreeze_registered = False
+
+
+def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
+    """The model runner of a device: :class:`CPUModelRunner` for the CPU, else the plain one
+    (CUDA graphs and the rest of a GPU's path live in :class:`ModelRunner` itself)."""
+    return CPUModelRunner if torch.device(device).type == "cpu" else ModelRunner
 
 
 @dataclass
@@ -99,9 +105,10 @@ class Engine:
                              f"length ({model.config.max_model_len})")
         model.set_batch_invariant(config.batch_invariant)
         num_blocks = num_kv_blocks(config, model.config)
+        runner_class = model_runner_class(config.device)
         self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
                                 config.torch_dtype, config.device,
-                                zeros=None if config.on_cuda else huge_page_zeros)
+                                zeros=runner_class.kv_cache_zeros)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.cache_salt)
         max_tokens = config.max_num_batched_tokens
@@ -112,8 +119,9 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        self.runner = ModelRunner(model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                  config.use_cuda_graphs, config.threads)
+        cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
+        self.runner = runner_class(model, self.kv_cache, config.max_num_seqs, max_tokens,
+                                   config.use_cuda_graphs, **cpu_only)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()

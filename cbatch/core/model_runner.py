@@ -19,22 +19,19 @@ later, the runner warns and runs every step eagerly from then on.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from torch import nn
 
 from cbatch import ops
-from cbatch.core.cpu_memory import HugePages, keep_freed_memory
-from cbatch.core.cpu_threads import ThreadPolicy
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.layers.kv_cache import KVCache
-from cbatch.layers.linear import pack_linears
 from cbatch.layers.step_batch import StepBatch
 
 
@@ -76,9 +73,15 @@ class SampledTokens:
 
 
 class ModelRunner:
+    """The runner of every device; :class:`~cbatch.core.cpu.model_runner.CPUModelRunner` adds
+    what only a CPU does; :func:`cbatch.core.engine.model_runner_class` picks one for a
+    device."""
+
+    # how the engine allocates the KV pool for this runner (None: torch.zeros)
+    kv_cache_zeros: Callable | None = None
+
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: bool = False,
-                 threads: int | None = None):
+                 max_num_batched_tokens: int, cuda_graphs: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
@@ -93,13 +96,6 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
-        # CPU: threads on the cores others leave free (fixed in batch-invariant mode)
-        self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant) \
-            if self.device.type == "cpu" else None
-        if self.device.type == "cpu":  # the CPU's fastest linear route (and batch-invariant)
-            pack_linears(model, batch_invariant=model.batch_invariant,
-                         place=HugePages().copy)  # the bytes each step streams
-            keep_freed_memory()  # a step's activations stay for the next (no page faults)
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
@@ -182,19 +178,25 @@ class ModelRunner:
             positions=[item.seq.num_output_tokens for item in scheduled],
         )
         num_logprobs = [p.logprobs for p in params]
-        with self.threads.step() if self.threads else contextlib.nullcontext():
-            if sampling.all_greedy and not any(num_logprobs) and self.model.greedy_screened \
-                    and not self._graphs:  # no logits needed: the lm_head's screen (CPU)
-                tokens, logprobs = self.model.greedy_tokens(self.last_hidden(batch)), None
-            else:
-                logits = self.logits(batch)
-                tokens = sample(logits, sampling)
-                logprobs = logprobs_tensors(logits, tokens, num_logprobs)
+        tokens, logprobs = self.run(batch, sampling, num_logprobs)
         samples = [item.samples for item in scheduled]
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
                               if samples[row]}
         return SampledTokens(tokens, samples, logprobs, num_logprobs)
+
+    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None]
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The forward pass and the sampler: int64 tokens ``[S]`` and the logprobs tensors
+        (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no row asked)."""
+        logits = self.logits(batch)
+        tokens = sample(logits, sampling)
+        return tokens, logprobs_tensors(logits, tokens, num_logprobs)
+
+    def describe(self) -> dict[str, str]:
+        """The device-specific paths live in this engine, a phrase each (the CPU runner's;
+        none here)."""
+        return {}
 
     # -------------------------------------------------------------- CUDA graphs
 

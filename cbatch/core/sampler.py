@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cbatch.layers.step_batch import to_device
-from cbatch.ops import compiled
+from cbatch.ops import cpu
 
 
 @dataclass
@@ -57,19 +57,9 @@ def _noise(batch: SamplingBatch, rows: list[int], vocab: int, device: torch.devi
     return out
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``argmax(logits, dim=-1)`` of ``[S, V]`` logits in any float dtype → int64 ``[S]``: on
-    the CPU cbatch's kernel (torch's walks each row one element at a time), elsewhere torch's.
-    The same answer: the first index of the maximum (the first NaN, if any)."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1] > 0 \
-            and "cpu" in compiled.compiled_backends():
-        return torch.ops.cbatch.argmax(logits)
-    return logits.argmax(dim=-1)
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits: [S, V]`` → int64 token ids ``[S]``."""
-    tokens = greedy(logits)
+    tokens = cpu.argmax(logits)
     if batch.all_greedy:
         return tokens
     logits = logits.float()

@@ -51,7 +51,7 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
         """``zeros(shape, dtype)``: how a CPU pool is allocated (the engine's: on huge pages,
-        :func:`cbatch.core.cpu_memory.huge_page_zeros`); default ``torch.zeros`` on
+        :func:`cbatch.core.cpu.memory.huge_page_zeros`); default ``torch.zeros`` on
         ``device``.  A pool from ``zeros`` must be on ``device``."""
         self.config = config
         self.num_blocks = num_blocks

@@ -1,10 +1,9 @@
 """Modules whose calls go straight to ``forward``: the layers a step calls many times.
 
 ``nn.Module.__call__`` looks for hooks (global and the module's own; forward, pre-forward and
-backward) before and after it calls ``forward``, and a GPT-2 step calls ~125 modules.  Going
-straight to ``forward`` took a 12-layer step of a tiny-width GPT-2 from 0.92 to 0.82 ms, and
-GPT-2's ``seed`` workload in bf16 from 1.038 to 1.009 s (median of 24 alternated runs in one
-process, 2-core CPU; benchmarks/NOTES.md, "Python between the kernels").
+backward) before and after it calls ``forward``, and a GPT-2 step calls over a hundred
+modules: with small widths that bookkeeping is a visible share of a step (benchmarks/NOTES.md,
+"Python between the kernels").
 
 cbatch's layers inherit :class:`DirectCall`, so ``layer(x)`` is ``layer.forward(x)``; an
 instance's own ``forward`` attribute is honoured (wrap it to time or trace a layer).  Hooks

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from cbatch import ops
-from cbatch.layers import cpu_linear
 from cbatch.layers.attention import PagedAttention
 from cbatch.layers.linear import Linear
 
@@ -33,7 +32,7 @@ class PagedCausalLM(nn.Module):
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Batch-invariant mode: each token's hidden states and logits are bitwise the same
-        whatever else is in the step (:func:`cbatch.layers.linear.linear` for the linear
+        whatever else is in the step (:func:`cbatch.layers.linear.batch_invariant_linear` for the linear
         layers, :meth:`PagedAttention.kernel_for` for attention; norms, activations and
         rotary embeddings work row by row already)."""
         self.batch_invariant = enabled
@@ -44,22 +43,6 @@ class PagedCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` hidden states → ``[N, vocab_size]`` logits."""
         return self.lm_head(hidden)
-
-    @property
-    def greedy_screened(self) -> bool:
-        """Whether :meth:`greedy_tokens` runs (an lm_head packed on an x86 CPU with AVX2 or
-        AVX-512, bf16 with AVX512-VNNI: :func:`cbatch.layers.linear.pack_linears`)."""
-        return self.lm_head.greedy_screen is not None
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` hidden states → int64 ``[N]``: the argmax of
-        :meth:`compute_logits`' rows, bit for bit, from the lm_head's screen (a bf16 copy
-        of an fp32 weight, an int8 one of a bf16 weight) and the kernel's logits of the few
-        columns it cannot rule out (:func:`cbatch.layers.cpu_linear.greedy_tokens`); only
-        where :attr:`greedy_screened`."""
-        head = self.lm_head
-        return cpu_linear.greedy_tokens(hidden, head.packed_weight, head.greedy_screen,
-                                        head.out_features)
 
     @property
     def device(self) -> torch.device:

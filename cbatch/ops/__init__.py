@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from cbatch.ops import cpu  # noqa: F401  (the CPU-only ops and their fakes)
 from cbatch.ops.backends import (BACKENDS, BackendStatus, BoundKernels, available_backends,
                                  bind_kernels, impl_of, resolve_backend)
 from cbatch.ops.checks import (check_attention_args, check_prefill_args, check_seq_lens_fit,

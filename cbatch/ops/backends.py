@@ -92,18 +92,6 @@ if compiled.compiled_backends():
     def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
         return query.new_empty(query.shape)
 
-    @torch.library.register_fake("cbatch::linear")
-    def _(x, packed, out_features, bias, residual, activation):
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("cbatch::greedy_head")
-    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None):
-        return x.new_empty((x.shape[0],), dtype=torch.long)
-
-    @torch.library.register_fake("cbatch::argmax")
-    def _(logits):
-        return logits.new_empty((logits.shape[0],), dtype=torch.long)
-
 
 def _triton(op: str) -> Callable:
     """A stand-in for the Triton implementation of ``op``: the first call imports it

@@ -72,7 +72,7 @@ def test_default_mode_is_not_batch_invariant(monkeypatch):
     """Without the mode the same comparison fails (so the test above can fail): the probe's
     decode steps alone run its linear layers on one row, where MKL's sgemm sums differently
     than for a row of a larger batch (cbatch.layers.linear).  The linears run ``F.linear``
-    here: oneDNN on packed weights (cbatch.layers.cpu_linear) happens to sum the tiny
+    here: oneDNN on packed weights (cbatch.ops.cpu) happens to sum the tiny
     model's short rows alike for every M, though not GPT-2 small's (K = 3072)."""
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
     mates = [([(13 * i + j) % 500 for j in range(20)],

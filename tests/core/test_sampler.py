@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cbatch.core.sampler import SamplingBatch, greedy, sample
+from cbatch.core.sampler import SamplingBatch, sample
+from cbatch.ops.cpu import argmax
 
 
 def _batch(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):
@@ -72,5 +73,5 @@ def test_greedy_is_torch_argmax_ties_nans_and_infinities_included(dtype, V):
     with_inf[0, V - 1] = float("inf")
     with_inf[1, 0] = float("inf")
     for logits in cases + [with_nan, with_inf]:
-        assert torch.equal(greedy(logits), logits.argmax(dim=-1))
-    assert greedy(torch.empty(0, V, dtype=dtype)).shape == (0,)
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert argmax(torch.empty(0, V, dtype=dtype)).shape == (0,)

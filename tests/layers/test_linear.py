@@ -15,12 +15,12 @@ def test_cpu_linear_rows_do_not_depend_on_the_number_of_rows(k, n, dtype):
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     x = torch.randn(2100, k, generator=gen).to(dtype)
-    full = invariant.linear(x, weight, bias)
+    full = invariant.batch_invariant_linear(x, weight, bias)
     torch.testing.assert_close(full, F.linear(x, weight, bias))
     sizes = list(range(1, 40)) + [63, 64, 65, 100, 257, 1000, 2047]
     for M in sizes:
         start = int(torch.randint(0, 2100 - M, (1,), generator=gen))
-        rows = invariant.linear(x[start:start + M], weight, bias)
+        rows = invariant.batch_invariant_linear(x[start:start + M], weight, bias)
         assert torch.equal(rows, full[start:start + M]), f"M={M}"
 
 
@@ -34,12 +34,12 @@ def test_triton_matmul_matches_torch():
     weight = torch.randn(96, 80, generator=gen).to(device)  # N, K not multiples of the tiles
     bias = torch.randn(96, generator=gen).to(device)
     x = torch.randn(150, 80, generator=gen).to(device)
-    torch.testing.assert_close(matmul.linear(x, weight, bias), F.linear(x, weight, bias),
+    torch.testing.assert_close(matmul.matmul(x, weight, bias), F.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(matmul.linear(x[:1], weight), F.linear(x[:1], weight),
+    torch.testing.assert_close(matmul.matmul(x[:1], weight), F.linear(x[:1], weight),
                                atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="x must be"):
-        matmul.linear(x[:, :10], weight)
+        matmul.matmul(x[:, :10], weight)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the interpreter's dot "
@@ -52,8 +52,8 @@ def test_triton_matmul_rows_do_not_depend_on_the_number_of_rows(dtype):
     weight = (torch.randn(2304, 768, generator=gen) * 0.05).to("cuda", dtype)
     bias = torch.randn(2304, generator=gen).to("cuda", dtype)
     x = torch.randn(1100, 768, generator=gen).to("cuda", dtype)
-    full = matmul.linear(x, weight, bias)
+    full = matmul.matmul(x, weight, bias)
     for M in (1, 2, 5, 16, 63, 64, 65, 127, 300, 1000):
         start = int(torch.randint(0, 1100 - M, (1,), generator=gen))
-        assert torch.equal(matmul.linear(x[start:start + M], weight, bias),
+        assert torch.equal(matmul.matmul(x[start:start + M], weight, bias),
                            full[start:start + M]), f"M={M}"

@@ -22,7 +22,8 @@ from cbatch.entrypoints.cli.serve import add_serve_parser
 
 def version_report() -> str:
     """What ``cbatch --version`` prints: cbatch's version and where it is installed, the torch
-    and Python it runs on, and each kernel backend: live here, or off and why."""
+    and Python it runs on, each kernel backend (live here, or off and why), and the CPU fast
+    paths live here (:func:`cbatch.core.cpu.report.cpu_paths`)."""
     import platform
     from pathlib import Path
 
@@ -30,6 +31,7 @@ def version_report() -> str:
 
     import cbatch
     from cbatch import ops
+    from cbatch.core.cpu.report import cpu_paths, format_paths
 
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
     lines = [f"cbatch {cbatch.__version__} ({Path(cbatch.__file__).parent})",
@@ -37,6 +39,7 @@ def version_report() -> str:
              "attention backends:"]
     for name, status in ops.available_backends().items():
         lines.append(f"  {name:<7} {'live' if status.available else 'off':<5} {status.detail}")
+    lines += ["cpu fast paths:"] + format_paths(cpu_paths())
     return "\n".join(lines)
 
 

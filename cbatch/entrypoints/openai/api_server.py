@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
+from cbatch.core.cpu.report import format_paths
 from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_settings
 from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
@@ -217,6 +218,10 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
                     **guard_settings(args))
     print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
+    paths = engine.engine.runner.describe()  # a CPU engine's fast paths
+    if paths:
+        print("\n".join([f"{engine.engine.config.device} fast paths:"] + format_paths(paths)),
+              flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.limit_concurrency, args.header_timeout)
     server = _server_class()(config)

@@ -1,4 +1,4 @@
-"""The lm_head's greedy screens (cbatch.layers.cpu_linear.greedy_tokens, csrc/cpu/linear.cpp's
+"""The lm_head's greedy screens (cbatch.ops.cpu.greedy_head, csrc/cpu/linear.cpp's
 greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
 of the weight (int8 with a scale per column, or for fp32 bf16)."""
 
@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from cbatch import LLM, Engine, SamplingParams
-from cbatch.layers import cpu_linear
-from cbatch.layers.linear import pack_linears, unpack_linears
+from cbatch.ops import cpu
+from cbatch.core.cpu.packing import pack_linears, unpack_linears
 from cbatch.models.loader import load_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.skipif(not cpu_linear.screen_available(torch.float32),
+    pytest.mark.skipif(not cpu.screen_available(torch.float32),
                        reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
-INT8 = pytest.mark.skipif(not cpu_linear.int8_screens(),
+INT8 = pytest.mark.skipif(not cpu.int8_screens(),
                           reason="the int8 screen (and the bf16 lm_head's) needs AVX512-BF16 "
                                  "and AVX512-VNNI")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=INT8)]
@@ -27,14 +27,14 @@ KINDS = [pytest.param((torch.float32, False), id="fp32-bf16screen"),
 
 def _kernel_argmax(x, packed, N):
     """What an unscreened greedy step answers: torch's argmax of the kernel's logits."""
-    return cpu_linear.linear(x, packed, None, N).argmax(dim=-1)
+    return cpu.packed_linear(x, packed, None, N).argmax(dim=-1)
 
 
 def _check(x, w, int8=None):
-    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w, int8)
+    packed, screen = cpu.pack(w, "cbatch"), cpu.pack_screen(w, int8)
     if int8 is not None:
         assert screen.weight.dtype == (torch.int8 if int8 else torch.bfloat16)
-    got = cpu_linear.greedy_tokens(x, packed, screen, w.shape[0])
+    got = cpu.greedy_head(x, packed, screen, w.shape[0])
     assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
     assert torch.equal(got, _kernel_argmax(x, packed, w.shape[0]))
 
@@ -42,7 +42,7 @@ def _check(x, w, int8=None):
 def _screen_argmax(x, w, int8):
     """The screen's own answer, without the kernel's sums (near enough: x unrounded)."""
     if int8:
-        q, scales = cpu_linear._quantize_int8(w)
+        q, scales = cpu._quantize_int8(w)
         copy = q.float() * scales[:, None]
     else:
         x, copy = x.bfloat16().float(), w.bfloat16().float()
@@ -87,7 +87,7 @@ def test_near_ties_are_settled_by_the_kernels_sums(kind):
         if int8:
             w[j, 0] = 20 * best.abs().max()
     w = w.to(dtype)
-    packed = cpu_linear.pack(w, "cbatch")
+    packed = cpu.pack(w, "cbatch")
     winners = _kernel_argmax(x, packed, N)
     assert set(winners.tolist()) <= set(near)
     assert (_screen_argmax(x, w, int8) != winners).any()  # the screen alone would not do
@@ -126,12 +126,12 @@ def test_bf16_logits_that_round_alike_go_to_the_first():
     w[30, 5] = 0.875 * 2.0 ** -8  # sums to 1 - 2^-11 in fp32, to 1 in bf16
     w[70] = 2.0 ** -8  # sums to exactly 1
     w = w.bfloat16()
-    packed = cpu_linear.pack(w, "cbatch")
-    logits = cpu_linear.linear(x, packed, None, 100)
+    packed = cpu.pack(w, "cbatch")
+    logits = cpu.packed_linear(x, packed, None, 100)
     assert logits[0, 30] == logits[0, 70] == 1.0 and logits.max() == 1.0
-    screen = cpu_linear.pack_screen(w)
+    screen = cpu.pack_screen(w)
     assert screen.error_norm < 1e-5
-    assert cpu_linear.greedy_tokens(x, packed, screen, 100).tolist() == [30, 30]
+    assert cpu.greedy_head(x, packed, screen, 100).tolist() == [30, 30]
     _check(x, w)
     w[[30, 70]] = w[[70, 30]]  # the larger sum first: still 30
     _check(x, w)
@@ -156,7 +156,7 @@ def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
     w = (w * 2.0 ** power).bfloat16()
     x = torch.full((3, K), float(sign), dtype=torch.bfloat16)
     _check(x, w)
-    assert cpu_linear.greedy_tokens(x, cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w),
+    assert cpu.greedy_head(x, cpu.pack(w, "cbatch"), cpu.pack_screen(w),
                                     100).tolist() == [30, 30, 30]
 
 
@@ -223,7 +223,7 @@ def test_bf16_bound_terms_each_decide_a_row(name):
     x, w, token = _bound_case(name)
     assert torch.equal(x.bfloat16().float(), x) and torch.equal(w.bfloat16().float(), w)
     x, w = x.bfloat16(), w.bfloat16()
-    assert _kernel_argmax(x, cpu_linear.pack(w, "cbatch"), w.shape[0]).tolist() == \
+    assert _kernel_argmax(x, cpu.pack(w, "cbatch"), w.shape[0]).tolist() == \
         [token] * x.shape[0]
     _check(x, w)
 
@@ -250,23 +250,23 @@ def test_rows_the_screen_cannot_settle(kind):
 
 def test_rejects_bad_arguments():
     w = torch.randn(40, 8)
-    packed, screen = cpu_linear.pack(w, "cbatch"), cpu_linear.pack_screen(w, int8=False)
+    packed, screen = cpu.pack(w, "cbatch"), cpu.pack_screen(w, int8=False)
     with pytest.raises(TypeError, match="greedy_head takes"):  # bf16 x, fp32 weights
-        cpu_linear.greedy_tokens(torch.randn(2, 8).bfloat16(), packed, screen, 40)
+        cpu.greedy_head(torch.randn(2, 8).bfloat16(), packed, screen, 40)
     with pytest.raises(TypeError, match="greedy_head takes"):  # an int8 screen without scales
         torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight.view(torch.int16)
                                      .to(torch.int8), 40, 1.0, 1.0, 1.0, None)
     with pytest.raises(ValueError, match="does not hold"):
-        cpu_linear.greedy_tokens(torch.randn(2, 8), packed, screen, 50)
-    assert cpu_linear.greedy_tokens(torch.randn(0, 8), packed, screen, 40).shape == (0,)
+        cpu.greedy_head(torch.randn(2, 8), packed, screen, 50)
+    assert cpu.greedy_head(torch.randn(0, 8), packed, screen, 40).shape == (0,)
     with pytest.raises(ValueError, match="cannot be negative"):
         torch.ops.cbatch.greedy_head(torch.randn(2, 8), packed, screen.weight, 40, -1.0, 1.0,
                                      1.0, None)
     with pytest.raises(ValueError, match="a bf16 screen is for an fp32 weight"):
-        cpu_linear.pack_screen(w.bfloat16(), int8=False)
-    if cpu_linear.int8_screens():
+        cpu.pack_screen(w.bfloat16(), int8=False)
+    if cpu.int8_screens():
         w16 = w.bfloat16()
-        packed16, screen16 = cpu_linear.pack(w16, "cbatch"), cpu_linear.pack_screen(w16)
+        packed16, screen16 = cpu.pack(w16, "cbatch"), cpu.pack_screen(w16)
         with pytest.raises(TypeError, match="greedy_head takes"):  # no scales
             torch.ops.cbatch.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16.weight,
                                          40, 1.0, 1.0, 1.0, None)
@@ -281,24 +281,24 @@ def test_packing_gives_the_lm_head_a_screen(monkeypatch):
     (the logits the screen is exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then
     goes back to its route without a screen); unpacking drops it."""
     model = load_model("random:tiny")
-    assert pack_linears(model) and model.greedy_screened
+    assert pack_linears(model) and _screened(model)
     assert not model.lm_head.packed_weight.is_mkldnn
-    int8 = cpu_linear.int8_screens()
+    int8 = cpu.int8_screens()
     assert model.lm_head.greedy_screen.weight.dtype == (torch.int8 if int8 else torch.bfloat16)
     assert (model.lm_head.greedy_screen.scales is None) != int8
     unpack_linears(model)
-    assert not model.greedy_screened
+    assert not _screened(model)
     model = load_model("random:tiny", dtype=torch.bfloat16)
     assert pack_linears(model)
-    assert model.greedy_screened == cpu_linear.screen_available(torch.bfloat16)
-    if model.greedy_screened:
+    assert _screened(model) == cpu.screen_available(torch.bfloat16)
+    if _screened(model):
         screen = model.lm_head.greedy_screen
         assert screen.weight.dtype == torch.int8
         assert screen.scales.shape == (model.lm_head.out_features,)
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model("random:tiny", dtype=dtype)
-        assert pack_linears(model) and not model.greedy_screened
+        assert pack_linears(model) and not _screened(model)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -308,34 +308,40 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch, dtyp
     logits (and so does every step with the screen off)."""
     prompts = [[(7 * i + 3 * j) % 500 for j in range(3 + 5 * i)] for i in range(6)]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-    calls = []
 
-    def tokens(llm):
-        model = llm.engine.model
-        screened = model.greedy_tokens
+    def tokens(llm, params=greedy, n=len(prompts)):
+        """The tokens, and how many calls of the kernel's greedy head they took."""
+        before = _greedy_head_calls()
+        outs = llm.generate(prompts[:n], params, use_tqdm=False)
+        return [o.token_ids for o in outs], _greedy_head_calls() - before, outs
 
-        def counted(hidden):
-            calls.append(hidden.shape[0])
-            return screened(hidden)
-        model.greedy_tokens = counted
-        return [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-
-    on = tokens(LLM("random:tiny", dtype=dtype, max_num_seqs=4))
-    assert calls and max(calls) <= 4
-    monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
-    calls.clear()
-    off = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
-    assert not off.engine.model.greedy_screened
-    assert tokens(off) == on
-    monkeypatch.delenv("CBATCH_GREEDY_SCREEN")
     llm = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
-    calls.clear()
-    tokens(llm)
-    n = len(calls)
+    assert llm.engine.runner.describe()["greedy screen"] in ("int8", "bf16")
+    on, calls, _ = tokens(llm)
+    assert calls >= 12  # every decode step of the greedy requests, at least
+    monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
+    off = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
+    assert off.engine.runner.greedy_screen is None
+    assert off.engine.runner.describe()["greedy screen"] == "off (CBATCH_GREEDY_SCREEN=0)"
+    off_tokens, off_calls, _ = tokens(off)
+    assert off_tokens == on and off_calls == 0
+    monkeypatch.delenv("CBATCH_GREEDY_SCREEN")
     mixed = [greedy, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)]
-    outs = llm.generate(prompts[:2], mixed, use_tqdm=False)
-    assert len(calls) == n  # a logprobs request in every step: logits computed
-    assert outs[0].token_ids == on[0] and outs[1].token_ids == on[1]
+    mixed_tokens, mixed_calls, outs = tokens(llm, mixed, n=2)
+    assert mixed_calls == 0  # a logprobs request in every step: logits computed
+    assert mixed_tokens == on[:2]
     assert outs[1].logprobs and outs[1].logprobs[0]
     engine = Engine(load_model("random:tiny", dtype=dtype), max_num_seqs=4, batch_invariant=True)
-    assert engine.model.greedy_screened  # exact, so batch-invariant too
+    assert engine.runner.greedy_screen is not None  # exact, so batch-invariant too
+
+
+def _screened(model) -> bool:
+    return model.lm_head.greedy_screen is not None
+
+
+def _greedy_head_calls() -> int:
+    """Calls of the C++ greedy head that ran a screen, as the kernels count them."""
+    paths = cpu.kernel_paths()
+    assert any(name.startswith("greedy_head.") for name in paths), paths
+    return sum(n for name, n in paths.items()
+               if name.startswith("greedy_head.") and name != "greedy_head.kernel")

@@ -40,11 +40,11 @@ def _run(code_or_args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_the_variable_caps_the_kernels_at_avx2():
-    probe = ("import torch; from cbatch.layers import cpu_linear; "
+    probe = ("import torch; from cbatch.ops import cpu; "
              "print(torch.ops.cbatch.cpu_linear_supported(torch.float32), "
              "torch.ops.cbatch.cpu_linear_supported(torch.bfloat16), "
-             "cpu_linear.screen_available(torch.float32), "
-             "cpu_linear.screen_available(torch.bfloat16))")
+             "cpu.screen_available(torch.float32), "
+             "cpu.screen_available(torch.bfloat16))")
     out = _run(["-c", probe])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False", "True", "False"]  # fp32 and its screen

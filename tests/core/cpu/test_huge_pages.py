@@ -1,4 +1,4 @@
-"""The bytes a CPU step streams on 2 MB transparent huge pages (cbatch/core/cpu_memory.py):
+"""The bytes a CPU step streams on 2 MB transparent huge pages (cbatch/core/cpu/memory.py):
 HugePages.copy for the packed weights, huge_page_zeros for the KV cache, the engine using
 both, and $CBATCH_HUGE_PAGES=0 turning them off."""
 
@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from cbatch.core import cpu_memory
-from cbatch.core.cpu_memory import CHUNK, HugePages, huge_page_zeros, huge_pages_available
+from cbatch.core.cpu import memory as cpu_memory
+from cbatch.core.cpu.memory import CHUNK, HugePages, huge_page_zeros, huge_pages_available
 from cbatch.layers.linear import Linear
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(),

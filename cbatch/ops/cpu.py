@@ -1,48 +1,36 @@
-"""CPU linear layers on weights packed once at load time, by the fastest route for this CPU.
+"""The CPU-only ops: linear layers on weights packed once, the lm_head's greedy screen, argmax,
+and what the C++ CPU kernels report about themselves.
 
-Routes (:data:`ROUTES`), measured per shape and row count in benchmarks/NOTES.md ("CPU GEMM
-routes", ``benchmarks/bench_linear.py``):
+Linear routes (:data:`ROUTES`; why each, measured per shape and row count, in
+benchmarks/NOTES.md, "CPU GEMM routes", with ``benchmarks/bench_linear.py``):
 
-- ``"cbatch"``: cbatch's own kernel (csrc/cpu/linear.cpp) on x86 CPUs with AVX-512 (bf16: with
-  AVX512-BF16) and, fp32 only, on those with AVX2 and FMA.  The weight is packed into blocks
-  of 16 output columns, each ``[K, 16]`` (bf16: pairs of k side by side, the operand of
-  ``vdpbf16ps``), streamed once per call;
-  bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs (decode steps)
-  are memory-bound, and there it runs the layers 1.1-1.8x faster than oneDNN (no per-call
-  primitive set-up).  It also runs long prefill chunks (compute-bound): oneDNN on weights it
-  packed itself is 5-15% faster there, but that needs a second copy of every weight, and
-  oneDNN on the unpacked weight measured slower in the engine than this kernel
-  (benchmarks/NOTES.md, "Long prefill chunks on cbatch's kernel").  The lm_head runs it too:
-  on a Zen 4 host 12-40% faster than oneDNN at 1-15 rows in fp32 and bf16 (benchmarks/
-  NOTES.md, "The lm_head's greedy screen"); with AVX2 (AMD Zen 3) the kernel ran every GPT-2
-  layer and the lm_head 3-27% faster than oneDNN on its own packed weights, at 1 to 256 rows
-  ("cbatch's kernel on AVX2").
+- ``"cbatch"``: cbatch's own kernel (``csrc/cpu/linear.cpp`` over the tiles of
+  ``csrc/cpu/gemm.h``) on x86 CPUs with AVX-512 (bf16: with AVX512-BF16) and, fp32 only, on
+  those with AVX2 and FMA.  The weight is packed into blocks of 16 output columns, each
+  ``[K, 16]`` (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once
+  per call; bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs
+  (decode steps) are memory-bound, and there it beats oneDNN (no per-call primitive
+  set-up); it also runs long prefill chunks and the lm_head.
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even
   where the CPU has AVX-512.
-- ``"torch"``: ``F.linear`` on the dense weight (CPUs without AVX2, where nothing else
-  was measured).
+- ``"torch"``: ``F.linear`` on the dense weight (CPUs without AVX2).
 
-:func:`cbatch.layers.linear.pack_linears` packs a model's linear layers when an engine's
-model runner is built: the packed weight replaces the dense one (the same bytes, plus at
-most 15 padding columns), except for a weight shared with another module (a ``lm_head`` tied
-to the token embedding, which needs the dense rows), which keeps its dense weight and gets a
-packed copy beside it.  Results differ from ``F.linear``'s only in summation order (fp32:
-~1e-6 relative).
+``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.  Results differ from
+``F.linear``'s only in summation order.
 
-``$CBATCH_CPU_LINEAR`` (one of :data:`ROUTES`) overrides the choice.
+A greedy step needs only each row's argmax of the lm_head, a large share of the bytes a
+decode step reads.  :func:`pack_screen` makes a :class:`GreedyScreen`, a smaller copy of the
+lm_head's weight: int8 with a scale per column on CPUs with AVX512-BF16 and AVX512-VNNI (fp32
+or bf16 lm_heads), else a bf16 copy (fp32 lm_heads, on x86 CPUs with AVX2 or AVX-512);
+:func:`greedy_head` screens every column on it, then computes the few it cannot rule out as
+the kernel does: the argmax of the kernel's logits, bit for bit, from a half or a quarter of
+the bytes (the bound that makes it exact is in ``csrc/cpu/greedy_head.cpp``).
+``$CBATCH_GREEDY_SCREEN=0`` turns it off.
 
-A greedy step needs only each row's argmax of the lm_head, and the lm_head is a third of the
-bytes a GPT-2 decode step reads in fp32, a quarter in bf16.  The lm_head gets a
-:class:`GreedyScreen` (:func:`pack_screen`), a smaller copy of its weight: int8 with a scale
-per column on CPUs with AVX512-BF16 and AVX512-VNNI (fp32 or bf16 lm_heads), else a bf16
-copy (fp32 lm_heads, on x86 CPUs with AVX2 or AVX-512); :func:`greedy_tokens` screens every
-column on it, then computes the few it cannot rule out as the kernel does: the same tokens
-as the argmax of the kernel's logits, bit for bit, from a half or a quarter of the bytes
-(the bound that makes it exact is in csrc/cpu/linear.cpp, ``greedy_head_cpu``).
-``$CBATCH_GREEDY_SCREEN=0`` turns it off (the copy costs memory: a quarter or half of the
-lm_head's bytes).
+:func:`kernel_paths` says which path of each C++ CPU kernel ran how often (the tests assert
+through it that a fast path ran), :func:`cpu_isa` which ISA the kernels use.
 """
 
 from __future__ import annotations
@@ -123,8 +111,9 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return dense.reshape(blocks * BLOCK, K)[:out_features].contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-           gelu: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int, gelu: str | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + gelu(x @ W.T + bias)`` on a packed weight, the GELU and the add inside
     the matmul where the route has them.
 
@@ -148,7 +137,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
 
 @dataclass(frozen=True)
 class GreedyScreen:
-    """A smaller copy of an lm_head's weight ``W [N, K]`` for :func:`greedy_tokens`.
+    """A smaller copy of an lm_head's weight ``W [N, K]`` for :func:`greedy_head`.
 
     weight: packed as :func:`pack` packs ``W``: int8 ``q`` with ``W ~ scales[:, None] * q``
     (``scales``: fp32 ``[N]``, a column's largest magnitude / 127), or (an fp32 ``W``)
@@ -190,6 +179,14 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def screen_kind(dtype: torch.dtype) -> str | None:
+    """The screen an lm_head of ``dtype`` gets here: ``"int8"``, ``"bf16"`` or None (see
+    :func:`screen_available`)."""
+    if not screen_available(dtype):
+        return None
+    return "int8" if dtype == torch.bfloat16 or int8_screens() else "bf16"
+
+
 def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
     """The :class:`GreedyScreen` of a dense fp32 or bf16 ``[N, K]`` weight (K even): int8,
     or (fp32 only) bf16; ``int8`` None: int8 where :func:`int8_screens`."""
@@ -214,11 +211,54 @@ def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
     return GreedyScreen(pack(copy, "cbatch"), *(float(n) * up for n in norms), scales=scales)
 
 
-def greedy_tokens(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
-                  out_features: int) -> torch.Tensor:
-    """``argmax(linear(x, packed, None, out_features), dim=-1)`` bit for bit, reading
+def greedy_head(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
+                out_features: int) -> torch.Tensor:
+    """``argmax(packed_linear(x, packed, None, out_features), dim=-1)`` bit for bit, reading
     ``screen`` instead of most of ``packed``.  x: ``[M, K]``, the dtype of ``packed`` (fp32
     or bf16, :func:`pack`'s layout) → int64 ``[M]``."""
     return torch.ops.cbatch.greedy_head(x if x.stride(-1) == 1 else x.contiguous(), packed,
                                         screen.weight, out_features, screen.w_norm,
                                         screen.screen_norm, screen.error_norm, screen.scales)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits, dim=-1)`` of ``[S, V]`` logits in any float dtype → int64 ``[S]``: on
+    the CPU cbatch's kernel (torch's walks each row one element at a time), elsewhere torch's.
+    The same answer: the first index of the maximum (the first NaN, if any)."""
+    if logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1] > 0 \
+            and "cpu" in compiled.compiled_backends():
+        return torch.ops.cbatch.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def cpu_isa() -> str:
+    """The x86 features the C++ CPU kernels use here, after ``$CBATCH_CPU_ISA``'s cap:
+    space-separated from ``avx512 avx512bf16 avx512vnni avx2``; "" without the extension or
+    on a CPU with none of them."""
+    if "cpu" not in compiled.compiled_backends():
+        return ""
+    return torch.ops.cbatch.cpu_isa()
+
+
+def kernel_paths() -> dict[str, int]:
+    """How many calls each path of the C++ CPU kernels has run in this process, by
+    ``<op>.<path>`` (``linear.avx512``, ``greedy_head.int8``, ``decode_attention.avx512``,
+    ...); empty without the extension.  Counts only grow: compare two readings."""
+    if "cpu" not in compiled.compiled_backends():
+        return {}
+    return dict(zip(torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()))
+
+
+if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the meta device
+
+    @torch.library.register_fake("cbatch::linear")
+    def _(x, packed, out_features, bias, residual, activation):
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("cbatch::greedy_head")
+    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None):
+        return x.new_empty((x.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("cbatch::argmax")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)

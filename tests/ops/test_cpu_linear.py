@@ -1,4 +1,4 @@
-"""CPU linear layers on packed weights (cbatch.layers.cpu_linear: cbatch's own kernel and
+"""CPU linear layers on packed weights (cbatch.ops.cpu: cbatch's own kernel and
 oneDNN), and dtype="auto"."""
 
 import copy
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from cbatch import LLM, Engine, KVCache, SamplingParams
 from cbatch.config import EngineConfig, auto_dtype
 from cbatch.core.input_batch import make_step_batch
-from cbatch.layers import cpu_linear
-from cbatch.layers.linear import pack_linears, unpack_linears
+from cbatch.ops import cpu
+from cbatch.core.cpu.packing import pack_linears, unpack_linears
 from cbatch.layers.linear import Linear
 from cbatch.models.loader import load_model
 
@@ -19,16 +19,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 PACKED_ROUTES = ("cbatch", "onednn")
 needs_packing = pytest.mark.skipif(
-    cpu_linear.cpu_linear_route(torch.float32) == "torch",
+    cpu.cpu_linear_route(torch.float32) == "torch",
     reason="this CPU runs F.linear (packed routes are chosen on x86 CPUs with AVX2 or AVX-512)")
 needs_bf16 = pytest.mark.skipif(
-    cpu_linear.cpu_linear_route(torch.bfloat16) == "torch",
+    cpu.cpu_linear_route(torch.bfloat16) == "torch",
     reason="this CPU has no native bf16 route")
 
 # (dtype, error allowed beyond twice F.linear's own, relative to the largest output)
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 CASES = [pytest.param(route, dtype, id=f"{route}-{str(dtype)[6:]}",
-                      marks=pytest.mark.skipif(not cpu_linear.route_available(route, dtype),
+                      marks=pytest.mark.skipif(not cpu.route_available(route, dtype),
                                                reason=f"{route} does not run {dtype} here"))
          for route in PACKED_ROUTES for dtype in TOLERANCE]
 
@@ -52,9 +52,9 @@ def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     b = (torch.randn(N, generator=gen) * 0.05).to(dtype) if bias else None
     x = torch.randn(M, K, generator=gen).to(dtype)
     truth = F.linear(x.double(), w.double(), None if b is None else b.double())
-    packed = cpu_linear.pack(w, route)
-    assert torch.equal(cpu_linear.unpack(packed, N), w)
-    ours = cpu_linear.linear(x, packed, b, N)
+    packed = cpu.pack(w, route)
+    assert torch.equal(cpu.unpack(packed, N), w)
+    ours = cpu.packed_linear(x, packed, b, N)
     assert ours.dtype == dtype and ours.shape == (M, N)
     torch_err = (F.linear(x, w, b).double() - truth).abs().max().item()
     allowed = (4 if route == "cbatch" else 2) * torch_err \
@@ -71,18 +71,18 @@ def test_fused_epilogues(route, dtype, M):
     b = (torch.randn(100, generator=gen) * 0.1).to(dtype)
     x = torch.randn(M, 64, generator=gen).to(dtype)
     residual = torch.randn(M, 100, generator=gen).to(dtype)
-    packed = cpu_linear.pack(w, route)
+    packed = cpu.pack(w, route)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for approximate in ("tanh", "none"):
         want = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate=approximate)
-        got = cpu_linear.linear(x, packed, b, 100, gelu=approximate)
+        got = cpu.packed_linear(x, packed, b, 100, gelu=approximate)
         torch.testing.assert_close(got.float(), want, **tol)
     want = residual.float() + F.linear(x.float(), w.float(), b.float())
-    got = cpu_linear.linear(x, packed, b, 100, residual=residual)
+    got = cpu.packed_linear(x, packed, b, 100, residual=residual)
     torch.testing.assert_close(got.float(), want, **tol)
 
 
-@pytest.mark.skipif(not cpu_linear.route_available("cbatch", torch.float32),
+@pytest.mark.skipif(not cpu.route_available("cbatch", torch.float32),
                     reason="cbatch's CPU linear needs AVX-512 or AVX2 and the extension")
 def test_cbatch_route_rows_are_independent_of_the_batch():
     """Each output element is one thread's sum over k in order: a row's result is bitwise
@@ -91,22 +91,22 @@ def test_cbatch_route_rows_are_independent_of_the_batch():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 3072, generator=gen)
     x = torch.randn(1054, 3072, generator=gen)
-    packed = cpu_linear.pack(w, "cbatch")
-    full = cpu_linear.linear(x, packed, None, 300)
+    packed = cpu.pack(w, "cbatch")
+    full = cpu.packed_linear(x, packed, None, 300)
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             for rows in (slice(0, 1), slice(5, 13), slice(3, 70)):
-                assert torch.equal(cpu_linear.linear(x[rows], packed, None, 300), full[rows])
+                assert torch.equal(cpu.packed_linear(x[rows], packed, None, 300), full[rows])
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not cpu_linear.route_available("cbatch", torch.float32),
+@pytest.mark.skipif(not cpu.route_available("cbatch", torch.float32),
                     reason="cbatch's CPU linear needs AVX-512 or AVX2 and the extension")
 def test_cbatch_route_rejects_bad_arguments():
-    packed = cpu_linear.pack(torch.randn(40, 8), "cbatch")
+    packed = cpu.pack(torch.randn(40, 8), "cbatch")
     with pytest.raises(ValueError, match="does not hold"):
         torch.ops.cbatch.linear(torch.randn(2, 9), packed, 40, None, None, "none")
     with pytest.raises(TypeError, match="packed weight"):
@@ -131,17 +131,17 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     assert pack_linears(model)
     assert pack_linears(model)  # idempotent
     c_fc = model.transformer.h[0].mlp.c_fc
-    assert cpu_linear.is_packed(c_fc.weight) and c_fc.packed_weight is not None
+    assert cpu.is_packed(c_fc.weight) and c_fc.packed_weight is not None
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert not cpu_linear.is_packed(model.lm_head.weight)
-    assert cpu_linear.is_packed(model.lm_head.packed_weight)
+    assert not cpu.is_packed(model.lm_head.weight)
+    assert cpu.is_packed(model.lm_head.packed_weight)
     # the same bytes (the cbatch layout pads N to a multiple of 16: GPT-2's are multiples)
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == nbytes
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
     unpack_linears(model)
-    assert not any(isinstance(m, Linear) and (cpu_linear.is_packed(m.weight)
+    assert not any(isinstance(m, Linear) and (cpu.is_packed(m.weight)
                                               or m.packed_weight is not None)
                    for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -154,15 +154,15 @@ def test_engine_packs_on_the_cpu_and_batch_invariant_mode_keeps_only_the_cbatch_
     M) and gives oneDNN's packed weights back as dense ones (its rows are not)."""
     c_attn = lambda m: m.transformer.h[1].attn.c_attn  # noqa: E731
     for route in PACKED_ROUTES:
-        if not cpu_linear.route_available(route, torch.float32):
+        if not cpu.route_available(route, torch.float32):
             continue
         monkeypatch.setenv("CBATCH_CPU_LINEAR", route)
         model = load_model("random:tiny")
         Engine(model, max_num_seqs=2)
-        assert cpu_linear.is_packed(c_attn(model).weight)
+        assert cpu.is_packed(c_attn(model).weight)
         assert model.lm_head.packed_weight.is_mkldnn == (route == "onednn")  # as every layer
         Engine(model, max_num_seqs=2, batch_invariant=True)
-        assert cpu_linear.is_packed(c_attn(model).weight) == (route == "cbatch")
+        assert cpu.is_packed(c_attn(model).weight) == (route == "cbatch")
         assert (c_attn(model).packed_weight is not None) == (route == "cbatch")
         if route == "cbatch":  # every layer on cbatch's kernel, the lm_head too
             assert not model.lm_head.packed_weight.is_mkldnn
@@ -172,10 +172,10 @@ def test_route_override(monkeypatch):
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
     model = load_model("random:tiny")
     Engine(model, max_num_seqs=2)
-    assert not cpu_linear.is_packed(model.transformer.h[0].attn.c_attn.weight)
+    assert not cpu.is_packed(model.transformer.h[0].attn.c_attn.weight)
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR=.*expected one of"):
-        cpu_linear.cpu_linear_route(torch.float32)
+        cpu.cpu_linear_route(torch.float32)
 
 
 def _step_logits(model, prompts, block_size=4):
@@ -198,7 +198,7 @@ def _step_logits(model, prompts, block_size=4):
 
 
 @pytest.mark.parametrize("route", [pytest.param(r, marks=pytest.mark.skipif(
-    not cpu_linear.route_available(r, torch.float32), reason=f"no {r} route here"))
+    not cpu.route_available(r, torch.float32), reason=f"no {r} route here"))
     for r in PACKED_ROUTES])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_packing),
                                    pytest.param(torch.bfloat16, marks=needs_bf16)])
@@ -208,7 +208,7 @@ def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype, ro
     fp32 within 1e-4 (as the unpacked model); bf16 against transformers in fp32, with an
     error at most twice that of transformers' own model run in bf16 (plus 1e-2)."""
     prompts = [[(5 * i + 3 * j) % 500 for j in range(n)] for i, n in enumerate([1, 3, 4, 9])]
-    if not cpu_linear.route_available(route, dtype):
+    if not cpu.route_available(route, dtype):
         pytest.skip(f"{route} does not run {dtype} here")
     monkeypatch.setenv("CBATCH_CPU_LINEAR", route)
     model = load_model(str(tiny_hf_dir), dtype=dtype)

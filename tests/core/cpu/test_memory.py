@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # faults of the last two steps.
 PROBE = """
 import ctypes, resource
-from cbatch.core.cpu_memory import keep_freed_memory
+from cbatch.core.cpu.memory import keep_freed_memory
 print(keep_freed_memory())
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

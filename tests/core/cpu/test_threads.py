@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from cbatch import LLM, SamplingParams
-from cbatch.core import cpu_threads
-from cbatch.core.cpu_threads import ThreadPolicy
+from cbatch.core.cpu import threads as cpu_threads
+from cbatch.core.cpu.threads import ThreadPolicy
 
 
 @pytest.fixture

@@ -1,0 +1,94 @@
+"""The model runner of a CPU engine: what only a CPU does, around the one step path.
+
+Over :class:`~cbatch.core.model_runner.ModelRunner` (the same step batch, forward and
+sampler) it adds, for a CPU:
+
+- **packing**: every linear layer's weight in its route's layout, once
+  (:func:`~cbatch.core.cpu.packing.pack_linears`), the lm_head's greedy screen beside it;
+- **huge pages**: the packed weights, their screens and the KV pool, the bytes every decode
+  step streams, on 2 MB transparent huge pages (:mod:`cbatch.core.cpu.memory`), and malloc
+  keeping a step's freed activations for the next step;
+- **the thread policy**: each step on the cores other processes leave free
+  (:mod:`cbatch.core.cpu.threads`; fixed in batch-invariant mode);
+- **the greedy-screen branch**: a step whose every row is greedy without logprobs takes its
+  tokens from the lm_head's screen (:func:`cbatch.ops.cpu.greedy_head`) instead of the
+  logits: the same tokens, bit for bit, from a half or a quarter of the lm_head's bytes.
+
+:meth:`CPUModelRunner.describe` says which of these are live for this engine (``cbatch
+serve`` prints it at start-up); :func:`cbatch.ops.cpu.kernel_paths` says which kernel paths
+ran.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cbatch import envs
+from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
+from cbatch.core.cpu.packing import pack_linears
+from cbatch.core.cpu.threads import ThreadPolicy
+from cbatch.core.model_runner import ModelRunner
+from cbatch.core.sampler import SamplingBatch
+from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.step_batch import StepBatch
+from cbatch.ops import cpu
+
+
+class CPUModelRunner(ModelRunner):
+    kv_cache_zeros = staticmethod(huge_page_zeros)  # the pool, zeroed page by page on use
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
+                 max_num_batched_tokens: int, cuda_graphs: bool = False,
+                 threads: int | None = None):
+        self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant)
+        self.huge_pages = HugePages()
+        # before the dry run of ModelRunner.__init__, so that it runs the packed kernels
+        self.route = cpu.cpu_linear_route(model.dtype)
+        self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
+                                   place=self.huge_pages.copy)
+        keep_freed_memory()
+        super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs)
+
+    @property
+    def greedy_screen(self) -> cpu.GreedyScreen | None:
+        """The lm_head's screen, where one runs here (else None)."""
+        return getattr(self.model.lm_head, "greedy_screen", None)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` → int64 ``[N]``: the argmax of the lm_head's logits of each row, bit
+        for bit, through its greedy screen (only where :attr:`greedy_screen`)."""
+        head = self.model.lm_head
+        return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features)
+
+    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None]
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        with self.threads.step():
+            if sampling.all_greedy and not any(num_logprobs) and self.greedy_screen is not None:
+                return self.greedy_tokens(self.last_hidden(batch)), None  # no logits needed
+            return super().run(batch, sampling, num_logprobs)
+
+    def describe(self) -> dict[str, str]:
+        """The CPU paths live in this engine, a phrase each: ``linear`` (the route of the
+        model's dtype, and whether its weights are packed), ``greedy screen`` (int8, bf16 or
+        off), ``huge pages``, ``threads``, ``isa`` (what the C++ kernels use)."""
+        screen, dtype = self.greedy_screen, str(self.model.dtype).removeprefix("torch.")
+        if screen is None:
+            screen_kind = "off (CBATCH_GREEDY_SCREEN=0)" if not envs.CBATCH_GREEDY_SCREEN \
+                else "off (none runs this lm_head here)"
+        else:
+            screen_kind = "int8" if screen.scales is not None else "bf16"
+        if self.threads.fixed is not None:
+            threads = f"{self.threads.fixed} (fixed)"
+        elif self.threads.adaptive:
+            threads = f"up to {len(self.threads.cpus)}, the cores other processes leave free"
+        else:
+            threads = f"{max(1, min(torch.get_num_threads(), len(self.threads.cpus)))}"
+        return {
+            "isa": cpu.cpu_isa() or "none (portable C++ or torch)",
+            "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
+                      f"{'packed' if self.packed else 'dense'} weights)",
+            "greedy screen": screen_kind,
+            "huge pages": "on" if self.huge_pages.enabled else "off",
+            "threads": threads,
+        }

@@ -1,0 +1,88 @@
+"""Packing a CPU model's linear layers for this CPU's route, once, when its runner is built.
+
+The packed weight replaces the dense one (the same bytes, plus at most 15 padding columns),
+except for a weight shared with another module (a ``lm_head`` tied to the token embedding,
+which needs the dense rows), which keeps its dense weight and gets a packed copy beside it.
+The lm_head also gets its greedy screen (:class:`cbatch.ops.cpu.GreedyScreen`) where one runs
+here.  Checkpoints saved from a packed model hold the dense layout (:class:`Linear`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from cbatch.layers.linear import Linear
+from cbatch.ops import cpu
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def pack_linears(model: nn.Module, batch_invariant: bool = False,
+                 place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    """Pack every :class:`Linear` of a CPU model for its dtype's route on this CPU (see
+    :func:`cbatch.ops.cpu.cpu_linear_route`; ``"torch"`` packs nothing);
+    idempotent.  ``batch_invariant``: only the ``"cbatch"`` route, whose kernel sums a row
+    alike for every row count, keeps packed weights; with another route the dense weights
+    come back (:func:`~cbatch.layers.linear.batch_invariant_linear` pads their rows).  ``place``: where each packed weight (and
+    greedy screen) goes, a copy of it in other memory (the model runner's huge pages); one
+    at a time, so the dense weight it replaces is freed before the next is packed.  Returns
+    whether the weights are packed."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers or layers[0].weight.device.type != "cpu":
+        return False
+    dtype = layers[0].weight.dtype
+    route = cpu.cpu_linear_route(dtype)
+    if batch_invariant and any(layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+                               for layer in layers):
+        unpack_linears(model)
+    if route == "torch" or (batch_invariant and route != "cbatch"):
+        return False
+    shared = _shared_weights(model)
+    # The lm_head gets a greedy screen (cpu.GreedyScreen) where cbatch's kernel runs it: the
+    # screen is exact for the logits of cbatch's kernel alone (benchmarks/NOTES.md, "The
+    # lm_head's greedy screen", "An int8 screen for the lm_head").
+    head = getattr(model, "lm_head", None)
+    screened = route == "cbatch" and isinstance(head, Linear) and head.bias is None \
+        and head.in_features % 2 == 0 and cpu.screen_available(dtype)
+    with torch.no_grad():
+        for layer in layers:
+            if layer.packed_weight is not None:
+                continue
+            if route == "cbatch" and dtype == torch.bfloat16 and layer.in_features % 2:
+                continue  # vdpbf16ps takes pairs of k
+            if layer is head and screened:
+                screen = cpu.pack_screen(layer.weight)
+                layer.greedy_screen = dataclasses.replace(screen, weight=place(screen.weight)) \
+                    if place else screen
+            packed = cpu.pack(layer.weight, route)
+            if place and not packed.is_mkldnn:  # oneDNN's opaque tensors stay where they are
+                packed = place(packed)
+            if id(layer.weight) in shared:
+                layer.packed_weight = packed  # the dense weight stays for its other user
+            else:
+                layer.weight = nn.Parameter(packed, requires_grad=False)
+                layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
+    return True
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Give every packed :class:`Linear` its dense weight back."""
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, Linear) and layer.packed_weight is not None:
+                if cpu.is_packed(layer.weight):
+                    layer.weight = nn.Parameter(
+                        cpu.unpack(layer.weight, layer.out_features))
+                layer.packed_weight = None
+                layer.greedy_screen = None

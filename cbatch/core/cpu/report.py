@@ -1,0 +1,67 @@
+"""Which CPU fast paths are live on this machine: what ``cbatch --version`` reports.
+
+A CPU engine's own paths (its dtype's route, its lm_head's screen) are in
+:meth:`cbatch.core.cpu.model_runner.CPUModelRunner.describe`; which kernel paths actually
+ran, in :func:`cbatch.ops.cpu.kernel_paths`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbatch import envs
+from cbatch.core.cpu.memory import huge_pages_available
+from cbatch.ops import cpu
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _route(dtype: torch.dtype) -> str:
+    try:
+        return cpu.cpu_linear_route(dtype)
+    except ValueError as e:  # CBATCH_CPU_LINEAR names a route that cannot run it
+        return f"none ({e})"
+
+
+def _screen(dtype: torch.dtype) -> str:
+    if not envs.CBATCH_GREEDY_SCREEN:
+        return "off (CBATCH_GREEDY_SCREEN=0)"
+    kind = cpu.screen_kind(dtype)
+    return kind if kind and _route(dtype) == "cbatch" else "none"
+
+
+def _attention(isa: str) -> str:
+    if envs.CBATCH_CPU_ATTENTION == "generic":
+        return "generic (CBATCH_CPU_ATTENTION=generic)"
+    if "avx512" in isa.split():
+        return "avx512 for head dims that are multiples of 16, else generic"
+    if "avx2" in isa.split():
+        return "avx2 for head dims that are multiples of 8, else generic"
+    return "generic"
+
+
+def cpu_paths() -> dict[str, str]:
+    """The CPU paths live here, a phrase each: ``isa`` (what the C++ kernels use, after
+    ``$CBATCH_CPU_ISA``), ``attention``, ``linear`` (the route of each dtype), ``greedy
+    screen`` (the lm_head's screen of each dtype), ``huge pages`` and ``threads``."""
+    isa = cpu.cpu_isa()
+    cap = " (CBATCH_CPU_ISA=avx2)" if envs.CBATCH_CPU_ISA else ""
+    return {
+        "isa": (isa or "none: portable C++ and torch") + cap,
+        "attention": _attention(isa),
+        "linear": ", ".join(f"{_name(d)} {_route(d)}" for d in DTYPES),
+        "greedy screen": ", ".join(f"{_name(d)} {_screen(d)}" for d in DTYPES),
+        "huge pages": "on" if huge_pages_available() else
+                      "off" + (" (CBATCH_HUGE_PAGES=0)" if not envs.CBATCH_HUGE_PAGES else ""),
+        "threads": f"up to {torch.get_num_threads()}, the cores other processes leave free",
+    }
+
+
+def format_paths(paths: dict[str, str], indent: str = "  ") -> list[str]:
+    """One aligned line per entry of :func:`cpu_paths` or ``CPUModelRunner.describe``."""
+    width = max(map(len, paths))
+    return [f"{indent}{name:<{width}}  {value}" for name, value in paths.items()]
