@@ -32,9 +32,9 @@ class PagedCausalLM(nn.Module):
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Batch-invariant mode: each token's hidden states and logits are bitwise the same
-        whatever else is in the step (:func:`cbatch.layers.linear.batch_invariant_linear` for the linear
-        layers, :meth:`PagedAttention.kernel_for` for attention; norms, activations and
-        rotary embeddings work row by row already)."""
+        whatever else is in the step (:func:`cbatch.layers.linear.batch_invariant_linear` for
+        the linear layers, :meth:`PagedAttention.kernel_for` for attention; norms,
+        activations and rotary embeddings work row by row already)."""
         self.batch_invariant = enabled
         for module in self.modules():
             if isinstance(module, (Linear, PagedAttention)):

@@ -31,13 +31,14 @@ def _shared_weights(model: nn.Module) -> set[int]:
 def pack_linears(model: nn.Module, batch_invariant: bool = False,
                  place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
     """Pack every :class:`Linear` of a CPU model for its dtype's route on this CPU (see
-    :func:`cbatch.ops.cpu.cpu_linear_route`; ``"torch"`` packs nothing);
-    idempotent.  ``batch_invariant``: only the ``"cbatch"`` route, whose kernel sums a row
-    alike for every row count, keeps packed weights; with another route the dense weights
-    come back (:func:`~cbatch.layers.linear.batch_invariant_linear` pads their rows).  ``place``: where each packed weight (and
-    greedy screen) goes, a copy of it in other memory (the model runner's huge pages); one
-    at a time, so the dense weight it replaces is freed before the next is packed.  Returns
-    whether the weights are packed."""
+    :func:`cbatch.ops.cpu.cpu_linear_route`; ``"torch"`` packs nothing); idempotent.
+
+    ``batch_invariant``: only the ``"cbatch"`` route, whose kernel sums a row alike for every
+    row count, keeps packed weights; with another route the dense weights come back
+    (:func:`~cbatch.layers.linear.batch_invariant_linear` pads their rows).  ``place``: where
+    each packed weight (and greedy screen) goes, a copy of it in other memory (the model
+    runner's huge pages); one at a time, so the dense weight it replaces is freed before the
+    next is packed.  Returns whether the weights are packed."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cpu":
         return False

@@ -55,8 +55,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def guard_settings(args: argparse.Namespace) -> dict:
     """The keywords of ``build_app`` (its :class:`RequestGuard`) that the serve flags set."""
-    import os
-
     from cbatch.entrypoints.openai.guard import default_allowed_hosts
 
     allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None

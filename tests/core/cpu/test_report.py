@@ -1,0 +1,65 @@
+"""What cbatch says about the CPU fast paths: `cbatch --version` (the machine's), a CPU
+runner's describe() (its engine's), and the kernels' own path counters (what ran)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cbatch import LLM, SamplingParams
+from cbatch.core.cpu.model_runner import CPUModelRunner
+from cbatch.core.cpu.report import cpu_paths
+from cbatch.core.engine import model_runner_class
+from cbatch.core.model_runner import ModelRunner
+from cbatch.ops import cpu
+
+needs_ext = pytest.mark.skipif("cpu" not in cpu.compiled.compiled_backends(),
+                               reason="the C++ extension is not built")
+
+
+def test_the_runner_is_chosen_by_device():
+    assert model_runner_class("cpu") is CPUModelRunner
+    assert model_runner_class("cuda:0") is ModelRunner
+
+
+def test_version_lists_the_cpu_fast_paths():
+    out = subprocess.run([sys.executable, "-m", "cbatch", "--version"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    section = out.stdout.split("cpu fast paths:\n", 1)[1].splitlines()
+    names = [line.split("  ")[1].strip() for line in section]
+    assert names == ["isa", "attention", "linear", "greedy screen", "huge pages", "threads"]
+    assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
+
+
+def test_switches_show_in_the_report(monkeypatch):
+    monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
+    monkeypatch.setenv("CBATCH_HUGE_PAGES", "0")
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
+    paths = cpu_paths()
+    assert paths["greedy screen"] == \
+        "float32 off (CBATCH_GREEDY_SCREEN=0), bfloat16 off (CBATCH_GREEDY_SCREEN=0)"
+    assert paths["huge pages"] == "off (CBATCH_HUGE_PAGES=0)"
+    assert paths["linear"] == "float32 torch, bfloat16 torch"
+
+
+@needs_ext
+def test_an_engine_describes_and_runs_its_paths():
+    """The engine's description names the route its weights are packed for, and the kernel
+    counters show that route's kernel ran in its steps."""
+    llm = LLM("random:tiny", max_num_seqs=4)
+    described = llm.engine.runner.describe()
+    assert set(described) == {"isa", "linear", "greedy screen", "huge pages", "threads"}
+    route = cpu.cpu_linear_route(torch.float32)
+    assert described["linear"] == (f"{route} (float32, packed weights)" if route != "torch"
+                                   else "torch (float32, dense weights)")
+    before = cpu.kernel_paths()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.5,
+                                             seed=1), use_tqdm=False)
+    ran = {k: n - before.get(k, 0) for k, n in cpu.kernel_paths().items() if n > before.get(k, 0)}
+    isa = cpu.cpu_isa().split()
+    if route == "cbatch":
+        assert ran.get("linear.avx512" if "avx512" in isa else "linear.avx2", 0) > 0, ran
+    assert any(k.startswith("decode_attention.") for k in ran), ran
+    assert not any(k.startswith("greedy_head.") for k in ran), ran  # sampled: logits
