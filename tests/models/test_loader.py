@@ -47,6 +47,30 @@ def test_unreachable_hub_id():
         load_model("nobody/no-such-model-xyz")
 
 
+def test_the_resolver_sits_below_models_and_tokenizer():
+    """cbatch.hub resolves names for the loader and the tokenizer; the tokenizer imports no
+    model code, and the loader's old names still work."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cbatch.hub
+    import cbatch.models.loader
+    import cbatch.tokenizer
+
+    tree = ast.parse(Path(cbatch.tokenizer.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "cbatch.hub" in imported
+    assert not [m for m in imported if m and m.startswith("cbatch.models")], imported
+    assert cbatch.models.loader.resolve_checkpoint_dir is cbatch.hub.resolve_checkpoint_dir
+    assert cbatch.models.loader.TOKENIZER_FILES == cbatch.hub.TOKENIZER_FILES
+    code = "import sys, cbatch.hub, cbatch.tokenizer; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"  # resolving a name or a tokenizer needs no torch
+
+
 def test_missing_weights(tiny_hf_dir, tmp_path):
     path = _copy(tiny_hf_dir, tmp_path / "m")
     (path / "model.safetensors").unlink()

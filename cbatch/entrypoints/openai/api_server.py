@@ -41,6 +41,7 @@ from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat
                                                     load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
+from cbatch.hub import resolve_checkpoint_dir
 
 logger = logging.getLogger("cbatch.server")
 
@@ -64,8 +65,6 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
     down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
     replaces the one the checkpoint ships, if any."""
-    from cbatch.models.loader import resolve_checkpoint_dir
-
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
