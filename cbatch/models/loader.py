@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from cbatch.models.registry import architecture_of, model_class, random_llama_co
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+logger = logging.getLogger(__name__)
 
 
 def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
@@ -111,7 +114,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
     """
+    what = f"({str(dtype).removeprefix('torch.')}, {device})"
     if name_or_path.startswith("random:"):
+        logger.info("loading %s %s ...", name_or_path, what)
         name = name_or_path.removeprefix("random:")
         llama = random_llama_configs()
         if name in llama:  # CPU fp32 first: seeded identically on every device
@@ -125,7 +130,8 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
         return model.to(device=device, dtype=dtype).eval()
 
-    path = resolve_checkpoint_dir(name_or_path)
+    path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
+    logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
     raw = json.loads((path / "config.json").read_text())

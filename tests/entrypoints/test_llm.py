@@ -160,3 +160,36 @@ def test_a_device_this_machine_lacks_is_one_clear_error(device, match):
         EngineConfig(device=device)
     with pytest.raises(ValueError, match=match):
         LLM("random:tiny", device=device)
+
+
+def test_a_model_load_says_what_it_loads_and_when_it_is_ready(capsys):
+    """Two INFO lines on stderr (vLLM's shape), and none once the cbatch logger is at
+    WARNING (what CBATCH_LOGGING_LEVEL=WARNING sets at import)."""
+    import logging
+
+    LLM("random:tiny", num_blocks=16)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "cbatch: loading random:tiny (float32, cpu) ...", err
+    assert err[1].startswith("cbatch: model ready in "), err
+    assert "parameters, GPT2LMHeadModel; KV cache 256 tokens" in err[1], err
+    assert len(err) == 2, err
+    logger = logging.getLogger("cbatch")
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        LLM("random:tiny", num_blocks=16)
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(level)
+
+
+def test_the_logging_level_comes_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging, cbatch; print(logging.getLogger('cbatch').level)"
+    for value, level in (("WARNING", "30"), ("", "20")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "CBATCH_LOGGING_LEVEL": value})
+        assert run.stdout.strip() == level, run.stderr

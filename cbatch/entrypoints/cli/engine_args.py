@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from cbatch.config import engine_fields
 
@@ -82,7 +81,5 @@ def load_llm(args: argparse.Namespace, **kwargs):
     from cbatch.entrypoints.llm import LLM
 
     resolve_device_and_dtype(args)
-    print(f"loading {args.model} on {args.device} ({args.dtype}) …", file=sys.stderr,
-          flush=True)
     return LLM(args.model, **{**engine_kwargs(args), **kwargs})
 
