@@ -36,7 +36,7 @@ def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
     from cbatch.config import auto_dtype
 
     # --dtype defaults to auto: bfloat16 on a CPU with native bf16, else float32
-    assert f"loading random:tiny on cpu ({auto_dtype('cpu')})" in captured.err
+    assert f"cbatch: loading random:tiny ({auto_dtype('cpu')}, cpu) ..." in captured.err
     for stage in ("warming up", "static batching: 2 batches of 8", "static: done in",
                   "continuous batching:", "continuous: done in"):
         assert stage in out, stage
@@ -187,6 +187,17 @@ def test_a_user_error_is_one_line_unless_debugging():
     with pytest.raises(ValueError, match="device must be"):
         main(["generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x",
               "--debug"])
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line():
+    """What the README promises of every error: one line, here without network."""
+    result = run_cli("generate", "--model", "some-org/not-a-model", "--prompt", "hi",
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "cbatch: error: could not load 'some-org/not-a-model': it is not a local directory, "
+        "and the Hugging Face hub is off here (HF_HUB_OFFLINE is set) and the local cache "
+        "holds no copy of it"]
 
 
 @pytest.mark.slow

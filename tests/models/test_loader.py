@@ -43,8 +43,12 @@ def test_missing_directory():
 
 
 def test_unreachable_hub_id():
-    with pytest.raises(FileNotFoundError, match="hub id"):
+    with pytest.raises(FileNotFoundError, match="could not load 'nobody/no-such-model-xyz': "
+                       "it is not a local directory, and the Hugging Face hub") as info:
         load_model("nobody/no-such-model-xyz")
+    assert "\n" not in str(info.value)  # one sentence, not huggingface_hub's paragraphs
+    with pytest.raises(FileNotFoundError, match="nor a valid hub id"):
+        load_model("a/b/c")
 
 
 def test_the_resolver_sits_below_models_and_tokenizer():
