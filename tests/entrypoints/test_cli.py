@@ -175,6 +175,20 @@ def test_help_and_argument_errors_import_no_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_demo_without_matplotlib_runs_to_the_end(tmp_path, capsys, monkeypatch):
+    """A plain pip install has no matplotlib: the demo says so in one line and succeeds."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    plot = tmp_path / "occupancy.png"
+    main(["demo", "--model", "random:tiny", "--device", "cpu", "--scale", "0.25",
+          "--plot", str(plot)])  # no SystemExit: exit status 0
+    captured = capsys.readouterr()
+    assert "greedy outputs identical: True" in captured.out
+    assert ("cbatch demo: matplotlib is not installed, so no plot (pip install "
+            "'cbatch[bench]', or pip install matplotlib)") in captured.err.splitlines()
+    assert not plot.exists() and "occupancy plot:" not in captured.out
+
+
 def test_a_user_error_is_one_line_unless_debugging():
     result = run_cli("generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x")
     assert result.returncode == 2 and result.stdout == ""
