@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 
@@ -203,8 +204,10 @@ def _server_class():
 
 
 def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
-               chat_template: str | None = None) -> None:
-    """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
+               chat_template: str | None = None, sock: socket.socket | None = None) -> None:
+    """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully).
+    ``sock``: bound to ``args.host:args.port`` already (``cbatch serve`` binds it before the
+    model loads); None: uvicorn binds it once the engine is up."""
     server_box = []  # the server, once made: an engine that fails stops it
 
     def on_dead(exc: BaseException) -> None:
@@ -223,6 +226,6 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)
