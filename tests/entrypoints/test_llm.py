@@ -193,3 +193,21 @@ def test_the_logging_level_comes_from_the_environment():
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "CBATCH_LOGGING_LEVEL": value})
         assert run.stdout.strip() == level, run.stderr
+
+
+def test_print_of_an_output_shows_its_text_and_how_it_ended(llm):
+    from cbatch.outputs import RequestMetrics, RequestOutput
+
+    (out,) = llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert repr(out) == (f"RequestOutput(request_id={out.request_id!r}, text={out.text!r}, "
+                         "num_prompt_tokens=2, num_tokens=3, finished=True, "
+                         "finish_reason='length')")
+    metrics = RequestMetrics(0.0, None, None, None, 0, 0)
+    long = RequestOutput("7", [1], [2] * 40, False, None, metrics,
+                         text_of=lambda n, finished: "x" * 100)
+    assert repr(long) == ("RequestOutput(request_id='7', text='" + "x" * 60 + "'... (100 "
+                          "chars), num_prompt_tokens=1, num_tokens=40, finished=False, "
+                          "finish_reason=None)")
+    failed = RequestOutput("8", [1], [], True, "error", metrics, error="ValueError: boom")
+    assert repr(failed).endswith("finish_reason='error', error='ValueError: boom')")
+    assert str(out) == repr(out)  # print(out)
