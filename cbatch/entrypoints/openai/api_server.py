@@ -75,7 +75,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
         template = load_chat_template(checkpoint)
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
-                             load_special_tokens(checkpoint))
+                             load_special_tokens(checkpoint),
+                             architecture=type(engine.engine.model).__name__)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
