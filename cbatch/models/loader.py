@@ -7,8 +7,8 @@ q/k/v and gate/up stacked into fused projections, each with a shape check), and 
 built on the ``meta`` device and the checkpoint's tensors are assigned to it, so loading is one
 copy.  Weights come from ``model.safetensors``, from shards listed in
 ``model.safetensors.index.json``, or from ``pytorch_model.bin``, in whatever float dtype they
-were saved.  Hub ids and local directories are resolved by :mod:`cbatch.hub` (the tokenizer and the server
-use it too; its names stay importable from here).
+were saved.  Hub ids and local directories are resolved by :mod:`cbatch.hub` (the tokenizer
+and the server use it too; its names stay importable from here).
 """
 
 from __future__ import annotations
