@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from cbatch import logger as _logger  # noqa: F401  (the cbatch logger's stderr lines)
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

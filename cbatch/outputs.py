@@ -66,6 +66,18 @@ class RequestOutput:
     text_of: Callable[[int, bool], str] | None = field(default=None, repr=False, compare=False)
     error: str | None = None  # why it failed (finish_reason "error")
 
+    def __repr__(self) -> str:
+        """What ``print(out)`` shows (vLLM's RequestOutput repr, flat): the id, the text
+        (its first 60 characters, with its full length, when longer), the token counts,
+        and how it finished."""
+        text = self.text
+        shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} chars)"
+        error = f", error={self.error!r}" if self.error is not None else ""
+        return (f"RequestOutput(request_id={self.request_id!r}, text={shown}, "
+                f"num_prompt_tokens={len(self.prompt_token_ids)}, "
+                f"num_tokens={len(self.token_ids)}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r}{error})")
+
     @cached_property
     def text(self) -> str:
         """The generated text, decoded on first access (steps nobody reads do not pay for it):

@@ -11,6 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Protocol
 
+from cbatch.hub import TOKENIZER_FILES, resolve_checkpoint_dir
+
 
 class Tokenizer(Protocol):
     eos_token_id: int
@@ -83,8 +85,6 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
     back to the byte-level tokenizer with a warning that names the missing files: its text
     would otherwise be silently wrong.
     """
-    from cbatch.models.loader import TOKENIZER_FILES, resolve_checkpoint_dir
-
     if tokenizer is not None:
         path = resolve_checkpoint_dir(tokenizer, TOKENIZER_FILES)
         missing = missing_tokenizer_files(path)

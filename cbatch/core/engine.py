@@ -45,6 +45,14 @@ from cbatch.tokenizer import ByteTokenizer, load_tokenizer, prompt_token_ids
 logger = logging.getLogger(__name__)
 
 
+def _count(n: int) -> str:
+    """124439808 -> "124M" (as a model card says it)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def freeze_long_lived_objects() -> None:
     """Move every object alive now (the model, the tokenizer, the modules of torch and
     transformers) out of the garbage collector's sight, as vLLM does after start-up: a full
@@ -88,6 +96,7 @@ class Engine:
     """
 
     def __init__(self, model: str | nn.Module = "random:gpt2", **kwargs):
+        start, num_params = time.perf_counter(), None
         if isinstance(model, nn.Module):  # an engine around a model already built
             config = EngineConfig.for_model(model, **kwargs)
             tokenizer = ByteTokenizer(model.config.eos_token_id)
@@ -96,6 +105,7 @@ class Engine:
             torch.manual_seed(config.seed)
             model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                                config.attention_backend)
+            num_params = sum(p.numel() for p in model.parameters())  # before CPU packing
             tokenizer = load_tokenizer(config.model, config.tokenizer,
                                        model.config.eos_token_id)
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -133,6 +143,10 @@ class Engine:
         # long-running server does not)
         self.occupancy_trace: list[int] | None = None
         freeze_long_lived_objects()
+        if num_params is not None:  # loaded by name: the second of its two log lines
+            logger.info("model ready in %.1f s (%s parameters, %s; KV cache %d tokens)",
+                        time.perf_counter() - start, _count(num_params), type(model).__name__,
+                        self.kv_cache.num_tokens)
 
     # -------------------------------------------------------------- requests
 

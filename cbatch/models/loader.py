@@ -7,14 +7,15 @@ q/k/v and gate/up stacked into fused projections, each with a shape check), and 
 built on the ``meta`` device and the checkpoint's tensors are assigned to it, so loading is one
 copy.  Weights come from ``model.safetensors``, from shards listed in
 ``model.safetensors.index.json``, or from ``pytorch_model.bin``, in whatever float dtype they
-were saved.  The tokenizer and the server find a checkpoint's other files through
-:func:`resolve_checkpoint_dir`.
+were saved.  Hub ids and local directories are resolved by :mod:`cbatch.hub` (the tokenizer
+and the server use it too; its names stay importable from here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -22,12 +23,15 @@ import torch
 from torch import nn
 
 from cbatch.config import MODEL_CONFIGS, GPT2Config
+from cbatch.hub import CHECKPOINT_FILES, TOKENIZER_FILES, resolve_checkpoint_dir  # noqa: F401
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+logger = logging.getLogger(__name__)
 
 
 def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
@@ -44,33 +48,6 @@ def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
                 std = std_proj if name.endswith("c_proj.weight") else 0.02
                 value = torch.randn(p.shape, generator=gen) * std
             p.copy_(value)
-
-
-CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
-                    "pytorch_model.bin", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
-                   "chat_template.jinja")
-
-
-def resolve_checkpoint_dir(name_or_path: str,
-                           allow_patterns: tuple[str, ...] = CHECKPOINT_FILES + TOKENIZER_FILES
-                           ) -> Path:
-    """A local directory as it is, or a hub id's files matching ``allow_patterns``
-    fetched (or found in the cache) by huggingface_hub."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    if path.exists() or name_or_path.startswith((".", "/")):
-        raise FileNotFoundError(f"{name_or_path} is not a directory (one holding "
-                                f"{', '.join(allow_patterns)})")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name_or_path, allow_patterns=list(allow_patterns)))
-    except Exception as e:  # offline, unknown repo, no huggingface_hub
-        raise FileNotFoundError(f"{name_or_path!r} is neither a local directory nor "
-                                f"a reachable Hugging Face hub id ({type(e).__name__}: {e})"
-                                ) from e
 
 
 def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -137,7 +114,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
     """
+    what = f"({str(dtype).removeprefix('torch.')}, {device})"
     if name_or_path.startswith("random:"):
+        logger.info("loading %s %s ...", name_or_path, what)
         name = name_or_path.removeprefix("random:")
         llama = random_llama_configs()
         if name in llama:  # CPU fp32 first: seeded identically on every device
@@ -151,7 +130,8 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
         return model.to(device=device, dtype=dtype).eval()
 
-    path = resolve_checkpoint_dir(name_or_path)
+    path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
+    logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
     raw = json.loads((path / "config.json").read_text())

@@ -35,7 +35,8 @@ def _triton_status() -> BackendStatus:
 
 
 def available_backends() -> dict[str, BackendStatus]:
-    """Which backends this install has, and for each missing one the reason.
+    """Which backends this install has and this machine can run, and for each missing one
+    the reason (the CUDA kernels are off where no GPU is visible, though compiled).
 
     >>> available_backends()["torch"].available
     True
@@ -44,8 +45,12 @@ def available_backends() -> dict[str, BackendStatus]:
     info = compiled.build_info()
     status = {}
     if "cuda" in built:
-        status["cuda"] = BackendStatus(
-            True, f"compiled by nvcc {info['nvcc']} for {info['cuda_archs']}")
+        compiled_by = f"compiled by nvcc {info['nvcc']} for {info['cuda_archs']}"
+        if torch.cuda.is_available():
+            status["cuda"] = BackendStatus(True, compiled_by)
+        else:  # a CUDA build of torch on a machine without a GPU (or with it hidden)
+            status["cuda"] = BackendStatus(
+                False, f"built for CUDA ({compiled_by}), but no GPU is visible here")
     elif info is None:
         status["cuda"] = BackendStatus(False, compiled.load_error or "extension not loaded")
     else:

@@ -36,7 +36,7 @@ def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
     from cbatch.config import auto_dtype
 
     # --dtype defaults to auto: bfloat16 on a CPU with native bf16, else float32
-    assert f"loading random:tiny on cpu ({auto_dtype('cpu')})" in captured.err
+    assert f"cbatch: loading random:tiny ({auto_dtype('cpu')}, cpu) ..." in captured.err
     for stage in ("warming up", "static batching: 2 batches of 8", "static: done in",
                   "continuous batching:", "continuous: done in"):
         assert stage in out, stage
@@ -175,6 +175,20 @@ def test_help_and_argument_errors_import_no_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_demo_without_matplotlib_runs_to_the_end(tmp_path, capsys, monkeypatch):
+    """A plain pip install has no matplotlib: the demo says so in one line and succeeds."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    plot = tmp_path / "occupancy.png"
+    main(["demo", "--model", "random:tiny", "--device", "cpu", "--scale", "0.25",
+          "--plot", str(plot)])  # no SystemExit: exit status 0
+    captured = capsys.readouterr()
+    assert "greedy outputs identical: True" in captured.out
+    assert ("cbatch demo: matplotlib is not installed, so no plot (pip install "
+            "'cbatch[bench]', or pip install matplotlib)") in captured.err.splitlines()
+    assert not plot.exists() and "occupancy plot:" not in captured.out
+
+
 def test_a_user_error_is_one_line_unless_debugging():
     result = run_cli("generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x")
     assert result.returncode == 2 and result.stdout == ""
@@ -187,6 +201,17 @@ def test_a_user_error_is_one_line_unless_debugging():
     with pytest.raises(ValueError, match="device must be"):
         main(["generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x",
               "--debug"])
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line():
+    """What the README promises of every error: one line, here without network."""
+    result = run_cli("generate", "--model", "some-org/not-a-model", "--prompt", "hi",
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "cbatch: error: could not load 'some-org/not-a-model': it is not a local directory, "
+        "and the Hugging Face hub is off here (HF_HUB_OFFLINE is set) and the local cache "
+        "holds no copy of it"]
 
 
 @pytest.mark.slow
@@ -270,8 +295,13 @@ def test_serve_takes_the_model_as_its_argument():
         resolve_model(args)
         assert args.model == "gpt2"
     args = parse(["serve", "gpt2", "--model", "distilgpt2"])
-    with pytest.raises(ValueError, match="given twice"):
+    with pytest.raises(ValueError, match="two models given: 'gpt2' \\(positional\\) and "
+                                         "--model 'distilgpt2'; give one"):
         resolve_model(args)
+    for argv in (["serve"], ["generate", "--prompt", "x"], ["demo"]):
+        args = parse(argv)
+        resolve_model(args)
+        assert args.model == "random:gpt2"  # the default
     args = parse(["serve", "random:gpt2", "--served-model-name", "gpt2", "--port", "8001"])
     resolve_model(args)
     assert (args.model, args.served_model_name, args.port) == ("random:gpt2", "gpt2", 8001)
@@ -346,3 +376,84 @@ def test_chat_template_is_a_file_or_the_template(tmp_path, capsys):
         main(["serve", "random:tiny", "--chat-template", "{{ unclosed"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith("cbatch: error: chat template")
+
+
+def test_two_different_models_are_refused_not_one_dropped(capsys):
+    """``serve gpt2 --model random:gpt2`` used to serve gpt2 (--model equal to its default
+    looked like no --model at all)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "gpt2", "--model", "random:gpt2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "cbatch: error: two models given: 'gpt2' (positional) and --model 'random:gpt2'; "
+        "give one"]
+
+
+@pytest.mark.parametrize("argv, hidden, line", [
+    (["serve", "random:tiny"], "fastapi",
+     "cbatch serve needs the server's packages: pip install 'cbatch[serve]' (missing: "
+     "fastapi)"),
+    (["serve", "random:tiny", "--num-replicas", "2"], "ray",
+     "cbatch serve --num-replicas needs Ray Serve: pip install 'cbatch[ray]' (missing: ray)"),
+])
+def test_serve_without_its_extra_names_the_extra(argv, hidden, line, capsys, monkeypatch):
+    from cbatch.entrypoints.cli import serve
+
+    monkeypatch.setitem(sys.modules, hidden, None)  # as if not installed
+    monkeypatch.setattr(serve, "bind_socket", lambda *a: pytest.fail("bound a port"))
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [f"cbatch: error: {line}"]
+
+
+@pytest.mark.parametrize("replicas", ["1", "2"])
+def test_a_busy_port_fails_before_the_model_loads(replicas, capsys, monkeypatch):
+    """The port is bound before torch and the model load: a busy one is a one-line error
+    at once, and the engine is never built."""
+    import importlib.util
+    import socket
+    import time
+
+    from cbatch.entrypoints.cli.serve import RAY_MODULES, SERVER_MODULES
+
+    needs = RAY_MODULES if replicas == "2" else SERVER_MODULES
+    if any(importlib.util.find_spec(m) is None for m in needs):
+        pytest.skip(f"needs {', '.join(needs)}")
+    from cbatch.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "build_engine", lambda *a, **k: pytest.fail("loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.perf_counter()
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "random:gpt2", "--host", "127.0.0.1", "--port", str(port),
+                  "--num-replicas", replicas])
+        elapsed = time.perf_counter() - start
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"cbatch: error: port {port} on 127.0.0.1 is in use (another server?); stop it or "
+        "pick another with --port"]
+    assert elapsed < 1.0
+
+
+def test_a_busy_port_is_reported_by_a_real_cbatch_serve_at_once():
+    """As a user's shell runs it: well under a second, though random:gpt2 takes seconds to
+    build."""
+    pytest.importorskip("fastapi")
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.perf_counter()
+        result = run_cli("serve", "random:gpt2", "--port", str(port))
+        elapsed = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"cbatch: error: port {port} on 127.0.0.1 is in use (another "
+                             "server?); stop it or pick another with --port\n")
+    assert elapsed < 3.0  # a fresh interpreter's start-up included; the model takes ~7 s

@@ -131,8 +131,8 @@ def test_a_tokenizer_that_is_not_there_is_one_clear_error(tmp_path):
         LLM("random:tiny", tokenizer=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         LLM("random:tiny", tokenizer=str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="neither a local directory nor a reachable "
-                                                "Hugging Face hub id"):
+    with pytest.raises(FileNotFoundError, match="could not load 'no-such-user/no-such-"
+                                                "tokenizer': it is not a local directory"):
         LLM("random:tiny", tokenizer="no-such-user/no-such-tokenizer")  # offline in tests
     with pytest.raises(ValueError, match="tokenizer must be a directory or hub id"):
         LLM("random:tiny", tokenizer="")
@@ -160,3 +160,54 @@ def test_a_device_this_machine_lacks_is_one_clear_error(device, match):
         EngineConfig(device=device)
     with pytest.raises(ValueError, match=match):
         LLM("random:tiny", device=device)
+
+
+def test_a_model_load_says_what_it_loads_and_when_it_is_ready(capsys):
+    """Two INFO lines on stderr (vLLM's shape), and none once the cbatch logger is at
+    WARNING (what CBATCH_LOGGING_LEVEL=WARNING sets at import)."""
+    import logging
+
+    LLM("random:tiny", num_blocks=16)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "cbatch: loading random:tiny (float32, cpu) ...", err
+    assert err[1].startswith("cbatch: model ready in "), err
+    assert "parameters, GPT2LMHeadModel; KV cache 256 tokens" in err[1], err
+    assert len(err) == 2, err
+    logger = logging.getLogger("cbatch")
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        LLM("random:tiny", num_blocks=16)
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(level)
+
+
+def test_the_logging_level_comes_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging, cbatch; print(logging.getLogger('cbatch').level)"
+    for value, level in (("WARNING", "30"), ("", "20")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "CBATCH_LOGGING_LEVEL": value})
+        assert run.stdout.strip() == level, run.stderr
+
+
+def test_print_of_an_output_shows_its_text_and_how_it_ended(llm):
+    from cbatch.outputs import RequestMetrics, RequestOutput
+
+    (out,) = llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert repr(out) == (f"RequestOutput(request_id={out.request_id!r}, text={out.text!r}, "
+                         "num_prompt_tokens=2, num_tokens=3, finished=True, "
+                         "finish_reason='length')")
+    metrics = RequestMetrics(0.0, None, None, None, 0, 0)
+    long = RequestOutput("7", [1], [2] * 40, False, None, metrics,
+                         text_of=lambda n, finished: "x" * 100)
+    assert repr(long) == ("RequestOutput(request_id='7', text='" + "x" * 60 + "'... (100 "
+                          "chars), num_prompt_tokens=1, num_tokens=40, finished=False, "
+                          "finish_reason=None)")
+    failed = RequestOutput("8", [1], [], True, "error", metrics, error="ValueError: boom")
+    assert repr(failed).endswith("finish_reason='error', error='ValueError: boom')")
+    assert str(out) == repr(out)  # print(out)

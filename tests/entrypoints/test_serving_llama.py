@@ -133,3 +133,24 @@ def test_cbatch_serve_command_serves_the_checkpoint(chat_checkpoint):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert "x 1 KV heads x head_dim 16" in out.decode(), out.decode()[-2000:]
+
+
+def test_a_llama_without_a_chat_template_gets_a_400_naming_it_and_the_flag(tmp_path):
+    """A base Llama checkpoint (no template, and here no tokenizer either): the 400 names the
+    served model and its architecture and says how to give it a template."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="has no tokenizer"), \
+            running_server(str(tmp_path), "tiny-llama", max_num_seqs=2) as (url, _):
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "messages"
+    assert error["message"] == (
+        "model 'tiny-llama' (LlamaForCausalLM) has no chat template: its checkpoint ships "
+        "none, and the server was started without one; give it one with `cbatch serve ... "
+        "--chat-template FILE` (a Jinja template), or use /v1/completions")

@@ -43,8 +43,36 @@ def test_missing_directory():
 
 
 def test_unreachable_hub_id():
-    with pytest.raises(FileNotFoundError, match="hub id"):
+    with pytest.raises(FileNotFoundError, match="could not load 'nobody/no-such-model-xyz': "
+                       "it is not a local directory, and the Hugging Face hub") as info:
         load_model("nobody/no-such-model-xyz")
+    assert "\n" not in str(info.value)  # one sentence, not huggingface_hub's paragraphs
+    with pytest.raises(FileNotFoundError, match="nor a valid hub id"):
+        load_model("a/b/c")
+
+
+def test_the_resolver_sits_below_models_and_tokenizer():
+    """cbatch.hub resolves names for the loader and the tokenizer; the tokenizer imports no
+    model code, and the loader's old names still work."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cbatch.hub
+    import cbatch.models.loader
+    import cbatch.tokenizer
+
+    tree = ast.parse(Path(cbatch.tokenizer.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "cbatch.hub" in imported
+    assert not [m for m in imported if m and m.startswith("cbatch.models")], imported
+    assert cbatch.models.loader.resolve_checkpoint_dir is cbatch.hub.resolve_checkpoint_dir
+    assert cbatch.models.loader.TOKENIZER_FILES == cbatch.hub.TOKENIZER_FILES
+    code = "import sys, cbatch.hub, cbatch.tokenizer; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"  # resolving a name or a tokenizer needs no torch
 
 
 def test_missing_weights(tiny_hf_dir, tmp_path):

@@ -127,3 +127,19 @@ def test_available_backends_explains_missing_ones():
     assert set(status) == {"cuda", "triton", "cpu", "torch"}
     for s in status.values():
         assert s.detail
+
+
+def test_cuda_backend_off_without_a_gpu(monkeypatch):
+    """A CUDA build on a machine without a GPU: the kernels are compiled, not live."""
+    from cbatch.ops import backends, compiled
+
+    info = {"nvcc": "12.8", "cuda_archs": "8.0;9.0", "openmp": True, "compiler": "g++",
+            "torch_version": torch.__version__}
+    monkeypatch.setattr(compiled, "compiled_backends", lambda: ("cpu", "cuda"))
+    monkeypatch.setattr(compiled, "build_info", lambda: info)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status = backends.available_backends()["cuda"]
+    assert not status.available
+    assert "no GPU is visible here" in status.detail and "nvcc 12.8" in status.detail
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backends.available_backends()["cuda"].available

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +87,12 @@ def run_demo(args: argparse.Namespace) -> None:
               f"{sum(trace) / len(trace) / wl.batch_size:.0%} of the batch")
     print(f"continuous engine: Python work outside the model "
           f"{continuous.engine.stats().host_overhead:.1%} of step time")
+    try:  # the plot is the one part a plain install (no [bench] extra) cannot make
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("cbatch demo: matplotlib is not installed, so no plot (pip install "
+              "'cbatch[bench]', or pip install matplotlib)", file=sys.stderr)
+        return
     out = Path(args.plot)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_occupancy(results, wl.batch_size, out)

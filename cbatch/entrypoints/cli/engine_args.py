@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from cbatch.config import engine_fields
 
@@ -12,8 +11,9 @@ from cbatch.config import engine_fields
 def model_parser() -> argparse.ArgumentParser:
     """The model flags, as a parent parser of the commands that load a model."""
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", default=DEFAULT_MODEL,
-                       help="random:<size>, a local HF checkpoint dir, or a hub id")
+    model.add_argument("--model", default=None,  # None: not given (serve's MODEL may be)
+                       help="random:<size>, a local HF checkpoint dir, or a hub id (default: "
+                            f"{DEFAULT_MODEL})")
     model.add_argument("--tokenizer", default=None,
                        help="a tokenizer dir or hub id (default: the model's own)")
     model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "
@@ -62,6 +62,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(kwargs, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
 
 
+def resolve_model(args: argparse.Namespace) -> None:
+    """Set ``args.model``: ``serve``'s positional MODEL or ``--model`` (the same model given
+    both ways is fine; two different ones are refused, not one silently dropped), else
+    :data:`DEFAULT_MODEL`."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"two models given: {tag!r} (positional) and --model {args.model!r}; "
+                         "give one")
+    args.model = tag or args.model or DEFAULT_MODEL
+
+
 def resolve_device_and_dtype(args: argparse.Namespace) -> None:
     """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": see
     :func:`cbatch.config.auto_dtype`), checking that this machine has the device."""
@@ -81,8 +92,7 @@ def load_llm(args: argparse.Namespace, **kwargs):
     ``kwargs`` override them."""
     from cbatch.entrypoints.llm import LLM
 
+    resolve_model(args)
     resolve_device_and_dtype(args)
-    print(f"loading {args.model} on {args.device} ({args.dtype}) …", file=sys.stderr,
-          flush=True)
     return LLM(args.model, **{**engine_kwargs(args), **kwargs})
 

@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print("\ncbatch: interrupted", file=sys.stderr)
         sys.exit(130)
+    except ModuleNotFoundError as e:  # a missing extra: the message names what to install
+        if debug:
+            raise
+        print(f"cbatch: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except (ValueError, TypeError, FileNotFoundError) as e:  # what the user asked for
         if debug:
             raise

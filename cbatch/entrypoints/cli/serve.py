@@ -4,30 +4,76 @@ Serve (the server's packages load only when it runs)."""
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import socket
 
-from cbatch.entrypoints.cli.engine_args import (DEFAULT_MODEL, add_engine_args, engine_kwargs,
-                                                resolve_device_and_dtype)
+from cbatch.entrypoints.cli.engine_args import (add_engine_args, engine_kwargs,
+                                                resolve_device_and_dtype, resolve_model)
 from cbatch.entrypoints.openai.cli_args import (add_server_args, check_serve_args,  # no torch
                                                 guard_settings)
 
+__all__ = ["add_serve_parser", "bind_socket", "require_packages", "resolve_model", "run_serve"]
 
-def resolve_model(args: argparse.Namespace) -> None:
-    """``cbatch serve MODEL`` and ``cbatch serve --model MODEL`` are the same; both at once
-    must agree."""
-    if args.model_tag is None:
-        return
-    if args.model not in (args.model_tag, DEFAULT_MODEL):
-        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model "
-                         f"{args.model!r}; give it once")
-    args.model = args.model_tag
+# the modules each way of serving imports, and the extra (pyproject.toml) that installs them
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+RAY_MODULES = ("ray",) + SERVER_MODULES
+
+
+def require_packages(num_replicas: int) -> None:
+    """ModuleNotFoundError naming the extra to install, before anything loads, when the
+    server's packages (or Ray's, for ``--num-replicas`` > 1) are missing."""
+    modules, extra, what = (RAY_MODULES, "ray", "cbatch serve --num-replicas needs Ray Serve"
+                            ) if num_replicas > 1 else (SERVER_MODULES, "serve",
+                                                        "cbatch serve needs the server's packages")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"{what}: pip install 'cbatch[{extra}]' (missing: "
+                                  f"{', '.join(missing)})", name=missing[0])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, made before the model loads (as vLLM's
+    ``create_server_socket``), so that a port in use fails at once and no other process can
+    take the port while the model loads; uvicorn listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = "is in use (another server?); stop it or pick another with --port"
+        elif e.errno == errno.EACCES:
+            why = "needs privileges here (ports below 1024 do); pick another with --port"
+        else:
+            why = f"cannot be bound ({e.strerror or e}); check --host and --port"
+        raise ValueError(f"port {port} on {host} {why}") from None
+    except socket.gaierror as e:
+        sock.close()
+        raise ValueError(f"--host {host!r} is not an address of this machine ({e})") from None
+    return sock
 
 
 def run_serve(args: argparse.Namespace) -> None:
     """One engine behind the OpenAI API, or ``--num-replicas`` engines behind Ray Serve."""
-    from cbatch.entrypoints.openai.serving_chat import read_chat_template
-
     check_serve_args(args)  # before anything loads, and before uvicorn would trip on them
     resolve_model(args)
+    require_packages(args.num_replicas)
+    # the port before torch and the model: a busy one fails in well under a second
+    sock = bind_socket(args.host, args.port)
+    if args.num_replicas > 1:
+        sock.close()  # Ray Serve's proxy binds it itself: this only checked it is free
+    try:
+        _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    from cbatch.entrypoints.openai.serving_chat import read_chat_template
+
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     resolve_device_and_dtype(args)
     name = args.served_model_name or args.model
@@ -41,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> None:
         return
     from cbatch.entrypoints.openai.api_server import run_server
 
-    run_server(args, name, engine_kwargs(args), template)
+    run_server(args, name, engine_kwargs(args), template, sock=sock)
 
 
 def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:

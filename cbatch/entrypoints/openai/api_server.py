@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 
@@ -42,6 +43,7 @@ from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat
                                                     load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
+from cbatch.hub import resolve_checkpoint_dir
 
 logger = logging.getLogger("cbatch.server")
 
@@ -65,8 +67,6 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
     down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
     replaces the one the checkpoint ships, if any."""
-    from cbatch.models.loader import resolve_checkpoint_dir
-
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
@@ -76,7 +76,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
         template = load_chat_template(checkpoint)
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
-                             load_special_tokens(checkpoint))
+                             load_special_tokens(checkpoint),
+                             architecture=type(engine.engine.model).__name__)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -205,8 +206,10 @@ def _server_class():
 
 
 def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
-               chat_template: str | None = None) -> None:
-    """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully)."""
+               chat_template: str | None = None, sock: socket.socket | None = None) -> None:
+    """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully).
+    ``sock``: bound to ``args.host:args.port`` already (``cbatch serve`` binds it before the
+    model loads); None: uvicorn binds it once the engine is up."""
     server_box = []  # the server, once made: an engine that fails stops it
 
     def on_dead(exc: BaseException) -> None:
@@ -229,6 +232,6 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)

@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: the model's chat template turns messages into a prompt, which
-is then generated like a completion.  GPT-2 ships no template, so it gets a 400 saying so."""
+is then generated like a completion.  A model without one (plain GPT-2, a random model, a
+base checkpoint) gets a 400 that names it and says how to give it one (``--chat-template``)."""
 
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ def _raise_template_error(message: str):
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None):
+                 special_tokens: dict[str, str] | None = None, architecture: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
         self._template = None
         if chat_template is not None:
@@ -89,8 +91,12 @@ class OpenAIServingChat:
 
     def render(self, req: ChatCompletionRequest) -> str:
         if self._template is None:
-            raise OpenAIError(400, f"model {self.model_name!r} has no chat template (plain "
-                                   "GPT-2 ships none); use /v1/completions", param="messages")
+            arch = f" ({self.architecture})" if self.architecture else ""
+            raise OpenAIError(400, f"model {self.model_name!r}{arch} has no chat template: "
+                                   "its checkpoint ships none, and the server was started "
+                                   "without one; give it one with `cbatch serve ... "
+                                   "--chat-template FILE` (a Jinja template), or use "
+                                   "/v1/completions", param="messages")
         from jinja2 import TemplateError
 
         try:
