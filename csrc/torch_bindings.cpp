@@ -26,6 +26,11 @@ TORCH_LIBRARY(cbatch, m) {
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
       "float screen_norm, float error_norm, Tensor? scales=None) -> Tensor");  // greedy tokens
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
+  // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
+  m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
+  m.def("cpu_isa() -> str", &cbatch::cpu_isa);
+  m.def("cpu_path_names() -> str[]", &cbatch::cpu_path_names);
+  m.def("cpu_path_counts() -> int[]", &cbatch::cpu_path_counts);
 }
 
 TORCH_LIBRARY_IMPL(cbatch, CPU, m) {

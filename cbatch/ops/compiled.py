@@ -60,6 +60,9 @@ def _load():
 
 
 _C, load_error = _load()  # a module is imported once: the warning is given once
+if _C is not None:
+    torch.ops.cbatch.set_cpu_options(os.environ.get("CBATCH_CPU_ISA", ""),
+                                     os.environ.get("CBATCH_CPU_ATTENTION", ""))
 
 _BUILD_INFO: dict | None = None
 
