@@ -54,8 +54,9 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& seq_lens, double scale);
 #endif
 
-// CPU linear layers (cpu/linear.cpp, the kernel in cpu/gemm.h).  Whether this CPU runs linear_cpu for `dtype` (float32:
-// AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and AVX512-BF16).
+// CPU linear layers (cpu/linear.cpp; the kernel: cpu/gemm.h).  Whether this CPU runs
+// linear_cpu for `dtype` (float32: AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and
+// AVX512-BF16).
 bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
