@@ -13,21 +13,11 @@ from cbatch import ops
 from cbatch.layers import cpu_linear
 from cbatch.ops import compiled
 from tests.helpers import assert_attention_close, paged_inputs
+from tests.layers.test_cpu_isa import FLAGS  # /proc/cpuinfo's flags (empty elsewhere)
 
 pytestmark = pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
                                 reason="cbatch's C++ CPU kernels are not built")
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-FLAGS = _cpu_flags()
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
 HAS_AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="no AVX2, FMA and F16C here")
