@@ -31,6 +31,10 @@ namespace cbatch {
 constexpr int64_t kBlock = 16;  // output columns per packed block
 
 #ifdef CBATCH_X86
+// Everything below sits in unnamed namespaces: each file that includes this header gets its
+// own copy of the functions it uses, called directly (not through the PLT, as a function
+// another library could replace would be) and optimised as local functions.
+namespace {
 
 constexpr int kPackedRows = 8;  // rows of x per packed group (the AVX-512 tile's rows)
 constexpr int64_t kPackFrom = 2 * kPackedRows;  // rows from which x is packed
@@ -117,8 +121,11 @@ void pack_rows(const Args<T, O>& a, X<T>* xp) {
   });
 }
 
+}  // namespace
+
 // ---- AVX-512: a tile is up to 8 rows times two blocks of 16 columns (16 zmm sums). ---------
 namespace avx512 {
+namespace {
 
 constexpr int kRows = kPackedRows;  // rows of x per register tile
 
@@ -230,11 +237,9 @@ CBATCH_AVX512_DOT CBATCH_INLINE void dot_tile(const int16_t* x, int64_t rs, int6
   }
 }
 
-// Rows [m, m + R) times the B blocks that start at column n; epilogue; store.  One function
-// per shape, called from passes (inlined, passes' eight shapes grow past what the compiler
-// keeps in one function, and it spills the sums).
+// Rows [m, m + R) times the B blocks that start at column n; epilogue; store.
 template <typename T, typename O, int R, int B, bool kNext = false>
-CBATCH_AVX512_DOT __attribute__((noinline)) void tile(const Args<T, O>& a, int64_t m, int64_t n) {
+CBATCH_AVX512_DOT void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -313,6 +318,7 @@ struct Gemm {
   }
 };
 
+}  // namespace
 }  // namespace avx512
 
 // ---- AVX2 + FMA: CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.  fp32 linear
@@ -320,6 +326,7 @@ struct Gemm {
 // The same packed layout and loop; a tile is kRows rows times one block of 16 columns (two
 // 8-lane halves): 8 of the 16 ymm registers hold sums, 2 (bf16: 4) the block's weights.
 namespace avx2 {
+namespace {
 
 constexpr int kRows = 4;  // rows of x per register tile
 
@@ -464,7 +471,10 @@ struct Gemm {
   }
 };
 
+}  // namespace
 }  // namespace avx2
+
+namespace {
 
 // x packed (from kPackFrom rows), then chunks of rows, each over every column item (Isa:
 // avx512::Gemm or avx2::Gemm), the items shared out among threads.
@@ -496,6 +506,7 @@ void run_gemm(Args<T, O> a) {
   }
 }
 
+}  // namespace
 #endif  // CBATCH_X86
 
 }  // namespace cbatch

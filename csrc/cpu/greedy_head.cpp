@@ -71,6 +71,7 @@ constexpr int64_t kMaxBlocks = 256;
 // run the kernel).
 constexpr int kGroup = 4;
 namespace avx512 {
+namespace {
 
 struct Screen {
   CBATCH_AVX512 static int64_t next_kept(const float* approx, int64_t n, int64_t N, float cut,
@@ -127,9 +128,11 @@ struct Screen {
 };
 
 
+}  // namespace
 }  // namespace avx512
 
 namespace avx2 {
+namespace {
 
 struct Screen {
   CBATCH_AVX2 static int64_t next_kept(const float* approx, int64_t n, int64_t N, float cut,
@@ -166,6 +169,7 @@ struct Screen {
 
 // The row's greedy token, or -1 where the kernel must run the whole row.  approx: the
 
+}  // namespace
 }  // namespace avx2
 
 namespace {
