@@ -186,9 +186,8 @@ CBATCH_AVX512 CBATCH_INLINE __m512 sum_each(const __m512 (&v)[16]) {
 // The online-softmax step for keys k[i * stride] and values v[i * stride] of type T, i < n,
 // 16 keys at a time: their dot products accumulate in 16 registers, 16 columns of q at a time.
 template <typename T>
-CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v,
-                                              int64_t stride, int64_t n, int64_t D, float& m,
-                                              float& l, float* acc) {
+CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
+                                       int64_t n, int64_t D, float& m, float& l, float* acc) {
   alignas(64) float p[16];
   for (int64_t i0 = 0; i0 < n; i0 += 16, k += 16 * stride, v += 16 * stride) {
     const int64_t count = std::min<int64_t>(16, n - i0);
