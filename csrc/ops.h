@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace cbatch {
 
@@ -53,8 +54,9 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& seq_lens, double scale);
 #endif
 
-// CPU linear layers (cpu/linear.cpp).  Whether this CPU runs linear_cpu for `dtype` (float32:
-// AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and AVX512-BF16).
+// CPU linear layers (cpu/linear.cpp; the kernel: cpu/gemm.h).  Whether this CPU runs
+// linear_cpu for `dtype` (float32: AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and
+// AVX512-BF16).
 bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
@@ -66,7 +68,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
 // (a smaller copy of the weight, packed alike) and the kernel's sums of the few columns it
-// cannot rule out (cpu/linear.cpp).  x: [M, K] (dense rows); packed: as linear_cpu's.
+// cannot rule out (cpu/greedy_head.cpp).  x: [M, K] (dense rows); packed: as linear_cpu's.
 // - screen = bf16(W) (x fp32); scales: none; w_norm, screen_norm, error_norm: the maxima
 //   over columns of |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| (2-norms, rounded up).
 // - screen = q, int8, with W ~ diag(scales) q (fp32 [N] scales; x fp32 or bf16); the norms
@@ -83,6 +85,22 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
 // Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.
 at::Tensor argmax_cpu(const at::Tensor& logits);
+
+// What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
+// residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).
+at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+at::Tensor argmax_rows_cpu(const at::Tensor& logits);
+
+// The CPU kernels' options, read on every call (cpu/cpu_options.cpp): isa "" (what the CPU
+// has) or "avx2" (the paths of a CPU without AVX-512); attention "" (the widest step) or
+// "generic" (the portable step).  Any other value is an error that names it.
+void set_cpu_options(const std::string& isa, const std::string& attention);
+// The ISA features the CPU kernels use now (the CPU's, under the cap), space-separated, from
+// "avx512 avx512bf16 avx512vnni avx2"; "" where none.
+std::string cpu_isa();
+// Every kernel path as "<op>.<path>" and, in the same order, how many op calls ran it.
+std::vector<std::string> cpu_path_names();
+std::vector<int64_t> cpu_path_counts();
 
 void check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,

@@ -16,7 +16,7 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, float scale) -> Tensor");
-  // CPU only: the few-row linear layers on weights packed by cbatch/layers/cpu_linear.py
+  // CPU only: the linear layers on weights packed by cbatch/ops/cpu.py
   m.def("cpu_linear_supported(ScalarType dtype) -> bool", &cbatch::cpu_linear_supported);
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
@@ -26,6 +26,11 @@ TORCH_LIBRARY(cbatch, m) {
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
       "float screen_norm, float error_norm, Tensor? scales=None) -> Tensor");  // greedy tokens
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
+  // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
+  m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
+  m.def("cpu_isa() -> str", &cbatch::cpu_isa);
+  m.def("cpu_path_names() -> str[]", &cbatch::cpu_path_names);
+  m.def("cpu_path_counts() -> int[]", &cbatch::cpu_path_counts);
 }
 
 TORCH_LIBRARY_IMPL(cbatch, CPU, m) {

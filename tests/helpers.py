@@ -202,3 +202,15 @@ def run_arrivals(engine, arrivals: list[Arrival], max_steps: int = 1000,
     assert set(finished) == set(range(len(arrivals))), "every request finishes exactly once"
     engine.block_manager.check_whole()
     return finished
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+CPU_FLAGS = _cpu_flags()  # /proc/cpuinfo's flags (empty where it has none)

@@ -62,6 +62,23 @@ def _load():
 
 _C, load_error = _load()  # a module is imported once: the warning is given once
 
+
+def _cpu_options() -> tuple[str, str]:
+    """``$CBATCH_CPU_ISA`` and ``$CBATCH_CPU_ATTENTION``; a value they do not take is
+    warned about and ignored (the kernels then pick their paths from the CPU alone)."""
+    values = []
+    for name in ("CBATCH_CPU_ISA", "CBATCH_CPU_ATTENTION"):
+        try:
+            values.append(getattr(envs, name))
+        except ValueError as e:
+            warnings.warn(f"{e}; ignored", RuntimeWarning, stacklevel=3)
+            values.append("")
+    return values[0], values[1]
+
+
+if _C is not None:  # the kernels read no environment: their options are handed over here
+    torch.ops.cbatch.set_cpu_options(*_cpu_options())
+
 _BUILD_INFO: dict | None = None
 
 

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -21,8 +20,9 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "cpu_options.h"  // step_for reads the options; the path counters
 #include "avx2.h"    // the AVX2 step's helpers
-#include "avx512.h"  // CBATCH_X86 (x86-64 and GCC/clang: F16C and AVX-512 paths) and helpers
+#include "avx512.h"  // the AVX-512 step's helpers (x86.h: CBATCH_X86, the feature checks)
 
 namespace cbatch {
 namespace {
@@ -54,11 +54,6 @@ __attribute__((target("avx,f16c"))) void widen_f16c(const c10::Half* src, float*
   }
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
-bool has_f16c() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx") &&
-                                                     __builtin_cpu_supports("f16c"));
-  return yes;
-}
 #endif
 
 // dst[0, n) = src[0, n) in fp32.
@@ -66,14 +61,14 @@ template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
 #ifdef CBATCH_X86
   if constexpr (std::is_same_v<T, c10::Half>) {
-    if (has_f16c()) return widen_f16c(src, dst, n);
+    if (cpu_has_f16c()) return widen_f16c(src, dst, n);
   }
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // q · k over D elements.  kLanes independent partial sums let the compiler vectorize the
-// reduction without reassociating floating point behind our back (about 1.4x on a 2-core EPYC).
+// reduction without reassociating floating point behind our back.
 inline float dot(const float* q, const float* k, int64_t D) {
   constexpr int kLanes = 16;
   float partial[kLanes] = {};
@@ -155,6 +150,8 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
   m = new_m;
 }
 
+}  // namespace
+
 #ifdef CBATCH_X86
 // ---- AVX-512 ---------------------------------------------------------------------------------
 // The same online-softmax step written with 16-lane intrinsics, compiled for AVX-512 whatever
@@ -162,9 +159,12 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
 // place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
 // is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
 
+namespace avx512 {
+namespace {
+
 // The 16 sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a transposing tree of
 // 15 adds instead of 16 separate horizontal reductions.
-CBATCH_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
+CBATCH_AVX512 CBATCH_INLINE __m512 sum_each(const __m512 (&v)[16]) {
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -183,12 +183,11 @@ CBATCH_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
-// online_softmax_step for keys k[i * stride] and values v[i * stride] of type T, i < n, 16
-// keys at a time: their dot products accumulate in 16 registers, 16 columns of q at a time.
+// The online-softmax step for keys k[i * stride] and values v[i * stride] of type T, i < n,
+// 16 keys at a time: their dot products accumulate in 16 registers, 16 columns of q at a time.
 template <typename T>
-CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const T* v,
-                                              int64_t stride, int64_t n, int64_t D, float& m,
-                                              float& l, float* acc) {
+CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
+                                       int64_t n, int64_t D, float& m, float& l, float* acc) {
   alignas(64) float p[16];
   for (int64_t i0 = 0; i0 < n; i0 += 16, k += 16 * stride, v += 16 * stride) {
     const int64_t count = std::min<int64_t>(16, n - i0);
@@ -201,21 +200,21 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qd = _mm512_loadu_ps(q + d);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load16(keys[i] + d), dots[i]);
+      for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load(keys[i] + d), dots[i]);
     }
     const __mmask16 valid = first_lanes(count);
     const __m512 scores = _mm512_mask_mov_ps(
-        _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum16(dots));
+        _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum_each(dots));
     const float new_m = std::max(m, _mm512_reduce_max_ps(scores));
     const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
     const __m512 e =
-        _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
+        _mm512_maskz_mov_ps(valid, exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
     l = l * correction + _mm512_reduce_add_ps(e);
     _mm512_store_ps(p, e);
     for (int64_t d = 0; d < D; d += 16) {  // 16 columns of acc stay in a register over the keys
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(correction));
       for (int64_t i = 0; i < count; ++i) {
-        a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * stride + d), a);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load(v + i * stride + d), a);
       }
       _mm512_storeu_ps(acc + d, a);
     }
@@ -223,12 +222,17 @@ CBATCH_AVX512 void online_softmax_step_avx512(const float* q, const T* k, const 
   }
 }
 
+}  // namespace
+}  // namespace avx512
+
 // ---- AVX2 -----------------------------------------------------------------------------------
-// online_softmax_step_avx512 on 8 lanes, for CPUs without AVX-512: 8 keys at a time (their dot
-// products in 8 of the 16 ymm registers).  Needs D % 8 == 0.
+// avx512::online_softmax_step on 8 lanes, for CPUs without AVX-512: 8 keys at a time (their
+// dot products in 8 of the 16 ymm registers).  Needs D % 8 == 0.
+namespace avx2 {
+namespace {
 
 // The 8 sums of v[0..7] as one vector (lane i = sum of v[i]'s lanes).
-CBATCH_AVX2 inline __m256 sum8(const __m256 (&v)[8]) {
+CBATCH_AVX2 CBATCH_INLINE __m256 sum_each(const __m256 (&v)[8]) {
   // hadd of pairs, then of pairs of pairs: lane j of each 128-bit half holds key j's (or
   // j + 4's) partial sum over that half's lanes; the halves are then added
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -236,21 +240,21 @@ CBATCH_AVX2 inline __m256 sum8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-CBATCH_AVX2 inline float reduce_max8(__m256 v) {
+CBATCH_AVX2 CBATCH_INLINE float reduce_max(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
-CBATCH_AVX2 inline float reduce_add8(__m256 v) {
+CBATCH_AVX2 CBATCH_INLINE float reduce_add(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 template <typename T>
-CBATCH_AVX2 void online_softmax_step_avx2(const float* q, const T* k, const T* v, int64_t stride,
-                                          int64_t n, int64_t D, float& m, float& l, float* acc) {
+CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
+                                     int64_t n, int64_t D, float& m, float& l, float* acc) {
   alignas(32) float p[8];
   for (int64_t i0 = 0; i0 < n; i0 += 8, k += 8 * stride, v += 8 * stride) {
     const int64_t count = std::min<int64_t>(8, n - i0);
@@ -263,36 +267,40 @@ CBATCH_AVX2 void online_softmax_step_avx2(const float* q, const T* k, const T* v
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(keys[i] + d), dots[i]);
+      for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load(keys[i] + d), dots[i]);
     }
-    const __m256 valid = _mm256_castsi256_ps(first_lanes8(count));
+    const __m256 valid = _mm256_castsi256_ps(first_lanes(count));
     const __m256 scores = _mm256_blendv_ps(
-        _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum8(dots), valid);
-    const float new_m = std::max(m, reduce_max8(scores));
+        _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum_each(dots), valid);
+    const float new_m = std::max(m, reduce_max(scores));
     const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
-    const __m256 e = _mm256_and_ps(valid, exp8(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
-    l = l * correction + reduce_add8(e);
+    const __m256 e = _mm256_and_ps(valid, exp(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
+    l = l * correction + reduce_add(e);
     _mm256_store_ps(p, e);
     for (int64_t d = 0; d < D; d += 8) {  // 8 columns of acc stay in a register over the keys
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(correction));
       for (int64_t i = 0; i < count; ++i) {
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(v + i * stride + d), a);
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load(v + i * stride + d), a);
       }
       _mm256_storeu_ps(acc + d, a);
     }
     m = new_m;
   }
 }
+
+}  // namespace
+}  // namespace avx2
 #endif
+
+namespace {
 
 // The online-softmax step an attention call runs.
 enum class Step { kGeneric, kAvx2, kAvx512 };
 
-// The widest step this CPU runs for this head dim, unless $CBATCH_CPU_ATTENTION says
+// The widest step this CPU runs for this head dim, unless set_cpu_options asked for
 // "generic" (the portable step, compiled for x86-64-v3 and for the baseline).
 Step step_for(int64_t head_dim) {
-  const char* forced = std::getenv("CBATCH_CPU_ATTENTION");
-  if (forced && std::strcmp(forced, "generic") == 0) return Step::kGeneric;
+  if (cpu_attention_generic()) return Step::kGeneric;
 #ifdef CBATCH_X86
   if (cpu_has_avx512() && head_dim % 16 == 0) return Step::kAvx512;
   if (cpu_has_avx2() && head_dim % 8 == 0) return Step::kAvx2;
@@ -356,11 +364,11 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
             const int64_t gr = g * R + r;
             float *q = sc.q.data() + gr * D, *acc = sc.acc.data() + gr * D;
             if (step == Step::kAvx512) {
-              online_softmax_step_avx512(q, key_cache + offset, value_cache + offset, row, n, D,
-                                         sc.m[gr], sc.l[gr], acc);
+              avx512::online_softmax_step(q, key_cache + offset, value_cache + offset, row, n,
+                                          D, sc.m[gr], sc.l[gr], acc);
             } else {
-              online_softmax_step_avx2(q, key_cache + offset, value_cache + offset, row, n, D,
-                                       sc.m[gr], sc.l[gr], acc);
+              avx2::online_softmax_step(q, key_cache + offset, value_cache + offset, row, n, D,
+                                        sc.m[gr], sc.l[gr], acc);
             }
           }
         }
@@ -484,8 +492,9 @@ void work(const Job<T>& job, Scratch& scratch) {
 }
 
 // The item loop with everything it calls inlined, compiled twice on x86-64: for x86-64-v3
-// (AVX2, FMA, F16C) and for the baseline; the loader picks one for this CPU.  (15-25% on
-// the 2-core EPYC; the extension itself targets the baseline, so the wheel runs anywhere.)
+// (AVX2, FMA, F16C) and for the baseline; the loader picks one for this CPU (the extension
+// itself targets the baseline, so the wheel runs anywhere; benchmarks/NOTES.md, "CPU
+// attention kernels").
 // (GCC 12 added the run-time dispatch on "arch=x86-64-v3"; GCC 11 rejects the attribute.)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define CBATCH_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
@@ -505,7 +514,7 @@ template <typename T>
 void run_items(const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_tables, const CacheView& c,
                const std::vector<Tile>& tiles, const std::vector<Item>& items, float scale,
-               at::Tensor& out) {
+               Step step, at::Tensor& out) {
   const int64_t group = query.size(1) / c.num_kv_heads;
   const int64_t max_heads = items.front().head_end - items.front().head_begin;
   const int64_t max_rows = std::max_element(tiles.begin(), tiles.end(), [](const Tile& a,
@@ -513,7 +522,7 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   std::atomic<int64_t> next{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
-                   group, scale, step_for(c.head_dim), tiles, items, next,
+                   group, scale, step, tiles, items, next,
                    out.data_ptr<T>()};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_heads, max_rows, c.head_dim, c.block_size);
@@ -521,9 +530,17 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   });
 }
 
+// The path counter of each step (Step's order), for decode and for prefill.
+constexpr CpuPath kDecodePaths[] = {CpuPath::kDecodeAttentionGeneric,
+                                    CpuPath::kDecodeAttentionAvx2,
+                                    CpuPath::kDecodeAttentionAvx512};
+constexpr CpuPath kPrefillPaths[] = {CpuPath::kPrefillAttentionGeneric,
+                                     CpuPath::kPrefillAttentionAvx2,
+                                     CpuPath::kPrefillAttentionAvx512};
+
 at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_tables,
-               const std::vector<Tile>& tiles, double scale) {
+               const std::vector<Tile>& tiles, double scale, bool decode) {
   const CacheView c = view_of(key_cache);
   at::Tensor out = at::empty({query.size(0), query.size(1), c.head_dim}, query.options());
   // Nothing to compute (no new tokens, no heads, or an empty head): an empty result, not a
@@ -532,21 +549,25 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
   const std::vector<Item> items =
       make_items(tiles, query.size(1), query.size(1) / c.num_kv_heads);
   const float s = static_cast<float>(scale);
+  const Step step = step_for(c.head_dim);
   switch (query.scalar_type()) {
     case at::kFloat:
-      run_items<float>(query, key_cache, value_cache, block_tables, c, tiles, items, s, out);
+      run_items<float>(query, key_cache, value_cache, block_tables, c, tiles, items, s, step,
+                       out);
       break;
     case at::kHalf:
-      run_items<c10::Half>(query, key_cache, value_cache, block_tables, c, tiles, items, s, out);
+      run_items<c10::Half>(query, key_cache, value_cache, block_tables, c, tiles, items, s,
+                           step, out);
       break;
     case at::kBFloat16:
       run_items<c10::BFloat16>(query, key_cache, value_cache, block_tables, c, tiles, items, s,
-                               out);
+                               step, out);
       break;
     default:
       TORCH_CHECK_TYPE(false, "the CPU attention kernels take float32, float16 or bfloat16, "
                        "got ", query.scalar_type());
   }
+  count_path((decode ? kDecodePaths : kPrefillPaths)[static_cast<int>(step)]);
   return out;
 }
 
@@ -565,7 +586,7 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& query, const at::Tensor&
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<Tile> tiles(S);
   for (int64_t s = 0; s < S; ++s) tiles[s] = {s, s, 1, lens[s] - 1};
-  return run(query, key_cache, value_cache, block_tables, tiles, scale);
+  return run(query, key_cache, value_cache, block_tables, tiles, scale, /*decode=*/true);
 }
 
 at::Tensor paged_prefill_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
@@ -595,7 +616,7 @@ at::Tensor paged_prefill_attention_cpu(const at::Tensor& query, const at::Tensor
       tiles.push_back({s, cu[s] + i, std::min(kTileRows, n - i), lens[s] - n + i});
     }
   }
-  return run(query, key_cache, value_cache, block_tables, tiles, scale);
+  return run(query, key_cache, value_cache, block_tables, tiles, scale, /*decode=*/false);
 }
 
 }  // namespace cbatch

@@ -1,43 +1,34 @@
-// What the CPU kernels' AVX2 paths share (linear.cpp, attention.cpp): 8-lane fp32 helpers,
-// compiled for AVX2 + FMA + F16C (x86-64-v3) whatever the extension's baseline; callers reach
-// them only after checking the CPU at run time (cpu_has_avx2).
+// The 8-lane fp32 helpers of the CPU kernels' AVX2 paths (attention.cpp, gemm.h,
+// greedy_head.cpp), in namespace avx2: the twins of avx512.h's, under the same names.  Each
+// is compiled for AVX2 + FMA + F16C (x86-64-v3) whatever the extension's baseline; callers
+// reach them only after cpu_has_avx2().
 #pragma once
 
-#include "avx512.h"  // CBATCH_X86, Cephes' exp constants
+#include "x86.h"
 
 #ifdef CBATCH_X86
-#define CBATCH_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-namespace cbatch {
-
-// AVX2, FMA and F16C, as the CPU reports them.
-inline bool cpu_has_avx2() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
-                                                     __builtin_cpu_supports("fma") &&
-                                                     __builtin_cpu_supports("f16c"));
-  return yes;
-}
+namespace cbatch::avx2 {
 
 // Lanes [0, n) of 8, as a mask of all-ones lanes (n may be <= 0 or >= 8).
-CBATCH_AVX2 inline __m256i first_lanes8(int64_t n) {
+CBATCH_AVX2 CBATCH_INLINE __m256i first_lanes(int64_t n) {
   const int32_t c = int32_t(n < 0 ? 0 : n > 8 ? 8 : n);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // 8 elements as fp32 (bf16: shifted into the top half of an fp32).
-CBATCH_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-CBATCH_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+CBATCH_AVX2 CBATCH_INLINE __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+CBATCH_AVX2 CBATCH_INLINE __m256 load(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-CBATCH_AVX2 inline __m256 load8(const c10::Half* p) {
+CBATCH_AVX2 CBATCH_INLINE __m256 load(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// e^x as exp16 (avx512.h) computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n
-// stays a normal float (e^-87 is 1.6e-38, e^88 1.7e38; a caller that needs an exact 0 for
-// -inf masks it).
-CBATCH_AVX2 inline __m256 exp8(__m256 x) {
+// e^x as avx512::exp computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n stays a
+// normal float (e^-87 is 1.6e-38, e^88 1.7e38; a caller that needs an exact 0 for -inf masks
+// it).
+CBATCH_AVX2 CBATCH_INLINE __m256 exp(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -52,5 +43,5 @@ CBATCH_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
 
-}  // namespace cbatch
+}  // namespace cbatch::avx2
 #endif

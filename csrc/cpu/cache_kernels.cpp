@@ -5,6 +5,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "cpu_options.h"
 
 namespace cbatch {
 
@@ -25,6 +26,7 @@ void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
   auto* value_dst = static_cast<char*>(value_cache.data_ptr());
   const int64_t key_stride = key.stride(0) * key.element_size();
   const int64_t value_stride = value.stride(0) * value.element_size();
+  count_path(CpuPath::kWriteKvCacheCpu);
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];

@@ -1,6 +1,7 @@
-"""$CBATCH_CPU_ISA=avx2: on a CPU with AVX-512, the CPU kernels take the paths of a CPU
-without it, so that those (cbatch's AVX2 linear kernel, the greedy screen's AVX2 twin) are
-tested here too: this file runs their test files again in a process with the variable set."""
+"""$CBATCH_CPU_ISA=avx2 (handed to torch.ops.cbatch.set_cpu_options when the extension
+loads): on a CPU with AVX-512, the CPU kernels take the paths of a CPU without it, so that
+those (cbatch's AVX2 linear kernel, the greedy screen's AVX2 twin) are tested here too: this
+file runs their test files again in a process with the variable set."""
 
 import os
 import subprocess
@@ -10,20 +11,11 @@ from pathlib import Path
 import pytest
 
 from cbatch.ops import compiled
+from tests.helpers import CPU_FLAGS as FLAGS
 
 HERE = Path(__file__).parent
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-FLAGS = _cpu_flags()
 pytestmark = [
     pytest.mark.slow,  # each test starts a Python process that imports torch
     pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
@@ -44,10 +36,11 @@ def test_the_variable_caps_the_kernels_at_avx2():
              "print(torch.ops.cbatch.cpu_linear_supported(torch.float32), "
              "torch.ops.cbatch.cpu_linear_supported(torch.bfloat16), "
              "cpu.screen_available(torch.float32), "
-             "cpu.screen_available(torch.bfloat16))")
+             "cpu.screen_available(torch.bfloat16), torch.ops.cbatch.cpu_isa())")
     out = _run(["-c", probe])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False", "True", "False"]  # fp32 and its screen
+    # fp32 and its screen, on the AVX2 paths alone
+    assert out.stdout.split() == ["True", "False", "True", "False", "avx2"]
 
 
 def test_linear_and_greedy_screen_tests_pass_on_the_avx2_paths():

@@ -1,4 +1,4 @@
-"""The lm_head's greedy screens (cbatch.ops.cpu.greedy_head, csrc/cpu/linear.cpp's
+"""The lm_head's greedy screens (cbatch.ops.cpu.greedy_head, csrc/cpu/greedy_head.cpp's
 greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
 of the weight (int8 with a scale per column, or for fp32 bf16)."""
 
@@ -182,7 +182,7 @@ def test_bf16_random_ties_of_exact_int8_columns():
 
 def _bound_case(name):
     """x, W (both exact in bf16) and the kernel's token for a row that one term of the bf16
-    screen's bound (csrc/cpu/linear.cpp, greedy_bf16) decides."""
+    screen's bound (csrc/cpu/greedy_head.cpp, the bound's proof at its top) decides."""
     if name == "x quantization":  # small entries that round to level 0 carry the winner
         K = 1024
         x = torch.full((1, K), 63 / 128 * UNIT)

@@ -1,0 +1,83 @@
+// The CPU kernels' options and path counters (cpu_options.h), and the ops that set and report
+// them: set_cpu_options, cpu_isa, cpu_path_names, cpu_path_counts.
+#include "cpu_options.h"
+
+#include <c10/util/Exception.h>
+
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "../ops.h"
+#include "x86.h"
+
+namespace cbatch {
+
+std::atomic<bool> g_cpu_isa_avx2{false};
+std::atomic<bool> g_cpu_attention_generic{false};
+std::atomic<int64_t> g_cpu_path_counts[static_cast<int>(CpuPath::kCount)] = {};
+
+namespace {
+
+// In CpuPath's order.
+constexpr const char* kCpuPathNames[] = {
+    "linear.avx512",
+    "linear.avx2",
+    "greedy_head.int8",
+    "greedy_head.bf16.avx512",
+    "greedy_head.bf16.avx2",
+    "greedy_head.kernel",
+    "decode_attention.avx512",
+    "decode_attention.avx2",
+    "decode_attention.generic",
+    "prefill_attention.avx512",
+    "prefill_attention.avx2",
+    "prefill_attention.generic",
+    "argmax.avx512",
+    "argmax.generic",
+    "write_kv_cache.cpu",
+};
+static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
+              "one name per CpuPath");
+
+}  // namespace
+
+void set_cpu_options(const std::string& isa, const std::string& attention) {
+  TORCH_CHECK_VALUE(isa.empty() || isa == "avx2",
+                    "set_cpu_options: isa must be \"\" or \"avx2\", got \"", isa, "\"");
+  TORCH_CHECK_VALUE(attention.empty() || attention == "generic",
+                    "set_cpu_options: attention must be \"\" or \"generic\", got \"", attention,
+                    "\"");
+  g_cpu_isa_avx2.store(isa == "avx2", std::memory_order_relaxed);
+  g_cpu_attention_generic.store(attention == "generic", std::memory_order_relaxed);
+}
+
+std::string cpu_isa() {
+  std::string out;
+#ifdef CBATCH_X86
+  const auto add = [&out](bool has, const char* name) {
+    if (!has) return;
+    if (!out.empty()) out += ' ';
+    out += name;
+  };
+  add(cpu_has_avx512(), "avx512");
+  add(cpu_has_avx512bf16(), "avx512bf16");
+  add(cpu_has_avx512vnni(), "avx512vnni");
+  add(cpu_has_avx2(), "avx2");
+#endif
+  return out;
+}
+
+std::vector<std::string> cpu_path_names() {
+  return {std::begin(kCpuPathNames), std::end(kCpuPathNames)};
+}
+
+std::vector<int64_t> cpu_path_counts() {
+  std::vector<int64_t> counts;
+  for (const auto& count : g_cpu_path_counts) {
+    counts.push_back(count.load(std::memory_order_relaxed));
+  }
+  return counts;
+}
+
+}  // namespace cbatch

@@ -1,0 +1,50 @@
+// What the CPU kernels may run and what they ran: the options that set_cpu_options sets (an
+// ISA cap and the attention step), read by the kernels on every call, and one counter per
+// kernel path, counted once per op call where that path runs (cpu_path_names and
+// cpu_path_counts report them, so that a test can tell which path an op took).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace cbatch {
+
+// "avx2": the kernels take the paths of a CPU without AVX-512, so that those are tested and
+// compared on any x86 machine.
+extern std::atomic<bool> g_cpu_isa_avx2;
+// "generic": attention runs its portable step whatever the CPU.
+extern std::atomic<bool> g_cpu_attention_generic;
+
+inline bool cpu_isa_capped_at_avx2() { return g_cpu_isa_avx2.load(std::memory_order_relaxed); }
+inline bool cpu_attention_generic() {
+  return g_cpu_attention_generic.load(std::memory_order_relaxed);
+}
+
+// Every path an op can take; kCpuPathNames (cpu_options.cpp) holds their names, in this order.
+enum class CpuPath : int {
+  kLinearAvx512,
+  kLinearAvx2,
+  kGreedyHeadInt8,
+  kGreedyHeadBf16Avx512,
+  kGreedyHeadBf16Avx2,
+  kGreedyHeadKernel,
+  kDecodeAttentionAvx512,
+  kDecodeAttentionAvx2,
+  kDecodeAttentionGeneric,
+  kPrefillAttentionAvx512,
+  kPrefillAttentionAvx2,
+  kPrefillAttentionGeneric,
+  kArgmaxAvx512,
+  kArgmaxGeneric,
+  kWriteKvCacheCpu,
+  kCount,
+};
+
+extern std::atomic<int64_t> g_cpu_path_counts[static_cast<int>(CpuPath::kCount)];
+
+// One relaxed increment per op call: no ordering, no cost worth measuring.
+inline void count_path(CpuPath path) {
+  g_cpu_path_counts[static_cast<int>(path)].fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace cbatch

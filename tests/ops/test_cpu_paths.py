@@ -1,0 +1,233 @@
+"""Which path each CPU kernel runs (csrc/cpu/cpu_options.cpp): torch.ops.cbatch.cpu_isa, the
+per-path call counters (cpu_path_names / cpu_path_counts) and set_cpu_options, which caps the
+kernels at their AVX2 paths or forces the portable attention step.  Each test asserts that the
+counter of the path that should run went up by one and no other moved; paths this CPU lacks
+are skipped."""
+
+
+import pytest
+import torch
+
+from cbatch import ops
+from cbatch.ops import compiled, cpu
+from tests.helpers import CPU_FLAGS as FLAGS
+from tests.helpers import assert_attention_close, paged_inputs
+
+pytestmark = pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
+                                reason="cbatch's C++ CPU kernels are not built")
+
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
+HAS_AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="no AVX2, FMA and F16C here")
+
+
+@pytest.fixture(autouse=True)
+def cpu_options():
+    """Every test starts from the CPU's own paths and leaves the options as the extension's
+    loader set them (cbatch/ops/compiled.py)."""
+    torch.ops.cbatch.set_cpu_options("", "")
+    yield
+    torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def _counts() -> dict[str, int]:
+    return dict(zip(torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()))
+
+
+def _ran(fn) -> dict[str, int]:
+    """The counters that fn's calls moved, and by how much."""
+    before = _counts()
+    fn()
+    after = _counts()
+    return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
+def _isa() -> set[str]:
+    return set(torch.ops.cbatch.cpu_isa().split())
+
+
+def test_cpu_isa_is_what_the_cpu_reports():
+    words = torch.ops.cbatch.cpu_isa().split()
+    order = ["avx512", "avx512bf16", "avx512vnni", "avx2"]
+    assert words == [w for w in order if w in words]
+    if not FLAGS:
+        return  # not Linux on x86: nothing to compare with
+    assert ("avx512" in words) == HAS_AVX512
+    assert ("avx512bf16" in words) == (HAS_AVX512 and "avx512_bf16" in FLAGS)
+    assert ("avx512vnni" in words) == (HAS_AVX512 and "avx512_vnni" in FLAGS)
+    assert ("avx2" in words) == HAS_AVX2
+
+
+def test_path_names_and_counts():
+    names, counts = torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()
+    assert len(names) == len(set(names)) == len(counts)
+    assert all(count >= 0 for count in counts)
+    assert {"linear.avx512", "linear.avx2", "greedy_head.int8", "greedy_head.bf16.avx512",
+            "greedy_head.bf16.avx2", "greedy_head.kernel", "decode_attention.avx512",
+            "decode_attention.avx2", "decode_attention.generic", "prefill_attention.avx512",
+            "prefill_attention.avx2", "prefill_attention.generic", "argmax.avx512",
+            "argmax.generic", "write_kv_cache.cpu"} == set(names)
+
+
+@pytest.mark.parametrize("isa, attention", [("avx512", ""), ("", "fast"), ("AVX2", ""),
+                                            ("", "Generic")])
+def test_set_cpu_options_rejects_other_values(isa, attention):
+    before = torch.ops.cbatch.cpu_isa()
+    with pytest.raises(ValueError, match=f'"{isa or attention}"'):
+        torch.ops.cbatch.set_cpu_options(isa, attention)
+    assert torch.ops.cbatch.cpu_isa() == before  # nothing changed
+
+
+def _linear(dtype, M=3, N=40, K=32):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x, bias = torch.randn(M, K, generator=gen).to(dtype), torch.randn(N, generator=gen).to(dtype)
+    packed = cpu.pack(w, "cbatch")
+
+    def call():
+        y = torch.ops.cbatch.linear(x, packed, N, bias, None, "none")
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias),
+                                   **({} if dtype == torch.float32 else
+                                      {"atol": 0.1, "rtol": 0.02}))
+    return call
+
+
+@needs_avx2
+def test_linear_runs_the_widest_tile():
+    want = "linear.avx512" if HAS_AVX512 else "linear.avx2"
+    assert _ran(_linear(torch.float32)) == {want: 1}
+    if "avx512bf16" in _isa():
+        assert _ran(_linear(torch.bfloat16)) == {"linear.avx512": 1}
+
+
+@needs_avx2
+def test_set_cpu_options_avx2_switches_linear_to_its_avx2_tile():
+    torch.ops.cbatch.set_cpu_options("avx2", "")
+    assert torch.ops.cbatch.cpu_isa() == "avx2"
+    assert torch.ops.cbatch.cpu_linear_supported(torch.float32)
+    assert not torch.ops.cbatch.cpu_linear_supported(torch.bfloat16)
+    assert not torch.ops.cbatch.greedy_head_supported(torch.bfloat16)
+    assert _ran(_linear(torch.float32)) == {"linear.avx2": 1}
+    torch.ops.cbatch.set_cpu_options("", "")  # and back, on the next call
+    if HAS_AVX512:
+        assert _ran(_linear(torch.float32)) == {"linear.avx512": 1}
+
+
+def _greedy(dtype, int8, M):
+    gen = torch.Generator().manual_seed(1)
+    N, K = 300, 64
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    packed, screen = cpu.pack(w, "cbatch"), cpu.pack_screen(w, int8)
+
+    def call():
+        got = torch.ops.cbatch.greedy_head(x, packed, screen.weight, N, screen.w_norm,
+                                           screen.screen_norm, screen.error_norm, screen.scales)
+        logits = torch.ops.cbatch.linear(x, packed, N, None, None, "none")
+        assert torch.equal(got, logits.argmax(dim=-1))
+    return call
+
+
+def _without_linear(ran: dict[str, int]) -> dict[str, int]:
+    """What greedy_head ran, without the linear call that checks its answer."""
+    return {name: n for name, n in ran.items() if not name.startswith("linear.")}
+
+
+@needs_avx2
+def test_greedy_head_bf16_screen():
+    want = "greedy_head.bf16.avx512" if "avx512bf16" in _isa() else "greedy_head.bf16.avx2"
+    assert _without_linear(_ran(_greedy(torch.float32, False, 4))) == {want: 1}
+    torch.ops.cbatch.set_cpu_options("avx2", "")
+    assert _without_linear(_ran(_greedy(torch.float32, False, 4))) == \
+        {"greedy_head.bf16.avx2": 1}
+
+
+@pytest.mark.skipif(not ({"avx512_bf16", "avx512_vnni"} <= FLAGS and HAS_AVX512),
+                    reason="the int8 screen needs AVX-512 with AVX512-BF16 and AVX512-VNNI")
+def test_greedy_head_int8_screen_and_the_kernel_from_16_bf16_rows():
+    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == {"greedy_head.int8": 1}
+    assert _without_linear(_ran(_greedy(torch.bfloat16, True, 4))) == {"greedy_head.int8": 1}
+    # from 16 rows a bf16 lm_head is compute-bound: the kernel runs every row
+    assert _without_linear(_ran(_greedy(torch.bfloat16, True, 16))) == \
+        {"greedy_head.kernel": 1}
+
+
+def _attention(head_dim, dtype=torch.float32):
+    lens, block_size, heads, kv_heads = [1, 15, 16, 17, 60], 16, 4, 2
+    decode = paged_inputs(lens, [1] * len(lens), heads, head_dim, block_size, dtype, "cpu", 7,
+                          num_kv_heads=kv_heads)
+    prefill = paged_inputs(lens, [1, 3, 16, 1, 40], heads, head_dim, block_size, dtype, "cpu",
+                           8, num_kv_heads=kv_heads)
+
+    def run_decode():
+        q, kc, vc, tables, cu, seq_lens = decode
+        assert_attention_close(ops.paged_decode_attention(q, kc, vc, tables, seq_lens,
+                                                          backend="cpu"), *decode)
+
+    def run_prefill():
+        q, kc, vc, tables, cu, seq_lens = prefill
+        assert_attention_close(ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
+                                                           backend="cpu"), *prefill)
+    return run_decode, run_prefill
+
+
+def _attention_paths(head_dim, dtype=torch.float32):
+    decode, prefill = _attention(head_dim, dtype)
+    return _ran(decode), _ran(prefill)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention_runs_the_widest_step(dtype):
+    # head dim 64: the AVX-512 step where the CPU has it; 80: AVX2 (not a multiple of 16)
+    for head_dim in (64, 80):
+        if HAS_AVX512 and head_dim % 16 == 0:
+            step = "avx512"
+        elif HAS_AVX2:
+            step = "avx2"
+        else:
+            step = "generic"
+        assert _attention_paths(head_dim, dtype) == ({f"decode_attention.{step}": 1},
+                                                     {f"prefill_attention.{step}": 1})
+    # 36: a multiple of neither
+    assert _attention_paths(36, dtype) == ({"decode_attention.generic": 1},
+                                           {"prefill_attention.generic": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_set_cpu_options_generic_switches_attention_to_the_portable_step(dtype):
+    torch.ops.cbatch.set_cpu_options("", "generic")
+    for head_dim in (64, 80):
+        assert _attention_paths(head_dim, dtype) == ({"decode_attention.generic": 1},
+                                                     {"prefill_attention.generic": 1})
+
+
+@pytest.mark.skipif(not (HAS_AVX512 and HAS_AVX2), reason="needs a CPU with AVX-512")
+def test_set_cpu_options_avx2_switches_attention_to_its_avx2_step():
+    torch.ops.cbatch.set_cpu_options("avx2", "")
+    assert _attention_paths(64) == ({"decode_attention.avx2": 1},
+                                    {"prefill_attention.avx2": 1})
+
+
+def test_argmax_paths():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1000, generator=gen)
+    wide = "argmax.avx512" if "avx512" in _isa() else "argmax.generic"
+    for dtype, path in ((torch.float32, wide), (torch.bfloat16, wide),
+                        (torch.float16, "argmax.generic")):
+        x = logits.to(dtype)
+
+        def call(x=x):
+            assert torch.equal(torch.ops.cbatch.argmax(x), x.argmax(dim=-1))
+        assert _ran(call) == {path: 1}
+    if HAS_AVX512:
+        torch.ops.cbatch.set_cpu_options("avx2", "")
+        assert _ran(lambda: torch.ops.cbatch.argmax(logits)) == {"argmax.generic": 1}
+
+
+def test_write_kv_cache_path():
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    key_cache, value_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    slots = torch.tensor([0, 5, -1])
+    assert _ran(lambda: ops.write_kv_cache(key, value, key_cache, value_cache, slots,
+                                           backend="cpu")) == {"write_kv_cache.cpu": 1}
+    assert torch.equal(key_cache.view(16, 2, 8)[5], key[1])
