@@ -14,7 +14,8 @@ So in batch-invariant mode the model's linear layers run:
   :data:`ROW_MULTIPLE`, so that every panel is full and every row goes through the same
   micro-kernel (a multiple of the panel heights of MKL's AVX2 and AVX-512 kernels).
   tests/core/test_batch_invariance.py checks, on the machine that runs it, that each row is
-  bitwise the same for every M.
+  bitwise the same for every M.  Not on AMX CPUs in bf16 (oneDNN's GEMM there sums a row
+  differently as M grows, padded or not); every AMX CPU runs the "cbatch" route in bf16.
 - CUDA: a Triton matmul with one fixed configuration and no split-K
   (``cbatch.kernels.matmul``).
 
