@@ -92,32 +92,50 @@ def test_cpu_kernels_any_thread_count(threads):
 
 
 @pytest.mark.skipif(not STATUS["cpu"].available, reason="C++ extension not built")
-@pytest.mark.parametrize("path", ["auto", "generic"])
+@pytest.mark.parametrize("isa, attention", [("", ""), ("avx2", ""), ("", "generic")])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_kernel_paths(monkeypatch, path, dtype):
-    """Every code path of the CPU kernels: the AVX-512 step (chosen on a CPU with AVX-512 for
-    head dims that are multiples of 16; "auto"), the AVX2 one (chosen on a CPU with AVX2 but
-    not AVX-512, or with AVX-512 for head dim 80; "auto") and the portable one
-    ($CBATCH_CPU_ATTENTION=generic, and any head dim), for decode and prefill, grouped
-    queries, block sizes 8/16/32 (more than 16 keys in a block), head dims 64/128/80."""
-    if path == "generic":
-        monkeypatch.setenv("CBATCH_CPU_ATTENTION", "generic")
-    else:
-        monkeypatch.delenv("CBATCH_CPU_ATTENTION", raising=False)
-    seed = torch.randint(0, 2**31, ()).item()
-    for block_size, head_dim, heads, kv_heads in ((8, 64, 4, 4), (16, 128, 4, 2),
-                                                  (32, 64, 6, 2), (16, 80, 2, 1)):
-        lens = [1, block_size - 1, block_size, block_size + 1, 7 * block_size + 3]
-        decode = paged_inputs(lens, [1] * len(lens), heads, head_dim, block_size, dtype, "cpu",
-                              seed, num_kv_heads=kv_heads)
-        q, kc, vc, tables, cu, seq_lens = decode
-        assert_attention_close(ops.paged_decode_attention(q, kc, vc, tables, seq_lens,
-                                                          backend="cpu"), *decode)
-        prefill = paged_inputs(lens, [1, 3, block_size, 1, 40], heads, head_dim, block_size,
-                               dtype, "cpu", seed + 1, num_kv_heads=kv_heads)
-        q, kc, vc, tables, cu, seq_lens = prefill
-        assert_attention_close(ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
-                                                           backend="cpu"), *prefill)
+def test_cpu_kernel_paths(isa, attention, dtype):
+    """Every code path of the CPU kernels, each asserted to have run through the kernels' own
+    path counters: the AVX-512 step (a CPU with AVX-512, head dims that are multiples of 16),
+    the AVX2 one (a CPU with AVX2 and a multiple of 8: head dim 72 on any AVX2 CPU, every
+    head dim under the avx2 cap) and the portable one (the generic option, and any head dim
+    no vector step takes), for decode and prefill, grouped queries, block sizes 8/16/32
+    (more than 16 keys in a block), head dims 64/128/80/72/36."""
+    from cbatch.ops import compiled, cpu
+
+    torch.ops.cbatch.set_cpu_options(isa, attention)
+    try:
+        features = cpu.cpu_isa().split()
+        seed = torch.randint(0, 2**31, ()).item()
+        for block_size, head_dim, heads, kv_heads in ((8, 64, 4, 4), (16, 128, 4, 2),
+                                                      (32, 64, 6, 2), (16, 80, 2, 1),
+                                                      (16, 72, 4, 2), (8, 36, 2, 1)):
+            if attention == "generic":
+                step = "generic"
+            elif "avx512" in features and head_dim % 16 == 0:
+                step = "avx512"
+            elif "avx2" in features and head_dim % 8 == 0:
+                step = "avx2"
+            else:
+                step = "generic"
+            lens = [1, block_size - 1, block_size, block_size + 1, 7 * block_size + 3]
+            decode = paged_inputs(lens, [1] * len(lens), heads, head_dim, block_size, dtype,
+                                  "cpu", seed, num_kv_heads=kv_heads)
+            q, kc, vc, tables, cu, seq_lens = decode
+            before = cpu.kernel_paths()
+            assert_attention_close(ops.paged_decode_attention(q, kc, vc, tables, seq_lens,
+                                                              backend="cpu"), *decode)
+            prefill = paged_inputs(lens, [1, 3, block_size, 1, 40], heads, head_dim,
+                                   block_size, dtype, "cpu", seed + 1, num_kv_heads=kv_heads)
+            q, kc, vc, tables, cu, seq_lens = prefill
+            assert_attention_close(ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
+                                                               backend="cpu"), *prefill)
+            after = cpu.kernel_paths()
+            ran = {k for k in after if after[k] > before[k] and "attention" in k}
+            assert ran == {f"decode_attention.{step}", f"prefill_attention.{step}"}, \
+                (head_dim, ran)
+    finally:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
 
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason=triton_skip_reason())
