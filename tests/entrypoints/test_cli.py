@@ -241,9 +241,11 @@ def test_version_names_the_version_and_the_live_backends():
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"cbatch {cbatch.__version__} (")
     assert lines[1].startswith("torch ")
-    rows = {line.split()[0]: line.split()[1] for line in lines[3:]}
+    end = lines.index("cpu fast paths:")
+    rows = {line.split()[0]: line.split()[1] for line in lines[3:end]}
     assert rows == {name: "live" if status.available else "off"
                     for name, status in ops.available_backends().items()}
+    assert len(lines) == end + 7  # isa, attention, linear, greedy screen, huge pages, threads
 
 
 def test_every_flag_has_help_and_its_default_shown():
