@@ -101,6 +101,7 @@ def test_the_engine_streams_weights_and_kv_cache_from_huge_pages(tiny_hf_dir, mo
     prompts, params = [[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(max_num_seqs=2, kv_cache_memory=8 << 20)  # a pool of whole huge pages
     llm = LLM(str(tiny_hf_dir), **kw)
+    assert llm.engine.runner.describe()["huge pages"] == "on"
     model = llm.engine.model
     streamed = [m.packed_weight for m in model.modules() if isinstance(m, Linear)
                 and m.packed_weight is not None and not m.packed_weight.is_mkldnn]
@@ -119,4 +120,5 @@ def test_the_engine_streams_weights_and_kv_cache_from_huge_pages(tiny_hf_dir, mo
     del llm
     monkeypatch.setenv("CBATCH_HUGE_PAGES", "0")  # the same tokens on malloc's memory
     llm = LLM(str(tiny_hf_dir), **kw)
+    assert llm.engine.runner.describe()["huge pages"] == "off"
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == tokens
