@@ -1,4 +1,5 @@
-"""cbatch: continuous-batching inference for GPT-2-family models with ragged paged attention.
+"""cbatch: continuous-batching inference for GPT-2 and the Llama family, with ragged paged
+attention.
 
 The names below are imported on first use, so ``import cbatch.ops`` or ``import cbatch.hf``
 loads the kernels and nothing of the engine, the entry points or the server.
@@ -7,8 +8,6 @@ loads the kernels and nothing of the engine, the entry points or the server.
 from __future__ import annotations
 
 import importlib
-
-from cbatch import logger as _logger  # noqa: F401  (the cbatch logger's stderr lines)
 
 __version__ = "0.1.0"
 

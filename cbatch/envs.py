@@ -2,10 +2,12 @@
 
 Python code reads them through this module alone (``from cbatch import envs;
 envs.CBATCH_CPU_LINEAR``), each access reading the environment afresh, so a variable set in
-a test or before a subprocess starts takes effect.  The C++ kernels read none: the extension's
-options are handed to it when it loads (:mod:`cbatch.ops.compiled`).  ``setup.py`` loads this
-file by its path (it imports nothing but the standard library), and ``scripts/run.sh`` reads
-the one it lists as its own.
+a test or before a subprocess starts takes effect.  A value a variable does not take is
+warned about once and its default used: a typo never stops an import or a server.  The C++
+kernels read none: the extension's options are handed to it when it loads
+(:mod:`cbatch.ops.compiled`).  ``setup.py`` loads this file by its path (it imports nothing
+but the standard library), and the scripts read theirs as ``${NAME:-default}`` with the
+defaults listed here (a test holds them to it).
 
 ``python -m cbatch.envs`` prints the table the README shows; ``--check`` fails on a value a
 variable does not take.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -28,12 +31,15 @@ class Variable:
     choices: tuple[str, ...] | None = None  # the values it takes (None: any string)
     flag: bool = False  # a switch: 1/true/yes/on or 0/false/no/off
     when: str = "run"  # "run" (each use), "load" (when cbatch._C loads), "build", or a script
+    secret: bool = False  # taken as it is: not stripped, a blank value stays blank
+    upper: bool = False  # case-insensitive choices, given in upper case (logging levels)
 
-    def read(self):
-        """The variable's value now: a bool for a flag, else a string ("" when unset and
-        it has no default); ValueError naming the variable for a value it does not take."""
-        raw = os.environ.get(self.name, "").strip()
-        value = raw or self.default
+    def parse(self, raw: str):
+        """``raw`` as this variable's value: a bool for a flag, else a string (the default
+        for ""); ValueError naming the variable for a value it does not take."""
+        value = (raw if self.secret else raw.strip()) or self.default
+        if self.upper:
+            value = value.upper()
         if self.flag:
             if value.lower() in _TRUE:
                 return True
@@ -44,6 +50,23 @@ class Variable:
             raise ValueError(f"{self.name}={raw!r}: expected one of {', '.join(self.choices)}"
                              " (or unset)")
         return value
+
+    def read(self):
+        """The variable's value now.  A value it does not take never stops a program: it
+        is warned about (once) and the default is used; ``python -m cbatch.envs --check``
+        fails on it."""
+        raw = os.environ.get(self.name, "")
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            if (self.name, raw) not in _warned:
+                _warned.add((self.name, raw))
+                warnings.warn(f"{e}; using the default ({self.default or 'unset'})",
+                              RuntimeWarning, stacklevel=3)
+            return self.parse("")
+
+
+_warned: set[tuple[str, str]] = set()
 
 
 VARIABLES = (
@@ -78,9 +101,10 @@ VARIABLES = (
              "1: the cbatch command shows the traceback of an error", flag=True),
     Variable("CBATCH_LOGGING_LEVEL", "INFO",
              "the cbatch logger's level: WARNING silences the model-load lines on stderr",
-             ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), when="import"),
+             ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), when="import", upper=True),
     Variable("CBATCH_API_KEY", "",
-             "the key `cbatch serve` requires when --api-key is not given (default: none)"),
+             "the key `cbatch serve` requires when --api-key is not given (default: none)",
+             secret=True),
     Variable("CBATCH_TORCH", "torch==2.13.0",
              "the torch requirement scripts/run.sh installs", when="run.sh"),
     Variable("CBATCH_SUITE_LIMIT", "300",
@@ -101,13 +125,6 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_BY_NAME))
 
 
-def is_set(name: str) -> bool:
-    """Whether ``name`` (one of :data:`VARIABLES`) is set to a non-empty value."""
-    if name not in _BY_NAME:
-        raise KeyError(name)
-    return bool(os.environ.get(name, "").strip())
-
-
 def markdown_table() -> str:
     """The README's table: variable, default, read, meaning."""
     rows = ["| variable | default | read | meaning |", "|---|---|---|---|"]
@@ -122,7 +139,7 @@ def check() -> list[str]:
     errors = []
     for v in VARIABLES:
         try:
-            v.read()
+            v.parse(os.environ.get(v.name, ""))
         except ValueError as e:
             errors.append(str(e))
     return errors

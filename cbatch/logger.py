@@ -59,5 +59,7 @@ _configure()
 
 
 def init_logger(name: str) -> logging.Logger:
-    """The logger for module ``name`` (a ``cbatch.`` name: its lines go through ``cbatch``)."""
+    """The logger for module ``name`` (a ``cbatch.`` name: its lines go through ``cbatch``).
+    Every module that logs gets its logger here, so the ``cbatch`` logger is set up by the
+    first such import (not by ``import cbatch``, which stays light)."""
     return logging.getLogger(name)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 import time
 import uuid
 from typing import AsyncIterator, Callable
 
+from cbatch.logger import init_logger
 from cbatch.core.engine import Engine
 from cbatch.core.stats import EngineStats
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class QueueFullError(RuntimeError):

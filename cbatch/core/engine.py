@@ -20,13 +20,13 @@ import collections
 import dataclasses
 import gc
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from cbatch.logger import init_logger
 from cbatch.config import EngineConfig
 from cbatch.core.block_manager import BlockManager
 from cbatch.core.cpu.model_runner import CPUModelRunner
@@ -42,7 +42,7 @@ from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import ByteTokenizer, load_tokenizer, prompt_token_ids
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _count(n: int) -> str:

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from cbatch.logger import init_logger
 from cbatch.config import MODEL_CONFIGS, GPT2Config
-from cbatch.hub import CHECKPOINT_FILES, TOKENIZER_FILES, resolve_checkpoint_dir  # noqa: F401
+from cbatch.hub import resolve_checkpoint_dir
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
@@ -31,7 +31,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _init_random(model: GPT2LMHeadModel, seed: int) -> None:

@@ -64,20 +64,20 @@ _C, load_error = _load()  # a module is imported once: the warning is given once
 
 
 def _cpu_options() -> tuple[str, str]:
-    """``$CBATCH_CPU_ISA`` and ``$CBATCH_CPU_ATTENTION``; a value they do not take is
-    warned about and ignored (the kernels then pick their paths from the CPU alone)."""
-    values = []
-    for name in ("CBATCH_CPU_ISA", "CBATCH_CPU_ATTENTION"):
-        try:
-            values.append(getattr(envs, name))
-        except ValueError as e:
-            warnings.warn(f"{e}; ignored", RuntimeWarning, stacklevel=3)
-            values.append("")
-    return values[0], values[1]
+    """``$CBATCH_CPU_ISA`` and ``$CBATCH_CPU_ATTENTION``, as ``set_cpu_options`` takes them
+    (a value they do not take: warned about, and the CPU's own paths run)."""
+    return envs.CBATCH_CPU_ISA, envs.CBATCH_CPU_ATTENTION
 
 
 if _C is not None:  # the kernels read no environment: their options are handed over here
-    torch.ops.cbatch.set_cpu_options(*_cpu_options())
+    if hasattr(torch.ops.cbatch, "set_cpu_options"):
+        torch.ops.cbatch.set_cpu_options(*_cpu_options())
+    else:  # an extension built from older sources (an editable install not rebuilt)
+        load_error = f"cbatch._C is older than this cbatch; rebuild it: {reinstall_command()}"
+        warnings.warn(f"{load_error}\n  So the C++ CPU and CUDA kernels are off.",
+                      RuntimeWarning, stacklevel=2)
+        _C = None
+
 
 _BUILD_INFO: dict | None = None
 

@@ -221,6 +221,12 @@ def greedy_head(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
                                         screen.screen_norm, screen.error_norm, screen.scales)
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (torch's check): oneDNN's bf16 GEMM then sums a row
+    differently as the number of rows grows."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``argmax(logits, dim=-1)`` of ``[S, V]`` logits in any float dtype → int64 ``[S]``: on
     the CPU cbatch's kernel (torch's walks each row one element at a time), elsewhere torch's.
@@ -240,10 +246,19 @@ def cpu_isa() -> str:
     return torch.ops.cbatch.cpu_isa()
 
 
+def attention_step(head_dim: int) -> str:
+    """The step the C++ CPU attention kernels run for ``head_dim`` now: ``"avx512"``,
+    ``"avx2"`` or ``"generic"`` (the kernels' own rule; "" without the extension)."""
+    if "cpu" not in compiled.compiled_backends():
+        return ""
+    return torch.ops.cbatch.cpu_attention_step(head_dim)
+
+
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``greedy_head.int8``, ``decode_attention.avx512``,
-    ...); empty without the extension.  Counts only grow: compare two readings."""
+    ...; ``greedy_head.unsettled_rows`` counts rows the screen left to the kernel, not
+    calls); empty without the extension.  Counts only grow: compare two readings."""
     if "cpu" not in compiled.compiled_backends():
         return {}
     return dict(zip(torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()))

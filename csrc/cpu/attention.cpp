@@ -573,6 +573,19 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache,
 
 }  // namespace
 
+std::string cpu_attention_step(int64_t head_dim) {
+  TORCH_CHECK_VALUE(head_dim > 0, "cpu_attention_step: head_dim must be positive, got ",
+                    head_dim);
+  switch (step_for(head_dim)) {
+    case Step::kAvx512:
+      return "avx512";
+    case Step::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
+  }
+}
+
 at::Tensor paged_decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache,
                                       const at::Tensor& block_tables, const at::Tensor& seq_lens,

@@ -27,6 +27,7 @@ constexpr const char* kCpuPathNames[] = {
     "greedy_head.bf16.avx512",
     "greedy_head.bf16.avx2",
     "greedy_head.kernel",
+    "greedy_head.unsettled_rows",
     "decode_attention.avx512",
     "decode_attention.avx2",
     "decode_attention.generic",

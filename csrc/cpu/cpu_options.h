@@ -28,6 +28,7 @@ enum class CpuPath : int {
   kGreedyHeadBf16Avx512,
   kGreedyHeadBf16Avx2,
   kGreedyHeadKernel,
+  kGreedyHeadUnsettledRows,  // counts rows, not calls: those the screen left to the kernel
   kDecodeAttentionAvx512,
   kDecodeAttentionAvx2,
   kDecodeAttentionGeneric,
@@ -42,9 +43,10 @@ enum class CpuPath : int {
 
 extern std::atomic<int64_t> g_cpu_path_counts[static_cast<int>(CpuPath::kCount)];
 
-// One relaxed increment per op call: no ordering, no cost worth measuring.
-inline void count_path(CpuPath path) {
-  g_cpu_path_counts[static_cast<int>(path)].fetch_add(1, std::memory_order_relaxed);
+// One relaxed increment per op call (n per call for a count of rows): no ordering, no cost
+// worth measuring.
+inline void count_path(CpuPath path, int64_t n = 1) {
+  g_cpu_path_counts[static_cast<int>(path)].fetch_add(n, std::memory_order_relaxed);
 }
 
 }  // namespace cbatch

@@ -248,19 +248,17 @@ void settle_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   }
   if (unsettled.empty()) return;
   const int64_t U = static_cast<int64_t>(unsettled.size());
+  count_path(CpuPath::kGreedyHeadUnsettledRows, U);
   at::Tensor rows = at::empty({U, K}, x.options());
   for (int64_t i = 0; i < U; ++i) {
     std::memcpy(rows.data_ptr<T>() + i * K, x.data_ptr<T>() + unsettled[i] * x.stride(0),
                 K * sizeof(T));
   }
-  const at::Tensor picked =
-      argmax_rows_cpu(logits_cpu(rows, packed, N));
+  const at::Tensor picked = argmax_rows_cpu(logits_cpu(rows, packed, N));
   for (int64_t i = 0; i < U; ++i) out[unsettled[i]] = picked.data_ptr<int64_t>()[i];
 }
 
-
 using B16 = c10::BFloat16;
-
 
 // The fp32 lm_head's bf16 screen (CPUs without the int8 one): each row's cut, then the tokens.
 void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& screen,

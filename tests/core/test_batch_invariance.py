@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbatch import Engine, SamplingParams, ops
+from cbatch.ops import cpu
 from tests.helpers import Arrival, paged_inputs, run_arrivals
 
 VOCAB = 512  # random:tiny
@@ -199,3 +200,14 @@ def test_static_baseline_logprobs_and_invariant_mode():
     alone = LLM("random:tiny", batch_invariant=True).generate([PROBE], params[:1],
                                                               use_tqdm=False)
     assert alone[0].logprobs == outs[0].logprobs
+
+
+@pytest.mark.skipif(not cpu.has_amx(), reason="oneDNN's bf16 GEMM is padded to invariance here")
+def test_bf16_off_cbatchs_kernel_is_refused_on_amx(monkeypatch):
+    """On an AMX CPU, oneDNN's bf16 GEMM is not batch-invariant, padded or not: a
+    batch-invariant bf16 engine that would run it (the route forced) is refused, naming why."""
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", "onednn")
+    with pytest.raises(ValueError, match="batch-invariant bf16 needs cbatch's CPU kernel"):
+        Engine("random:tiny", dtype="bfloat16", batch_invariant=True, max_num_seqs=2)
+    monkeypatch.delenv("CBATCH_CPU_LINEAR")
+    Engine("random:tiny", dtype="bfloat16", batch_invariant=True, max_num_seqs=2)

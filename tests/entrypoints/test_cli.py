@@ -459,3 +459,19 @@ def test_a_busy_port_is_reported_by_a_real_cbatch_serve_at_once():
     assert result.stderr == (f"cbatch: error: port {port} on 127.0.0.1 is in use (another "
                              "server?); stop it or pick another with --port\n")
     assert elapsed < 3.0  # a fresh interpreter's start-up included; the model takes ~7 s
+
+
+def test_a_blank_api_key_from_the_environment_is_refused(monkeypatch):
+    """A key of spaces in $CBATCH_API_KEY is refused as --api-key '  ' is, not taken for "no
+    key" (which would serve without one); a key is taken as it is, not stripped."""
+    from cbatch.entrypoints.openai.cli_args import check_serve_args, guard_settings
+
+    args = build_parser().parse_args(["serve", "random:tiny"])
+    monkeypatch.setenv("CBATCH_API_KEY", "   ")
+    with pytest.raises(ValueError, match="CBATCH_API_KEY must be a non-empty string"):
+        check_serve_args(args)
+    monkeypatch.setenv("CBATCH_API_KEY", " k ")
+    check_serve_args(args)
+    assert guard_settings(args)["api_key"] == " k "
+    monkeypatch.delenv("CBATCH_API_KEY")
+    assert guard_settings(args)["api_key"] is None

@@ -188,8 +188,9 @@ def test_the_logging_level_comes_from_the_environment():
     import subprocess
     import sys
 
-    code = "import logging, cbatch; print(logging.getLogger('cbatch').level)"
-    for value, level in (("WARNING", "30"), ("", "20")):
+    # set up by the first module that logs (the engine's, the loader's), not by import cbatch
+    code = "import logging, cbatch.core.engine; print(logging.getLogger('cbatch').level)"
+    for value, level in (("WARNING", "30"), ("", "20"), ("warning", "30")):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "CBATCH_LOGGING_LEVEL": value})
         assert run.stdout.strip() == level, run.stderr

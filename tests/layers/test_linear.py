@@ -7,16 +7,16 @@ import torch.nn.functional as F
 
 from cbatch.layers import linear as invariant
 from cbatch.ops import cpu
-from tests.helpers import CPU_FLAGS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, n", [(64, 192), (256, 64), (64, 512), (768, 768)])
 def test_cpu_linear_rows_do_not_depend_on_the_number_of_rows(k, n, dtype):
-    if dtype == torch.bfloat16 and "amx_bf16" in CPU_FLAGS and k >= 768:
+    if dtype == torch.bfloat16 and cpu.has_amx() and k >= 768:
         # oneDNN's bf16 GEMM on AMX sums a row differently from ~44 rows on, padded or not;
         # a batch-invariant engine never runs this fallback there: cbatch's kernel runs bf16
-        # on every AMX CPU (AMX came after AVX512-BF16)
+        # on every AMX CPU (AMX came after AVX512-BF16), and an engine forced off it is
+        # refused (tests/core/test_batch_invariance.py)
         assert cpu.route_available("cbatch", torch.bfloat16)
         pytest.skip("bf16 F.linear on AMX is not batch-invariant; the engine runs cbatch's "
                     "kernel here instead")

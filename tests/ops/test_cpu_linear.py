@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cbatch import LLM, Engine, KVCache, SamplingParams
 from cbatch.config import EngineConfig, auto_dtype
 from cbatch.core.input_batch import make_step_batch
+from cbatch import envs
 from cbatch.ops import cpu
 from cbatch.core.cpu.packing import pack_linears, unpack_linears
 from cbatch.layers.linear import Linear
@@ -173,9 +174,11 @@ def test_route_override(monkeypatch):
     model = load_model("random:tiny")
     Engine(model, max_num_seqs=2)
     assert not cpu.is_packed(model.transformer.h[0].attn.c_attn.weight)
-    monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="CBATCH_CPU_LINEAR=.*expected one of"):
-        cpu.cpu_linear_route(torch.float32)
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", "mkl")  # not a route: warned about, then the default
+    monkeypatch.setattr(envs, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="CBATCH_CPU_LINEAR='mkl': expected one of"):
+        assert cpu.cpu_linear_route(torch.float32) == next(
+            r for r in cpu.ROUTES if cpu.route_available(r, torch.float32))
 
 
 def _step_logits(model, prompts, block_size=4):
@@ -236,7 +239,15 @@ def test_bf16_engine_greedy_tokens_match_transformers_bf16(tiny_hf_dir, tiny_hf_
     prompt = [(5 * i + 3) % 500 for i in range(20)]
     llm = LLM(str(tiny_hf_dir), dtype="auto")
     assert llm.engine.config.dtype == "bfloat16" and llm.engine.model.dtype == torch.bfloat16
+    route = cpu.cpu_linear_route(torch.bfloat16)
+    assert llm.engine.runner.describe()["linear"].startswith(route)
+    before = cpu.kernel_paths()
     out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    ran = {k: n - before[k] for k, n in cpu.kernel_paths().items() if n > before[k]}
+    if route == "cbatch":  # the bf16 tiles ran, and the screen took the greedy steps
+        assert ran.get("linear.avx512", 0) > 0, ran
+        if cpu.screen_kind(torch.bfloat16) == "int8":
+            assert ran.get("greedy_head.int8", 0) >= 7, ran
     hf_bf16 = copy.deepcopy(tiny_hf_model).to(torch.bfloat16)  # the fixture stays fp32
     with torch.no_grad():
         ids = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,

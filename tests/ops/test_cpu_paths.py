@@ -2,8 +2,8 @@
 per-path call counters (cpu_path_names / cpu_path_counts) and set_cpu_options, which caps the
 kernels at their AVX2 paths or forces the portable attention step.  Each test asserts that the
 counter of the path that should run went up by one and no other moved; paths this CPU lacks
-are skipped."""
-
+are skipped.  The attention kernels' paths are asserted in tests/ops/test_attention.py
+(test_cpu_kernel_paths), beside their results."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ import torch
 from cbatch import ops
 from cbatch.ops import compiled, cpu
 from tests.helpers import CPU_FLAGS as FLAGS
-from tests.helpers import assert_attention_close, paged_inputs
 
 pytestmark = pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
                                 reason="cbatch's C++ CPU kernels are not built")
@@ -63,7 +62,8 @@ def test_path_names_and_counts():
     assert len(names) == len(set(names)) == len(counts)
     assert all(count >= 0 for count in counts)
     assert {"linear.avx512", "linear.avx2", "greedy_head.int8", "greedy_head.bf16.avx512",
-            "greedy_head.bf16.avx2", "greedy_head.kernel", "decode_attention.avx512",
+            "greedy_head.bf16.avx2", "greedy_head.kernel", "greedy_head.unsettled_rows",
+            "decode_attention.avx512",
             "decode_attention.avx2", "decode_attention.generic", "prefill_attention.avx512",
             "prefill_attention.avx2", "prefill_attention.generic", "argmax.avx512",
             "argmax.generic", "write_kv_cache.cpu"} == set(names)
@@ -150,62 +150,6 @@ def test_greedy_head_int8_screen_and_the_kernel_from_16_bf16_rows():
     # from 16 rows a bf16 lm_head is compute-bound: the kernel runs every row
     assert _without_linear(_ran(_greedy(torch.bfloat16, True, 16))) == \
         {"greedy_head.kernel": 1}
-
-
-def _attention(head_dim, dtype=torch.float32):
-    lens, block_size, heads, kv_heads = [1, 15, 16, 17, 60], 16, 4, 2
-    decode = paged_inputs(lens, [1] * len(lens), heads, head_dim, block_size, dtype, "cpu", 7,
-                          num_kv_heads=kv_heads)
-    prefill = paged_inputs(lens, [1, 3, 16, 1, 40], heads, head_dim, block_size, dtype, "cpu",
-                           8, num_kv_heads=kv_heads)
-
-    def run_decode():
-        q, kc, vc, tables, cu, seq_lens = decode
-        assert_attention_close(ops.paged_decode_attention(q, kc, vc, tables, seq_lens,
-                                                          backend="cpu"), *decode)
-
-    def run_prefill():
-        q, kc, vc, tables, cu, seq_lens = prefill
-        assert_attention_close(ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens,
-                                                           backend="cpu"), *prefill)
-    return run_decode, run_prefill
-
-
-def _attention_paths(head_dim, dtype=torch.float32):
-    decode, prefill = _attention(head_dim, dtype)
-    return _ran(decode), _ran(prefill)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_attention_runs_the_widest_step(dtype):
-    # head dim 64: the AVX-512 step where the CPU has it; 80: AVX2 (not a multiple of 16)
-    for head_dim in (64, 80):
-        if HAS_AVX512 and head_dim % 16 == 0:
-            step = "avx512"
-        elif HAS_AVX2:
-            step = "avx2"
-        else:
-            step = "generic"
-        assert _attention_paths(head_dim, dtype) == ({f"decode_attention.{step}": 1},
-                                                     {f"prefill_attention.{step}": 1})
-    # 36: a multiple of neither
-    assert _attention_paths(36, dtype) == ({"decode_attention.generic": 1},
-                                           {"prefill_attention.generic": 1})
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_set_cpu_options_generic_switches_attention_to_the_portable_step(dtype):
-    torch.ops.cbatch.set_cpu_options("", "generic")
-    for head_dim in (64, 80):
-        assert _attention_paths(head_dim, dtype) == ({"decode_attention.generic": 1},
-                                                     {"prefill_attention.generic": 1})
-
-
-@pytest.mark.skipif(not (HAS_AVX512 and HAS_AVX2), reason="needs a CPU with AVX-512")
-def test_set_cpu_options_avx2_switches_attention_to_its_avx2_step():
-    torch.ops.cbatch.set_cpu_options("avx2", "")
-    assert _attention_paths(64) == ({"decode_attention.avx2": 1},
-                                    {"prefill_attention.avx2": 1})
 
 
 def test_argmax_paths():

@@ -317,8 +317,11 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch, dtyp
 
     llm = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
     assert llm.engine.runner.describe()["greedy screen"] in ("int8", "bf16")
+    unsettled = cpu.kernel_paths()["greedy_head.unsettled_rows"]
     on, calls, _ = tokens(llm)
     assert calls >= 12  # every decode step of the greedy requests, at least
+    # and the screen settled every row itself (none went back to the full kernel)
+    assert cpu.kernel_paths()["greedy_head.unsettled_rows"] == unsettled
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
     off = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
     assert off.engine.runner.greedy_screen is None

@@ -27,6 +27,7 @@ from torch import nn
 from cbatch import envs
 from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
 from cbatch.core.cpu.packing import pack_linears
+from cbatch.core.cpu.report import isa_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.core.model_runner import ModelRunner
 from cbatch.core.sampler import SamplingBatch
@@ -63,32 +64,30 @@ class CPUModelRunner(ModelRunner):
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None]
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        # (a CPU runner captures no CUDA graphs: ModelRunner.logits replays none here)
         with self.threads.step():
             if sampling.all_greedy and not any(num_logprobs) and self.greedy_screen is not None:
                 return self.greedy_tokens(self.last_hidden(batch)), None  # no logits needed
             return super().run(batch, sampling, num_logprobs)
 
     def describe(self) -> dict[str, str]:
-        """The CPU paths live in this engine, a phrase each: ``linear`` (the route of the
+        """The CPU paths live in this engine, a phrase each: ``isa`` (what the C++ kernels
+        use), ``attention`` (the step for the model's head dim), ``linear`` (the route of the
         model's dtype, and whether its weights are packed), ``greedy screen`` (int8, bf16 or
-        off), ``huge pages``, ``threads``, ``isa`` (what the C++ kernels use)."""
+        off), ``huge pages``, ``threads``."""
         screen, dtype = self.greedy_screen, str(self.model.dtype).removeprefix("torch.")
         if screen is None:
             screen_kind = "off (CBATCH_GREEDY_SCREEN=0)" if not envs.CBATCH_GREEDY_SCREEN \
                 else "off (none runs this lm_head here)"
         else:
             screen_kind = "int8" if screen.scales is not None else "bf16"
-        if self.threads.fixed is not None:
-            threads = f"{self.threads.fixed} (fixed)"
-        elif self.threads.adaptive:
-            threads = f"up to {len(self.threads.cpus)}, the cores other processes leave free"
-        else:
-            threads = f"{max(1, min(torch.get_num_threads(), len(self.threads.cpus)))}"
+        head_dim = self.model.config.head_dim
         return {
-            "isa": cpu.cpu_isa() or "none (portable C++ or torch)",
+            "isa": isa_phrase(),
+            "attention": f"{cpu.attention_step(head_dim) or 'torch'} (head dim {head_dim})",
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)",
             "greedy screen": screen_kind,
             "huge pages": "on" if self.huge_pages.enabled else "off",
-            "threads": threads,
+            "threads": self.threads.describe(),
         }

@@ -44,6 +44,11 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
         return False
     dtype = layers[0].weight.dtype
     route = cpu.cpu_linear_route(dtype)
+    if batch_invariant and route != "cbatch" and dtype == torch.bfloat16 and cpu.has_amx():
+        raise ValueError(
+            f"batch-invariant bf16 needs cbatch's CPU kernel on this CPU (the {route!r} route "
+            "runs oneDNN's bf16 GEMM on AMX, whose sums of a row change with the number of "
+            "rows); unset CBATCH_CPU_LINEAR, or use float32")
     if batch_invariant and any(layer.packed_weight is not None and layer.packed_weight.is_mkldnn
                                for layer in layers):
         unpack_linears(model)

@@ -11,6 +11,7 @@ import torch
 
 from cbatch import envs
 from cbatch.core.cpu.memory import huge_pages_available
+from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.ops import cpu
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -34,31 +35,39 @@ def _screen(dtype: torch.dtype) -> str:
     return kind if kind and _route(dtype) == "cbatch" else "none"
 
 
-def _attention(isa: str) -> str:
-    if envs.CBATCH_CPU_ATTENTION == "generic":
-        return "generic (CBATCH_CPU_ATTENTION=generic)"
-    if "avx512" in isa.split():
-        return "avx512 for head dims that are multiples of 16, else generic"
-    if "avx2" in isa.split():
-        return "avx2 for head dims that are multiples of 8, else generic"
-    return "generic"
+def _attention() -> str:
+    """The attention step of each kind of head dim, as the kernels choose it."""
+    steps = [cpu.attention_step(d) for d in (16, 8, 4)]  # multiples of 16, of 8, the rest
+    if not steps[0]:
+        return "none: the pure-torch reference (no extension)"
+    if len(set(steps)) == 1:
+        why = " (CBATCH_CPU_ATTENTION=generic)" if envs.CBATCH_CPU_ATTENTION else ""
+        return f"{steps[0]} for every head dim{why}"
+    parts = [f"{steps[0]} for head dims that are multiples of 16"]
+    if steps[1] != steps[0]:
+        parts.append(f"{steps[1]} for multiples of 8")
+    return ", ".join(parts + [f"else {steps[2]}"])
 
 
 def cpu_paths() -> dict[str, str]:
     """The CPU paths live here, a phrase each: ``isa`` (what the C++ kernels use, after
     ``$CBATCH_CPU_ISA``), ``attention``, ``linear`` (the route of each dtype), ``greedy
     screen`` (the lm_head's screen of each dtype), ``huge pages`` and ``threads``."""
-    isa = cpu.cpu_isa()
-    cap = " (CBATCH_CPU_ISA=avx2)" if envs.CBATCH_CPU_ISA else ""
     return {
-        "isa": (isa or "none: portable C++ and torch") + cap,
-        "attention": _attention(isa),
+        "isa": isa_phrase(),
+        "attention": _attention(),
         "linear": ", ".join(f"{_name(d)} {_route(d)}" for d in DTYPES),
         "greedy screen": ", ".join(f"{_name(d)} {_screen(d)}" for d in DTYPES),
         "huge pages": "on" if huge_pages_available() else
                       "off" + (" (CBATCH_HUGE_PAGES=0)" if not envs.CBATCH_HUGE_PAGES else ""),
-        "threads": f"up to {torch.get_num_threads()}, the cores other processes leave free",
+        "threads": ThreadPolicy().describe(),
     }
+
+
+def isa_phrase() -> str:
+    """What the C++ kernels use, with the cap if one is set."""
+    cap = " (capped by CBATCH_CPU_ISA=avx2)" if envs.CBATCH_CPU_ISA else ""
+    return (cpu.cpu_isa() or "none: portable C++ and torch") + cap
 
 
 def format_paths(paths: dict[str, str], indent: str = "  ") -> list[str]:

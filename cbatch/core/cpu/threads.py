@@ -78,9 +78,22 @@ class ThreadPolicy:
         self.free_cores = max(0.0, len(self.cpus) - others)
         self._last = (now, busy, mine)
 
+    def ceiling(self) -> int:
+        """The most threads a step may use now: torch's thread count, within the process's
+        CPU affinity."""
+        return max(1, min(torch.get_num_threads(), len(self.cpus)))
+
+    def describe(self) -> str:
+        """The policy in a phrase (``cbatch --version``, ``cbatch serve``)."""
+        if self.fixed is not None:
+            return f"{self.fixed} (fixed)"
+        if self.adaptive:
+            return f"up to {self.ceiling()}, the cores other processes leave free"
+        return f"{self.ceiling()}"
+
     def choose(self) -> int:
         """The thread count for the next step."""
-        ceiling = max(1, min(torch.get_num_threads(), len(self.cpus)))
+        ceiling = self.ceiling()
         if self.fixed is not None:
             return self.fixed
         if not self.adaptive:

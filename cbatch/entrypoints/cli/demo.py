@@ -67,7 +67,8 @@ def run_demo(args: argparse.Namespace) -> None:
     n_batches = -(-len(wl.prompts) // wl.batch_size)
     print(f"workload 'seed': {len(wl.prompts)} requests, batch size {wl.batch_size}, "
           f"{wl.num_output_tokens} output tokens")
-    print(f"static batching: {n_batches} batches of {wl.batch_size}, each decoded until its "
+    print(f"static batching: {n_batches} batch{'es' if n_batches != 1 else ''} of "
+          f"{wl.batch_size}, each decoded until its "
           "longest request ends …", flush=True)
     results = [_run_workload(static, wl, "static")]
     print("continuous batching: requests join and leave the batch at every step …", flush=True)

@@ -57,10 +57,11 @@ class VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CLIParser(
-        prog="cbatch", description="Continuous-batching inference for GPT-2-family models.")
+        prog="cbatch",
+        description="Continuous-batching inference for GPT-2 and the Llama family.")
     parser.add_argument("--version", action=VersionAction,
-                        help="print the version, the torch it runs on and which attention "
-                             "backends are live, and exit")
+                        help="print the version, the torch it runs on, which attention "
+                             "backends and CPU fast paths are live, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model = model_parser()
     add_demo_parser(sub, [model])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import socket
@@ -32,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cbatch.logger import init_logger
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
 from cbatch.core.cpu.report import format_paths
 from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_settings
@@ -45,7 +45,7 @@ from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
 from cbatch.hub import resolve_checkpoint_dir
 
-logger = logging.getLogger("cbatch.server")
+logger = init_logger("cbatch.server")
 
 
 def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | None = None,
@@ -232,6 +232,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
+    print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
+          "/v1/chat/completions, /v1/models, /health, /metrics)", flush=True)
     server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)

@@ -51,6 +51,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         need(math.isfinite(value) and value > 0, flag, "a number of seconds > 0")
     if args.api_key is not None:
         need(bool(args.api_key.strip()), "--api-key", "a non-empty string")
+    elif envs.CBATCH_API_KEY and not envs.CBATCH_API_KEY.strip():
+        raise ValueError("CBATCH_API_KEY must be a non-empty string, got "
+                         f"{envs.CBATCH_API_KEY!r} (unset it to serve without a key)")
 
 
 def guard_settings(args: argparse.Namespace) -> dict:

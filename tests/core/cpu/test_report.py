@@ -50,7 +50,11 @@ def test_an_engine_describes_and_runs_its_paths():
     counters show that route's kernel ran in its steps."""
     llm = LLM("random:tiny", max_num_seqs=4)
     described = llm.engine.runner.describe()
-    assert set(described) == {"isa", "linear", "greedy screen", "huge pages", "threads"}
+    assert set(described) == {"isa", "attention", "linear", "greedy screen", "huge pages",
+                              "threads"}
+    head_dim = llm.engine.model.config.head_dim
+    step = cpu.attention_step(head_dim)
+    assert described["attention"] == f"{step} (head dim {head_dim})"
     route = cpu.cpu_linear_route(torch.float32)
     assert described["linear"] == (f"{route} (float32, packed weights)" if route != "torch"
                                    else "torch (float32, dense weights)")
@@ -61,5 +65,24 @@ def test_an_engine_describes_and_runs_its_paths():
     isa = cpu.cpu_isa().split()
     if route == "cbatch":
         assert ran.get("linear.avx512" if "avx512" in isa else "linear.avx2", 0) > 0, ran
-    assert any(k.startswith("decode_attention.") for k in ran), ran
+    assert ran.get(f"decode_attention.{step}", 0) > 0, ran
     assert not any(k.startswith("greedy_head.") for k in ran), ran  # sampled: logits
+
+
+@needs_ext
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
+def test_the_reported_attention_step_is_the_one_that_runs(head_dim):
+    """What cbatch --version and describe() say of attention (cpu.attention_step) is the path
+    the kernel's counters see a call take."""
+    from cbatch import ops
+    from tests.helpers import paged_inputs
+
+    q, kc, vc, tables, _, seq_lens = paged_inputs([5, 17], [1, 1], 2, head_dim, 16,
+                                                  torch.float32, "cpu", head_dim)
+    before = cpu.kernel_paths()
+    ops.paged_decode_attention(q, kc, vc, tables, seq_lens, backend="cpu")
+    after = cpu.kernel_paths()
+    ran = [k for k in after if after[k] > before[k]]
+    assert ran == [f"decode_attention.{cpu.attention_step(head_dim)}"]
+    phrase = cpu_paths()["attention"]
+    assert cpu.attention_step(head_dim) in phrase
