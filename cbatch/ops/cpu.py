@@ -179,12 +179,17 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def _int8_screen(dtype: torch.dtype) -> bool:
+    """Whether an lm_head of ``dtype`` gets the int8 screen (a bf16 one has no other)."""
+    return dtype == torch.bfloat16 or int8_screens()
+
+
 def screen_kind(dtype: torch.dtype) -> str | None:
     """The screen an lm_head of ``dtype`` gets here: ``"int8"``, ``"bf16"`` or None (see
     :func:`screen_available`)."""
     if not screen_available(dtype):
         return None
-    return "int8" if dtype == torch.bfloat16 or int8_screens() else "bf16"
+    return "int8" if _int8_screen(dtype) else "bf16"
 
 
 def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
@@ -192,7 +197,7 @@ def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
     or (fp32 only) bf16; ``int8`` None: int8 where :func:`int8_screens`."""
     w = weight.detach()
     if int8 is None:
-        int8 = w.dtype == torch.bfloat16 or int8_screens()
+        int8 = _int8_screen(w.dtype)
     if not int8 and w.dtype != torch.float32:
         raise ValueError(f"a bf16 screen is for an fp32 weight, not {w.dtype}")
     if int8:

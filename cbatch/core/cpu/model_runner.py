@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cbatch import envs
 from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
 from cbatch.core.cpu.packing import pack_linears
-from cbatch.core.cpu.report import isa_phrase
+from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.core.model_runner import ModelRunner
 from cbatch.core.sampler import SamplingBatch
@@ -76,18 +75,14 @@ class CPUModelRunner(ModelRunner):
         model's dtype, and whether its weights are packed), ``greedy screen`` (int8, bf16 or
         off), ``huge pages``, ``threads``."""
         screen, dtype = self.greedy_screen, str(self.model.dtype).removeprefix("torch.")
-        if screen is None:
-            screen_kind = "off (CBATCH_GREEDY_SCREEN=0)" if not envs.CBATCH_GREEDY_SCREEN \
-                else "off (none runs this lm_head here)"
-        else:
-            screen_kind = "int8" if screen.scales is not None else "bf16"
+        kind = None if screen is None else "int8" if screen.scales is not None else "bf16"
         head_dim = self.model.config.head_dim
         return {
             "isa": isa_phrase(),
             "attention": f"{cpu.attention_step(head_dim) or 'torch'} (head dim {head_dim})",
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)",
-            "greedy screen": screen_kind,
+            "greedy screen": screen_phrase(kind),
             "huge pages": "on" if self.huge_pages.enabled else "off",
             "threads": self.threads.describe(),
         }

@@ -28,11 +28,16 @@ def _route(dtype: torch.dtype) -> str:
         return f"none ({e})"
 
 
+def screen_phrase(kind: str | None) -> str:
+    """A greedy screen's kind ("int8", "bf16"), or why there is none."""
+    if kind:
+        return kind
+    return "off (CBATCH_GREEDY_SCREEN=0)" if not envs.CBATCH_GREEDY_SCREEN else "none"
+
+
 def _screen(dtype: torch.dtype) -> str:
-    if not envs.CBATCH_GREEDY_SCREEN:
-        return "off (CBATCH_GREEDY_SCREEN=0)"
     kind = cpu.screen_kind(dtype)
-    return kind if kind and _route(dtype) == "cbatch" else "none"
+    return screen_phrase(kind if _route(dtype) == "cbatch" else None)
 
 
 def _attention() -> str:
