@@ -45,7 +45,7 @@ class OutputProcessor:
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                    seq.first_token_time, seq.finished_time, len(out),
                                    seq.num_preemptions),
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             # a request that failed is not decoded again (its text is empty)
             text_of=None if seq.error else detokenizer_for(seq, self.tokenizer).text_at,
             error=seq.error,

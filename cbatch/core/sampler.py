@@ -25,6 +25,10 @@ class SamplingBatch:
     top_ps: list[float]
     seeds: list[int]
     positions: list[int]  # how many tokens each request has generated so far
+    # structured outputs: int32 [S, ceil(vocab / 32)], bit t of row s set where token t may
+    # be sampled (xgrammar's token bitmask; rows without a grammar all ones); None: no row
+    # has a grammar
+    bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -86,7 +90,7 @@ def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
     vLLM returns by default), so they do not depend on how a request is sampled.  For the R
     rows that ask: ``(top values [R, k], top ids [R, k], sampled ids [R], sampled values
     [R])``, k the most any row asks for; None when no row asks (nothing is computed then)."""
-    rows = [s for s, k in enumerate(num_logprobs) if k]
+    rows = [s for s, k in enumerate(num_logprobs) if k is not None]
     if not rows:
         return None
     idx = to_device(rows, logits.device)
@@ -107,7 +111,7 @@ def logprobs_lists(tensors: tuple[torch.Tensor, ...] | None, num_logprobs: list[
         return None
     top_values, top_ids, sampled_ids, sampled = (t.tolist() for t in tensors)
     out: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    rows = [s for s, k in enumerate(num_logprobs) if k]
+    rows = [s for s, k in enumerate(num_logprobs) if k is not None]
     for i, (s, token, value) in enumerate(zip(rows, sampled_ids, sampled)):
         k = num_logprobs[s]
         entry = dict(zip(top_ids[i][:k], top_values[i][:k]))

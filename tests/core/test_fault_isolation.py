@@ -23,7 +23,7 @@ KW = dict(max_num_seqs=8, seed=0)
     ("temperature", "1"), ("top_p", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", 2**63), ("top_k", 2**31 + 1), ("top_k", -2), ("top_k", 1.5), ("top_k", True),
     ("seed", 1.5), ("seed", "abc"), ("seed", -1), ("seed", 2**64), ("max_tokens", 2.0),
-    ("logprobs", 0), ("logprobs", 1.0), ("stop_token_ids", ["a"]), ("stop", 5),
+    ("logprobs", -1), ("logprobs", 1.0), ("stop_token_ids", ["a"]), ("stop", 5),
 ])
 def test_sampling_params_refuse_what_the_step_cannot_run_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
