@@ -61,6 +61,10 @@ class RequestOutput:
     # most likely tokens (most likely first) and the sampled one; the log-softmax of the raw
     # logits, before temperature, top-k and top-p.  None when not asked for.
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams(prompt_logprobs=k): per prompt token, the same for its own token given
+    # the ones before it; the first entry is None (nothing comes before it).  None when not
+    # asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # (number of output tokens, finished) -> their text: the request's incremental
     # detokenizer, which decodes each token once however many snapshots read it
     text_of: Callable[[int, bool], str] | None = field(default=None, repr=False, compare=False)

@@ -146,6 +146,7 @@ class SamplingParams:
         self.top_k = max(self.top_k, 0)  # -1 (vLLM's "off") is 0 here
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        self._stop_token_set = frozenset(self.stop_token_ids)
         if not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r:.80}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -219,6 +220,12 @@ class SamplingParams:
                              f"(= {self.n}), as in vLLM v1; ask for n completions instead")
 
     @property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set (a stop check per token is O(1), however long the
+        list)."""
+        return self._stop_token_set
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -230,6 +237,12 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0 or self.min_p or self.min_tokens
                     or self.logit_bias or self.allowed_token_ids is not None
                     or self.bad_words or self.structured_outputs is not None)
+
+    @property
+    def needs_output_on_host(self) -> bool:
+        """Whether this request's logits rules read its last sampled token on the host (bad
+        words, a grammar): with async scheduling, its steps wait for the previous one."""
+        return bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def penalized(self) -> bool:

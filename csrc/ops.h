@@ -86,6 +86,14 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.
 at::Tensor argmax_cpu(const at::Tensor& logits);
 
+// One draw per sampled row of logits [S, V] (dense rows) → int64 [R]: rows [R] (int64) pick
+// the rows; temperature (> 0), top_p and min_p float32 [R], top_k int64 [R] (0 = off) and
+// uniform float64 [R] in [0, 1) (the request's own stream) say how.  cpu/sample.cpp.
+at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
+                      const at::Tensor& temperature, const at::Tensor& top_k,
+                      const at::Tensor& top_p, const at::Tensor& min_p,
+                      const at::Tensor& uniform);
+
 // What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
 // residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).
 at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);

@@ -26,6 +26,9 @@ TORCH_LIBRARY(cbatch, m) {
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
       "float screen_norm, float error_norm, Tensor? scales=None) -> Tensor");  // greedy tokens
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
+  m.def(
+      "sample(Tensor logits, Tensor rows, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor uniform) -> Tensor");  // the sampled rows' draw (CPU only)
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
   m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
@@ -41,6 +44,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("linear", &cbatch::linear_cpu);
   m.impl("greedy_head", &cbatch::greedy_head_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
+  m.impl("sample", &cbatch::sample_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

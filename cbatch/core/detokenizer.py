@@ -33,11 +33,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, token_ids: list[int], num_prompt_tokens: int,
-                 stop: list[str] | None = None):
+                 stop: list[str] | None = None, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.stop = list(stop or [])
+        self.min_tokens = min_tokens  # stop strings count only in text from later tokens
         # Streaming holds back the last len(longest stop) - 1 characters: they might be the
         # start of a stop string, which must never reach the client.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -55,14 +56,17 @@ class IncrementalDetokenizer:
                 new_text = decode(ids[self._prefix:end + 1])
                 if len(new_text) > len(prefix_text) and (
                         not new_text.endswith("\ufffd") or end + 1 - self._read > MAX_HELD_TOKENS):
-                    self._append(new_text[len(prefix_text):])
+                    self._append(new_text[len(prefix_text):],
+                                 search=end + 1 - self.num_prompt_tokens > self.min_tokens)
                     self._prefix, self._read = self._read, end + 1
             self._text_ends.append(len(self.text))
 
-    def _append(self, piece: str) -> None:
+    def _append(self, piece: str, search: bool = True) -> None:
         # A stop string may straddle the old text and the new piece.
         start = max(0, len(self.text) - self._holdback)
         self.text += piece
+        if not search:
+            return
         found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if found:
             self.stop_at = min(found)
@@ -97,5 +101,5 @@ def detokenizer_for(seq: Sequence, tokenizer: Tokenizer) -> IncrementalDetokeniz
     """The sequence's detokenizer, made on first use (requests nobody reads pay nothing)."""
     if seq.detokenizer is None:
         seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.token_ids, seq.num_prompt_tokens,
-                                                 seq.params.stop)
+                                                 seq.params.stop, seq.params.min_tokens)
     return seq.detokenizer

@@ -165,6 +165,11 @@ class Engine:
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= cfg.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the model's "
+                                 f"vocabulary (ids 0 to {cfg.vocab_size - 1})")
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -184,10 +189,22 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
-        seq = Sequence(request_id, ids, params, order, priority, seed, stream)
+        seq = Sequence(request_id, ids, params, order, priority, seed, stream,
+                       bad_words_token_ids=self._bad_words_token_ids(params))
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
+        """``params.bad_words`` as token ids: each word as it is and with a leading space (a
+        word in mid-text is usually one token with its space), as vLLM does."""
+        words: set[tuple[int, ...]] = set()
+        for word in params.bad_words or ():
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    words.add(ids)
+        return sorted(words)
 
     def abort(self, request_id: str, report: bool = True) -> None:
         """Stop an unfinished request; its output (reason "abort") comes from the next step
@@ -222,6 +239,7 @@ class Engine:
     # -------------------------------------------------------------- stepping
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self.runner.release(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.num_inflight = 0  # a later step's sample for it is dropped
         seq.finish_reason = reason
@@ -241,6 +259,10 @@ class Engine:
         scheduling: in the step launched before this one)."""
         start = self._counters.start()
         changed, self._aborted = self._aborted, []
+        if self._in_flight and self._needs_output_on_host:
+            # a request's rules read its last token (bad words, a grammar): resolve first
+            while self._in_flight:
+                changed += self._resolve(self._in_flight.popleft())
         launched = self._launch()
         if launched is not None:
             self._in_flight.append(launched)
@@ -252,6 +274,10 @@ class Engine:
         outputs = self.output_processor.outputs(changed)
         self._counters.elapsed += self._counters.tick("postprocess") - start
         return outputs
+
+    @property
+    def _needs_output_on_host(self) -> bool:
+        return any(seq.params.needs_output_on_host for seq in self._requests.values())
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and send it to the device; the scheduled sequences advance by
@@ -287,10 +313,13 @@ class Engine:
         check stop conditions, finish.  Returns the sequences that changed."""
         self._counters.tick("postprocess")
         tokens, logprobs = step.tokens.wait()
+        prompt_logprobs = step.tokens.prompt_logprobs()
         now = self._counters.tick("execute")
         changed = []
         for i, (item, token) in enumerate(zip(step.scheduled, tokens)):
             seq = item.seq
+            if prompt_logprobs is not None and prompt_logprobs[i] and not seq.is_finished:
+                seq.prompt_logprobs += [None] * (not seq.prompt_logprobs) + prompt_logprobs[i]
             if not step.tokens.samples[i] or seq.is_finished:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
             seq.num_inflight -= 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,10 +30,11 @@ from torch import nn
 
 from cbatch import ops
 from cbatch.core.input_batch import StepBatchBuilder
-from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
+from cbatch.core.sampler import (SamplingBatch, TokenCounts, logits_rules, logprobs_lists,
+                                 logprobs_tensors, sample)
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.layers.kv_cache import KVCache
-from cbatch.layers.step_batch import StepBatch
+from cbatch.layers.step_batch import StepBatch, to_device
 
 
 # How far a graph's logits may be from the eager forward's on the same padded batch (the
@@ -47,17 +49,54 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
+@dataclass
+class PromptTargets:
+    """The prompt tokens whose logprobs a step computes (``SamplingParams.prompt_logprobs``):
+    the logits at ``token_indices`` (into the step's flat tokens) score ``targets`` (each the
+    prompt token after that position), with ``num_logprobs`` alternatives each; row s of the
+    step owns ``counts[s]`` of them, in order."""
+
+    token_indices: list[int]
+    targets: list[int]
+    num_logprobs: list[int]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledSequence]) -> PromptTargets | None:
+        """Those of a step's sequences that ask, for the positions this step computes (a
+        position p scores prompt token p + 1); None when none asks."""
+        out, offset = cls([], [], [], []), 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            k = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            # a recomputed (preempted) prefix has its logprobs already: only the rest
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            count = max(0, end - first) if k is not None else 0
+            if count:
+                out.token_indices += range(offset + first - start, offset + end - start)
+                out.targets += seq.prompt_token_ids[first + 1:end + 1]
+                out.num_logprobs += [k] * count
+            out.counts.append(count)
+            offset += n
+        return out if out.targets else None
+
+
 class SampledTokens:
     """One step's sampled tokens (and logprobs), on their way to the host."""
 
     def __init__(self, tokens: torch.Tensor, samples: list[bool],
-                 logprobs: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None]):
+                 logprobs: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None],
+                 prompt: PromptTargets | None = None,
+                 prompt_logprobs: tuple[torch.Tensor, ...] | None = None):
         self.samples = samples  # per row: whether it reached its sequence's last token
         # on CUDA: non-blocking copies into pinned memory, then an event to wait for
         self._tokens = tokens.to("cpu", non_blocking=True)
-        self._logprobs = None if logprobs is None else tuple(
-            t.to("cpu", non_blocking=True) for t in logprobs)
+        self._logprobs, self._prompt_logprobs = (None if t is None else tuple(
+            x.to("cpu", non_blocking=True) for x in t) for t in (logprobs, prompt_logprobs))
         self._num_logprobs = num_logprobs
+        self.prompt = prompt
         self._ready = None
         if tokens.is_cuda:
             self._ready = torch.cuda.Event()
@@ -70,6 +109,19 @@ class SampledTokens:
         if self._ready is not None:
             self._ready.synchronize()
         return self._tokens.tolist(), logprobs_lists(self._logprobs, self._num_logprobs)
+
+    def prompt_logprobs(self) -> list[list[dict[int, float]]] | None:
+        """Per row, the logprobs of the prompt tokens this step scored (``{token id:
+        logprob}``: its k most likely and the prompt's own token), after :meth:`wait`; None
+        when no row asked."""
+        if self.prompt is None:
+            return None
+        flat = logprobs_lists(self._prompt_logprobs, self.prompt.num_logprobs)
+        out, i = [], 0
+        for count in self.prompt.counts:
+            out.append(flat[i:i + count])
+            i += count
+        return out
 
 
 class ModelRunner:
@@ -96,6 +148,10 @@ class ModelRunner:
         # sequence that sampled in it (id(seq) -> row): where in-flight tokens come from
         self._sampled: torch.Tensor | None = None
         self._sampled_rows: dict[int, int] = {}
+        eos = model.config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, tuple) else
+                                       () if eos is None else (eos,))
+        self.token_counts = TokenCounts(model.config.vocab_size, self.device)  # penalties'
         self.dry_run()
         if self.device.type == "cuda":  # compile every kernel now, not in the first request
             cfg = model.config
@@ -169,29 +225,48 @@ class ModelRunner:
         """Launch the forward pass and sampling of a batch from :meth:`prepare` (call it
         before the scheduled sequences advance); :meth:`SampledTokens.wait` gives the
         tokens."""
-        params = [item.seq.params for item in scheduled]
+        seqs = [item.seq for item in scheduled]
+        params = [seq.params for seq in seqs]
+        samples = [item.samples for item in scheduled]
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
             top_ks=[p.top_k for p in params],
             top_ps=[p.top_p for p in params],
-            seeds=[item.seq.seed for item in scheduled],
-            positions=[item.seq.num_output_tokens for item in scheduled],
+            seeds=[seq.seed for seq in seqs],
+            positions=[seq.num_output_tokens for seq in seqs],
+            min_ps=[p.min_p for p in params],
+            rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts),
         )
         num_logprobs = [p.logprobs for p in params]
-        tokens, logprobs = self.run(batch, sampling, num_logprobs)
-        samples = [item.samples for item in scheduled]
+        prompt = PromptTargets.of(scheduled)
+        tokens, logprobs, prompt_logprobs = self.run(batch, sampling, num_logprobs, prompt)
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
                               if samples[row]}
-        return SampledTokens(tokens, samples, logprobs, num_logprobs)
+        return SampledTokens(tokens, samples, logprobs, num_logprobs, prompt, prompt_logprobs)
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None]
-            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """The forward pass and the sampler: int64 tokens ``[S]`` and the logprobs tensors
-        (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no row asked)."""
-        logits = self.logits(batch)
+    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
+            prompt: PromptTargets | None = None
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None,
+                       tuple[torch.Tensor, ...] | None]:
+        """The forward pass and the sampler: int64 tokens ``[S]``, the logprobs tensors
+        (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no row asked) and those of
+        the prompt tokens ``prompt`` names (None when it is None)."""
+        if prompt is None:
+            logits, prompt_logprobs = self.logits(batch), None
+        else:  # logits at more positions than each sequence's last: the eager forward
+            hidden = self.model(batch, self.kv_cache)
+            logits = self.model.compute_logits(
+                hidden[batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]])
+            at = self.model.compute_logits(hidden[to_device(prompt.token_indices, self.device)])
+            prompt_logprobs = logprobs_tensors(at, to_device(prompt.targets, self.device),
+                                               prompt.num_logprobs)
         tokens = sample(logits, sampling)
-        return tokens, logprobs_tensors(logits, tokens, num_logprobs)
+        return tokens, logprobs_tensors(logits, tokens, num_logprobs), prompt_logprobs
+
+    def release(self, request_id: str) -> None:
+        """Forget what the runner holds for a finished request (its penalties' counts)."""
+        self.token_counts.release(request_id)
 
     def describe(self) -> dict[str, str]:
         """The device-specific paths live in this engine, a phrase each (the CPU runner's;

@@ -20,12 +20,15 @@ class OutputProcessor:
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends now that ``token`` joined it ("stop", "length"), or None."""
         params = seq.params
-        if token in params.stop_token_ids or (
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output < params.min_tokens:  # (EOS and stop ids were banned from its draws)
+            return None
+        if token in params.stop_token_set or (
                 not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop and detokenizer_for(seq, self.tokenizer).hits_stop():
             return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return "length"
         return None
 
@@ -46,6 +49,8 @@ class OutputProcessor:
                                    seq.first_token_time, seq.finished_time, len(out),
                                    seq.num_preemptions),
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=(list(seq.prompt_logprobs or [None])
+                             if seq.params.prompt_logprobs is not None else None),
             # a request that failed is not decoded again (its text is empty)
             text_of=None if seq.error else detokenizer_for(seq, self.tokenizer).text_at,
             error=seq.error,

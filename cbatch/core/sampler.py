@@ -1,19 +1,61 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: the logits rules of vLLM's ``SamplingParams``, greedy, and one
+seeded draw per sampled row.
 
-All filtering is done on the whole ``[S, vocab]`` logits at once.  Randomness comes from an
-exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` draws the categorical ``p``), and each
-row's noise comes from its own generator seeded by (request seed, output position), so a
-request's tokens do not depend on what else is in the batch.
+A step's ``[S, vocab]`` logits go through, in vLLM's order:
+
+1. the rules that change logits, only for the rows that ask for them (:class:`LogitsRules`):
+   a grammar's token bitmask, ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (banned
+   tokens), ``logit_bias``, then the repetition, frequency and presence penalties, which read
+   each request's token counts (:class:`TokenCounts`, kept on the device and updated by the
+   sampler itself after every draw, so never rebuilt from the token lists);
+2. greedy rows: the argmax of what step 1 left;
+3. sampled rows: temperature, ``min_p``, ``top_k``, ``top_p`` and the draw, per row and
+   without sorting the vocabulary, in cbatch's C++ kernel on the CPU
+   (``torch.ops.cbatch.sample``, ``csrc/cpu/sample.cpp``), else in :func:`reference_sample`,
+   which sorts and draws by the same rule.
+
+A row's draw is the first token, in vocabulary order, whose running probability passes a
+uniform ``u`` in [0, 1) that comes from the request's seed and output position alone
+(:func:`uniforms`): a request's tokens do not depend on what else is in the batch.
+Steps where no row asks for a rule of step 1 run none of it (no copy of the logits either).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from cbatch.layers.step_batch import to_device
-from cbatch.ops import cpu
+from cbatch.ops import compiled, cpu
+
+if TYPE_CHECKING:
+    from cbatch.core.sequence import Sequence
+
+_MASK64 = 2**64 - 1
+
+
+@dataclass
+class LogitsRules:
+    """One step's rules other than temperature, top-k, top-p and min-p, for the rows that ask
+    for them, as flat host lists (made by :func:`logits_rules`).  Rows index the step's
+    ``[S, vocab]`` logits."""
+
+    # rows, tokens, values of logit_bias
+    bias: tuple[list[int], list[int], list[float]] = field(default_factory=lambda: ([], [], []))
+    # rows, tokens banned by min_tokens and bad_words
+    banned: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
+    # penalties: rows, their TokenCounts slots, and each row's presence, frequency and
+    # repetition penalty
+    penalty_rows: list[int] = field(default_factory=list)
+    penalty_slots: list[int] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    repetition: list[float] = field(default_factory=list)
+    counted_rows: list[int] = field(default_factory=list)  # rows whose draw joins the counts
+    counts: TokenCounts | None = None
 
 
 @dataclass
@@ -25,6 +67,8 @@ class SamplingBatch:
     top_ps: list[float]
     seeds: list[int]
     positions: list[int]  # how many tokens each request has generated so far
+    min_ps: list[float] | None = None  # None: 0 for every row
+    rules: LogitsRules | None = None  # None: no row asks for one
     # structured outputs: int32 [S, ceil(vocab / 32)], bit t of row s set where token t may
     # be sampled (xgrammar's token bitmask; rows without a grammar all ones); None: no row
     # has a grammar
@@ -34,48 +78,217 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
 
+    @property
+    def plain(self) -> bool:
+        """No row asks for anything but temperature, top-k, top-p and min-p."""
+        return self.rules is None and self.bitmask is None
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                        ) -> torch.Tensor:
-    # logits: [S, V] fp32; top_k: int64 [S] (0 = off); top_p: fp32 [S] (1 = off)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+
+class TokenCounts:
+    """Per request that asks for a penalty, on the device: how many times each token is in
+    its output (int32 ``[slots, vocab]``) and which tokens are in its prompt (bool
+    ``[slots, vocab]``).  A request gets a slot when it first samples with a penalty and keeps
+    it until it finishes (preemption keeps its output tokens, so its counts stay right); the
+    sampler adds each drawn token (:meth:`add`)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+        self.output = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def slot(self, seq: Sequence) -> int:
+        """The slot of ``seq``, made (from its prompt and the output it has) on first use."""
+        s = self._slots.get(seq.request_id)
+        if s is not None:
+            return s
+        if not self._free:
+            n = self.output.shape[0]
+            grow = max(4, n)
+            self.output = torch.cat([self.output, self.output.new_zeros(grow, self.vocab_size)])
+            self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, self.vocab_size)])
+            self._free = list(range(n + grow - 1, n - 1, -1))
+        s = self._free.pop()
+        self._slots[seq.request_id] = s
+        self.prompt[s].zero_()
+        self.prompt[s, to_device(seq.prompt_token_ids, self.device)] = True
+        self.output[s].zero_()
+        if seq.output_token_ids:
+            ids = to_device(seq.output_token_ids, self.device)
+            self.output[s].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return s
+
+    def release(self, request_id: str) -> None:
+        s = self._slots.pop(request_id, None)
+        if s is not None:
+            self._free.append(s)
+
+    def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count ``tokens: int64 [P]`` in the outputs of ``slots: int64 [P]``."""
+        self.output.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                               accumulate=True)
+
+
+def logits_rules(seqs: list[Sequence], samples: list[bool], eos_token_ids: frozenset[int],
+                 counts: TokenCounts) -> LogitsRules | None:
+    """The :class:`LogitsRules` of a step's sequences (row s is ``seqs[s]``; ``samples[s]``:
+    whether its draw is kept); None when none asks for one.  Bad words of more than one token
+    read the output on the host, so their requests run with the previous step resolved
+    (:attr:`SamplingParams.needs_output_on_host`)."""
+    rules = None
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.processes_logits:
+            continue
+        rules = rules or LogitsRules()
+        if p.logit_bias:
+            rules.bias[0].extend([row] * len(p.logit_bias))
+            rules.bias[1].extend(p.logit_bias)
+            rules.bias[2].extend(p.logit_bias.values())
+        banned: set[int] = set()
+        if seq.num_output_tokens < p.min_tokens:
+            banned.update(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned.update(eos_token_ids)
+        if seq.bad_words_token_ids:
+            out = seq.output_token_ids
+            for word in seq.bad_words_token_ids:
+                head = word[:-1]
+                if not head or (len(out) >= len(head) and tuple(out[-len(head):]) == head):
+                    banned.add(word[-1])
+        if banned:
+            rules.banned[0].extend([row] * len(banned))
+            rules.banned[1].extend(banned)
+        if p.allowed_token_ids is not None:
+            rules.allowed.append((row, p.allowed_token_ids))
+        if p.penalized:
+            rules.counts = counts
+            rules.penalty_rows.append(row)
+            rules.penalty_slots.append(counts.slot(seq))
+            rules.presence.append(p.presence_penalty)
+            rules.frequency.append(p.frequency_penalty)
+            rules.repetition.append(p.repetition_penalty)
+            if samples[row]:
+                rules.counted_rows.append(row)
+    return rules
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """``logits: [S, V]`` float, in place: -inf wherever ``bitmask: int32 [S, ceil(V'/32)]``
+    has bit ``t % 32`` of word ``t // 32`` clear (V' may differ from V: tokens past the
+    mask's width are banned)."""
     V = logits.shape[-1]
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]  # a k past the vocab = all
-    drop = rank >= k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop |= before >= top_p[:, None]  # the top token always survives (before = 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [S, 32 * words]
+    allowed = bits[:, :V]
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    logits.masked_fill_(~allowed, float("-inf"))
 
 
-def _noise(batch: SamplingBatch, rows: list[int], vocab: int, device: torch.device
-           ) -> torch.Tensor:
-    """Exp(1) noise ``[len(rows), vocab]``, each row from its own (seed, position) stream."""
-    out = torch.empty(len(rows), vocab, device=device)
-    gen = torch.Generator(device=device)
-    for i, r in enumerate(rows):  # one generator call per request, never per token
-        gen.manual_seed((batch.seeds[r] * 1_000_003 + batch.positions[r]) % (2**63))
-        out[i].exponential_(generator=gen)
-    return out
+def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,
+                bitmask: torch.Tensor | None) -> None:
+    """Apply step 1 of the module's rules to ``logits: fp32 [S, V]``, in place."""
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
+    if rules is None:
+        return
+    dev, V = logits.device, logits.shape[-1]
+    for row, ids in rules.allowed:
+        keep = torch.zeros(V, dtype=torch.bool, device=dev)
+        keep[to_device(ids, dev)] = True
+        logits[row].masked_fill_(~keep, float("-inf"))
+    if rules.banned[0]:
+        logits[to_device(rules.banned[0], dev), to_device(rules.banned[1], dev)] = float("-inf")
+    if rules.bias[0]:
+        logits.index_put_((to_device(rules.bias[0], dev), to_device(rules.bias[1], dev)),
+                          to_device(rules.bias[2], dev, torch.float32), accumulate=True)
+    if rules.penalty_rows:
+        rows = to_device(rules.penalty_rows, dev)
+        slots = to_device(rules.penalty_slots, dev)
+        counts = rules.counts.output[slots]  # [P, V]
+        seen = rules.counts.prompt[slots] | (counts > 0)
+        rep = to_device(rules.repetition, dev, torch.float32)[:, None]
+        x = logits[rows]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x -= to_device(rules.frequency, dev, torch.float32)[:, None] * counts
+        x -= to_device(rules.presence, dev, torch.float32)[:, None] * (counts > 0)
+        logits[rows] = x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> list[float]:
+    """One uniform in [0, 1) per (request seed, output position): the request's own stream,
+    53 random bits each (splitmix64 of the seed, then of the position)."""
+    return [(_splitmix64(_splitmix64(s) ^ p) >> 11) * 2.0**-53
+            for s, p in zip(seeds, positions)]
+
+
+def reference_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampled rows' draw by sorting: ``logits [R, V]``, ``temperature`` (> 0), ``top_p``
+    and ``min_p`` fp32 ``[R]``, ``top_k`` int64 ``[R]`` (0 = off), ``u`` fp64 ``[R]`` →
+    int64 ``[R]``.  What ``torch.ops.cbatch.sample`` computes without sorting (and where it
+    does not run): w = exp((l - max) / T); keep w >= min_p; then w >= the k-th largest; then
+    the most likely tokens whose mass first reaches top_p of what is kept (ties with the last
+    one stay); the draw is the first token in vocabulary order whose running kept mass passes
+    u times the kept total."""
+    x = logits.float()
+    m = x.max(dim=-1, keepdim=True).values
+    w = ((x - m) / temperature[:, None]).exp().nan_to_num(0.0)  # a row all -inf: all 0
+    keep = (w > 0) & (w >= min_p[:, None])
+    V = w.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V).clamp(max=V)
+    ranked = w.masked_fill(~keep, 0).sort(dim=-1, descending=True).values
+    keep &= w >= ranked.gather(-1, (k - 1)[:, None])
+    ranked = w.masked_fill(~keep, 0).sort(dim=-1, descending=True).values.double()
+    cum = ranked.cumsum(dim=-1)
+    before = cum - ranked
+    within = (before < top_p[:, None].double() * cum[:, -1:]) & (ranked > 0)
+    last = within.sum(dim=-1).clamp(min=1) - 1
+    keep &= w >= ranked.gather(-1, last[:, None]).float()
+    run = (w * keep).double().cumsum(dim=-1)
+    tokens = torch.searchsorted(run, (u * run[:, -1])[:, None], right=True)[:, 0]
+    return tokens.clamp(max=V - 1)
+
+
+def _draw(logits: torch.Tensor, rows: list[int], batch: SamplingBatch) -> torch.Tensor:
+    dev = logits.device
+    min_ps = batch.min_ps or [0.0] * len(batch.temperatures)
+    args = (to_device([batch.temperatures[r] for r in rows], dev, torch.float32),
+            to_device([batch.top_ks[r] for r in rows], dev, torch.int64),
+            to_device([batch.top_ps[r] for r in rows], dev, torch.float32),
+            to_device([min_ps[r] for r in rows], dev, torch.float32),
+            to_device(uniforms([batch.seeds[r] for r in rows],
+                               [batch.positions[r] for r in rows]), dev, torch.float64))
+    idx = to_device(rows, dev)
+    if dev.type == "cpu" and logits.stride(-1) == 1 and "cpu" in compiled.compiled_backends():
+        return torch.ops.cbatch.sample(logits, idx, *args)
+    return reference_sample(logits[idx], *args)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``logits: [S, V]`` → int64 token ids ``[S]``."""
+    """``logits: [S, V]`` → int64 token ids ``[S]`` (``logits`` itself is never changed)."""
+    if not batch.plain:
+        logits = logits.to(torch.float32, copy=True)
+        apply_rules(logits, batch.rules, batch.bitmask)
     tokens = cpu.argmax(logits)
-    if batch.all_greedy:
-        return tokens
-    logits = logits.float()
     rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
-    dev = logits.device
-    idx = to_device(rows, dev)
-    temps = to_device([batch.temperatures[r] for r in rows], dev, torch.float32)
-    top_k = to_device([batch.top_ks[r] for r in rows], dev)
-    top_p = to_device([batch.top_ps[r] for r in rows], dev, torch.float32)
-    scaled = _filter_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
-    probs = scaled.softmax(dim=-1)
-    tokens[idx] = (probs / _noise(batch, rows, logits.shape[-1], dev)).argmax(dim=-1)
+    if rows:
+        tokens[to_device(rows, logits.device)] = _draw(logits, rows, batch)
+    rules = batch.rules
+    if rules is not None and rules.counted_rows:
+        slot_of = dict(zip(rules.penalty_rows, rules.penalty_slots))
+        dev = logits.device
+        rules.counts.add(to_device([slot_of[r] for r in rules.counted_rows], dev),
+                         tokens[to_device(rules.counted_rows, dev)])
     return tokens
 
 

@@ -208,6 +208,9 @@ class Scheduler:
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 match = bm.match_prefix(seq.token_ids)
+                if (seq.params.prompt_logprobs is not None
+                        and len(seq.prompt_logprobs) < seq.num_prompt_tokens):
+                    match = PrefixMatch()  # its prompt's logprobs need every position computed
                 if self._filled_this_step(seq, match, out.scheduled):
                     break  # next step it finds that block cached (in order, as below)
                 n = self._admit(seq, match, budget, out)

@@ -35,9 +35,13 @@ class Sequence:
     priority: int = 0
     seed: int = 0  # effective sampling seed (params.seed, or one the engine derived)
     stream: bool = True  # an output at every step it advances; False: only the final one
+    # params.bad_words as token ids (each word with and without a leading space)
+    bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
     num_inflight: int = 0  # sampled tokens still on the device (async scheduling)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask
+    # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of its first cached blocks

@@ -36,6 +36,9 @@ constexpr const char* kCpuPathNames[] = {
     "prefill_attention.generic",
     "argmax.avx512",
     "argmax.generic",
+    "sample.avx512",
+    "sample.avx2",
+    "sample.generic",
     "write_kv_cache.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),

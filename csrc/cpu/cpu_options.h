@@ -37,6 +37,9 @@ enum class CpuPath : int {
   kPrefillAttentionGeneric,
   kArgmaxAvx512,
   kArgmaxGeneric,
+  kSampleAvx512,
+  kSampleAvx2,
+  kSampleGeneric,
   kWriteKvCacheCpu,
   kCount,
 };

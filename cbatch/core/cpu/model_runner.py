@@ -28,7 +28,7 @@ from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
 from cbatch.core.cpu.packing import pack_linears
 from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
-from cbatch.core.model_runner import ModelRunner
+from cbatch.core.model_runner import ModelRunner, PromptTargets
 from cbatch.core.sampler import SamplingBatch
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch
@@ -61,14 +61,17 @@ class CPUModelRunner(ModelRunner):
         head = self.model.lm_head
         return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features)
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None]
-            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
+            prompt: PromptTargets | None = None
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None,
+                       tuple[torch.Tensor, ...] | None]:
         # (a CPU runner captures no CUDA graphs: ModelRunner.logits replays none here)
         with self.threads.step():
-            if (sampling.all_greedy and all(k is None for k in num_logprobs)
-                    and self.greedy_screen is not None):
-                return self.greedy_tokens(self.last_hidden(batch)), None  # no logits needed
-            return super().run(batch, sampling, num_logprobs)
+            if (sampling.all_greedy and sampling.plain and prompt is None
+                    and all(k is None for k in num_logprobs) and self.greedy_screen is not None):
+                # no logits needed
+                return self.greedy_tokens(self.last_hidden(batch)), None, None
+            return super().run(batch, sampling, num_logprobs, prompt)
 
     def describe(self) -> dict[str, str]:
         """The CPU paths live in this engine, a phrase each: ``isa`` (what the C++ kernels
