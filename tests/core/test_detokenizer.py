@@ -20,9 +20,9 @@ class CountingTokenizer:
     def encode(self, text):
         return self.inner.encode(text)
 
-    def decode(self, ids):
+    def decode(self, ids, **options):
         self.lengths.append(len(ids))
-        return self.inner.decode(ids)
+        return self.inner.decode(ids, **options)
 
 
 @pytest.fixture(scope="module")
