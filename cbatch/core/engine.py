@@ -178,6 +178,10 @@ class Engine:
         """Queue a request (a string, or token ids); returns its id.  ``stream=False``: the
         request's output comes only once, when it finishes (no snapshot at every step)."""
         params = SamplingParams() if params is None else params
+        if getattr(params, "n", 1) > 1:  # (a wrong type is validate_request's to name)
+            raise ValueError(f"n={params.n}: a request of Engine.add_request is one "
+                             "completion; LLM.generate and the server run n (one request "
+                             "per choice)")
         ids = self.validate_request(prompt, params)
         order = next(self._order)
         request_id = str(order) if request_id is None else str(request_id)
