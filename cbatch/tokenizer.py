@@ -183,9 +183,12 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
 
 
 def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int,
-                     max_model_len: int, max_tokens: int) -> list[int]:
+                     max_model_len: int, max_tokens: int, truncate: int | None = None
+                     ) -> list[int]:
     """A prompt (a string or a list of token ids) as token ids that fit the model with
-    ``max_tokens`` more; the one check of a prompt that every engine runs."""
+    ``max_tokens`` more; the one check of a prompt that every engine runs.  ``truncate``
+    (``SamplingParams.truncate_prompt_tokens``): only the last k tokens are kept (-1: the
+    model's length less ``max_tokens``)."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
@@ -193,6 +196,9 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     else:
         raise TypeError("a prompt is a string or a list of token ids, got "
                         f"{type(prompt).__name__} {prompt!r:.40}")
+    if truncate is not None:
+        keep = max_model_len - max_tokens if truncate == -1 else truncate
+        ids = ids[-keep:] if keep > 0 else ids
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) + max_tokens > max_model_len:  # before reading a long list

@@ -159,7 +159,7 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         cfg = self.model.config
         ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
-                               params.max_tokens)
+                               params.max_tokens, params.truncate_prompt_tokens)
         max_logprobs = cfg.vocab_size if self.config.max_logprobs == -1 else min(
             self.config.max_logprobs, cfg.vocab_size)
         if params.logprobs is not None and params.logprobs > max_logprobs:

@@ -216,8 +216,10 @@ class OpenAIServingCompletion:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         # a list of token ids longer than the model is refused before anything reads it
+        # (unless it is to be truncated)
         max_len = self.engine.engine.max_model_len
-        if any(not isinstance(p, str) and len(p) > max_len for p in prompts):
+        if req.truncate_prompt_tokens is None and any(
+                not isinstance(p, str) and len(p) > max_len for p in prompts):
             raise OpenAIError(400, f"a prompt of token ids is longer than the model's "
                                    f"maximum length ({max_len})", param="prompt")
         return prompts
