@@ -53,8 +53,9 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params
-        total = (sum(p.n for p in params) if isinstance(params, list)
-                 else params.n * len(prompts))
+        # requests in all (a wrong params is generate's to name)
+        total = sum(getattr(p, "n", 1) for p in (
+            params if isinstance(params, list) else [params] * len(prompts)))
         with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
             return generate(self.engine, prompts, params, priorities, progress=bar.update,
                             on_output=on_output)
