@@ -38,11 +38,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, token_ids: list[int], num_prompt_tokens: int,
                  stop: list[str] | None = None, *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False,
+                 stop_token_ids: frozenset[int] = frozenset()):
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
+        # the tokens that finish the request where they are sampled (its stop_token_ids, and
+        # EOS unless ignored): as in vLLM, the text of the one that finished it is left out
+        # unless include_stop_str_in_output
+        self._stop_token_ids = frozenset() if include_stop_str_in_output else stop_token_ids
         self._decode = functools.partial(
             tokenizer.decode, skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens)
@@ -87,23 +92,32 @@ class IncrementalDetokenizer:
 
     def text_at(self, num_output_tokens: int, finished: bool) -> str:
         """The text of the first ``num_output_tokens`` output tokens: for a finished request
-        all of it (a character cut off by the end included) up to the first stop string (or
-        through it, with ``include_stop_str_in_output``); for an unfinished one the part that
-        no later token can change."""
+        all of it (a character cut off by the end included) up to the first stop string or
+        the stop token that finished it (or through it, with ``include_stop_str_in_output``);
+        for an unfinished one the part that no later token can change."""
         end = self.num_prompt_tokens + num_output_tokens
+        final = finished and end == len(self.token_ids)
+        if final and num_output_tokens and self.token_ids[end - 1] in self._stop_token_ids:
+            end, num_output_tokens = end - 1, num_output_tokens - 1  # the stop token's text
         self._advance(end)
-        if finished and self.stop_at is None and self._read < end == len(self.token_ids):
+        if final and self.stop_at is None and self._read < end:
             # flush what was held back for a character that will never be completed
             prefix_text = self._decode(self.token_ids[self._prefix:self._read])
             self._append(self._decode(self.token_ids[self._prefix:end])[len(prefix_text):])
             self._prefix = self._read = end
-            self._text_ends[-1] = len(self.text)
+            self._text_ends[num_output_tokens - 1] = len(self.text)
         n = self._text_ends[num_output_tokens - 1] if num_output_tokens else 0
         if not finished:
             n -= self._holdback
         if self.stop_at is not None:
             n = min(n, self._stop_end if self.include_stop_str_in_output else self.stop_at)
         return self.text[:max(0, n)]
+
+
+def eos_token_ids(eos_token_id: int | tuple[int, ...] | None) -> frozenset[int]:
+    """A model's EOS (a config may name one, several or none) as a set of ids."""
+    return frozenset(eos_token_id if isinstance(eos_token_id, tuple)
+                     else () if eos_token_id is None else (eos_token_id,))
 
 
 def detokenizer_for(seq: Sequence, tokenizer: Tokenizer) -> IncrementalDetokenizer:
@@ -114,5 +128,7 @@ def detokenizer_for(seq: Sequence, tokenizer: Tokenizer) -> IncrementalDetokeniz
             tokenizer, seq.token_ids, seq.num_prompt_tokens, p.stop,
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
-            include_stop_str_in_output=p.include_stop_str_in_output)
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            stop_token_ids=frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else eos_token_ids(tokenizer.eos_token_id)))
     return seq.detokenizer

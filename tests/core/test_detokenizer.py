@@ -216,3 +216,20 @@ def test_token_bytes_name_parts_of_characters(chat_tokenizer):
                 assert name == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
     assert token_text(tokenizer, 0) == ("<|end|>", b"<|end|>")
     assert token_text(ByteTokenizer(511), 0xE6) == ("bytes:\\xe6", b"\xe6")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_at_the_end_is_left_out_of_the_final_text(include):
+    tokenizer = ByteTokenizer(511)
+    ids = [7, 97, 98, 0xC3, 300]  # half a character before stop token 300
+    seq = list(ids)
+    detok = IncrementalDetokenizer(tokenizer, seq, 1, stop_token_ids=frozenset({300, 511}),
+                                   include_stop_str_in_output=include)
+    assert detok.text_at(3, finished=False) == "ab"
+    want = tokenizer.decode(ids[1:] if include else ids[1:-1])
+    assert detok.text_at(4, finished=True) == want == ("ab\ufffd<|300|>" if include
+                                                        else "ab\ufffd")
+    # a stop token that did not end the output (max_tokens reached after it) stays
+    seq2 = [7, 300, 97]
+    detok = IncrementalDetokenizer(tokenizer, seq2, 1, stop_token_ids=frozenset({300}))
+    assert detok.text_at(2, finished=True) == "<|300|>a"

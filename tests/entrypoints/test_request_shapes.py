@@ -190,6 +190,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, offline):
     assert "".join(c.choices[0].text for c in chunks) == free.text[:cut + len(stop)]
 
 
+def test_the_stop_token_that_finished_a_request_is_left_out_of_its_text(client, offline):
+    """As vLLM: a stop token's text (stop_token_ids, EOS) is not in the output's text unless
+    include_stop_str_in_output; the token is in the output's tokens either way."""
+    stop = _offline(offline, "hello", max_tokens=1).token_ids[0]  # greedy's first token
+    kw = dict(model="tiny", prompt="hello", max_tokens=10, temperature=0.0, logprobs=0)
+    got = client.completions.create(extra_body={"stop_token_ids": [stop]}, **kw)
+    assert got.usage.completion_tokens == 1 and got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == "" and got.choices[0].logprobs.token_logprobs[0] <= 0
+    got = client.completions.create(extra_body={"stop_token_ids": [stop],
+                                                "include_stop_str_in_output": True}, **kw)
+    assert got.choices[0].text == offline.tokenizer.decode([stop])
+
+
 # The rules below are the sampler's (cbatch/core/sampler.py); these tests check that the
 # server hands them over and that their effect shows in what a client gets.
 
