@@ -165,6 +165,13 @@ class Engine:
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            # (ids the sampler indexes the logits with: one outside them would fail the step)
+            bad = [t for t in ids if t >= cfg.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, "
+                                 f"{cfg.vocab_size}): {bad[:5]}")
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
