@@ -165,10 +165,10 @@ class Engine:
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
-        for name, ids in (("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, tokens in (("logit_bias", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
             # (ids the sampler indexes the logits with: one outside them would fail the step)
-            bad = [t for t in ids if t >= cfg.vocab_size]
+            bad = [t for t in tokens if t >= cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, "
                                  f"{cfg.vocab_size}): {bad[:5]}")

@@ -6,6 +6,7 @@ Each parameter is checked to do what its name says where the server's answer sho
 random:tiny's tokenizer is byte-level: token b < 256 is byte b, so a text's characters are
 its tokens."""
 
+import json
 import logging
 
 import httpx
@@ -83,6 +84,25 @@ def test_unknown_fields_are_accepted_and_named_in_one_warning(server, caplog):
     r = _post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2,
                                                 "frobnicate": 1})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hello", "logprobs": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello"}]}]}),
+])
+def test_what_vllms_benchmark_client_sends(server, route, body):
+    """``vllm bench serve --backend openai`` / ``openai-chat``'s requests: streamed, with
+    repetition_penalty, usage in the last chunk, and vLLM's fields from its extra_body."""
+    tokens = "max_tokens" if "chat" not in route else "max_completion_tokens"
+    body = {**body, tokens: 5, "temperature": 0.0, "repetition_penalty": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "top_p": 1.0}
+    with httpx.stream("POST", f"{server[0]}{route}", json={"model": "tiny", **body},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 5
 
 
 def test_nulls_take_the_defaults(server):
