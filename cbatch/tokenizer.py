@@ -7,6 +7,8 @@ id b < 256 is byte b, and every other id decodes as ``<|id|>``.
 
 from __future__ import annotations
 
+import functools
+import re
 import warnings
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +21,21 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    """One token as a logprobs entry shows it: (its text, its bytes).  A token that is not
+    whole UTF-8 on its own (a piece of a multi-byte character) is written as OpenAI writes it,
+    ``bytes:\\xe2\\x80``, so that distinct tokens never share a text."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 class ByteTokenizer:
@@ -31,7 +47,9 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))  # (it has no special tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = True) -> str:
+        """(It has no special tokens: the options change nothing.)"""
         out, run = [], bytearray()
         for t in token_ids:
             if 0 <= t < 256:
@@ -42,6 +60,9 @@ class ByteTokenizer:
             out.append(f"<|{t}|>")
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else f"<|{token_id}|>".encode()
 
 
 class HFTokenizer:
@@ -57,6 +78,8 @@ class HFTokenizer:
 
             self._tok = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
         self.eos_token_id = eos_token_id
+        # added tokens (chat markers, EOS, ...): id -> text
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
@@ -64,8 +87,61 @@ class HFTokenizer:
         rendered chat template has them in its text already, and is encoded without."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=False)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``.  ``skip_special_tokens``: special tokens (EOS, chat
+        markers) are left out.  ``spaces_between_special_tokens=False``: the added tokens
+        (special or not) are joined to the text around them without the space a decoder may
+        put between tokens (as vLLM does for fast tokenizers; a byte-level decoder puts none,
+        so there it changes nothing)."""
+        if spaces_between_special_tokens or skip_special_tokens or not (
+                self._added.keys() & set(token_ids)):
+            return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for t in token_ids:
+            if t in self._added:
+                pieces += [self._tok.decode(run, skip_special_tokens=False), self._added[t]]
+                run = []
+            else:
+                run.append(t)
+        pieces.append(self._tok.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for: a byte-level BPE piece (GPT-2, Llama 3,
+        Qwen) through the byte-level alphabet, a byte-fallback piece ``<0xE2>``
+        (SentencePiece) as its byte, any other token as the UTF-8 of its text."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if piece and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return text.encode()
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``):
+    character -> byte."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    chars = ByteLevel.alphabet()  # the 256 stand-ins, in no particular order
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):  # the printable bytes stand for themselves, the rest from U+0100 on
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    assert set(table) == set(chars), "tokenizers' byte-level alphabet is not GPT-2's"
+    return table
 
 
 def missing_tokenizer_files(path: Path) -> list[str]:
@@ -107,9 +183,12 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
 
 
 def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int,
-                     max_model_len: int, max_tokens: int) -> list[int]:
+                     max_model_len: int, max_tokens: int, truncate: int | None = None
+                     ) -> list[int]:
     """A prompt (a string or a list of token ids) as token ids that fit the model with
-    ``max_tokens`` more; the one check of a prompt that every engine runs."""
+    ``max_tokens`` more; the one check of a prompt that every engine runs.  ``truncate``
+    (``SamplingParams.truncate_prompt_tokens``): only the last k tokens are kept (-1: the
+    model's length less ``max_tokens``)."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
@@ -117,6 +196,9 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     else:
         raise TypeError("a prompt is a string or a list of token ids, got "
                         f"{type(prompt).__name__} {prompt!r:.40}")
+    if truncate is not None:
+        keep = max_model_len - max_tokens if truncate == -1 else truncate
+        ids = ids[-keep:] if keep > 0 else ids
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) + max_tokens > max_model_len:  # before reading a long list

@@ -159,17 +159,18 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         cfg = self.model.config
         ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
-                               params.max_tokens)
+                               params.max_tokens, params.truncate_prompt_tokens)
         max_logprobs = cfg.vocab_size if self.config.max_logprobs == -1 else min(
             self.config.max_logprobs, cfg.vocab_size)
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            # (ids the sampler indexes the logits with: one outside them would fail the step)
             bad = [t for t in getattr(params, name) or () if t >= cfg.vocab_size]
             if bad:
-                raise ValueError(f"{name} holds token id {bad[0]}, outside the model's "
-                                 f"vocabulary (ids 0 to {cfg.vocab_size - 1})")
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, "
+                                 f"{cfg.vocab_size}): {bad[:5]}")
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -183,6 +184,10 @@ class Engine:
         """Queue a request (a string, or token ids); returns its id.  ``stream=False``: the
         request's output comes only once, when it finishes (no snapshot at every step)."""
         params = SamplingParams() if params is None else params
+        if getattr(params, "n", 1) > 1:  # (a wrong type is validate_request's to name)
+            raise ValueError(f"n={params.n}: a request of Engine.add_request is one "
+                             "completion; LLM.generate and the server run n (one request "
+                             "per choice)")
         ids = self.validate_request(prompt, params)
         order = next(self._order)
         request_id = str(order) if request_id is None else str(request_id)

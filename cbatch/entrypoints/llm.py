@@ -3,6 +3,7 @@ loop that drives an :class:`~cbatch.Engine` until a set of requests is done."""
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 from tqdm.auto import tqdm
@@ -42,7 +43,8 @@ class LLM:
                  use_tqdm: bool = True, priorities: list[int] | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for every prompt; one output per prompt, in prompt order.
+        """Generate for every prompt; ``n`` outputs per prompt (``SamplingParams.n``, 1 by
+        default), prompt-major: prompt 0's n outputs, then prompt 1's, ...
 
         ``prompts`` is one prompt (a string or a list of token ids) or a list of prompts;
         ``params`` one SamplingParams for all or a list, one per prompt.  ``on_output`` sees
@@ -51,8 +53,10 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params
-        with tqdm(total=len(prompts), desc="generate", unit="req",
-                  disable=not use_tqdm) as bar:
+        # requests in all (a wrong params is generate's to name)
+        total = sum(getattr(p, "n", 1) for p in (
+            params if isinstance(params, list) else [params] * len(prompts)))
+        with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
             return generate(self.engine, prompts, params, priorities, progress=bar.update,
                             on_output=on_output)
 
@@ -73,11 +77,23 @@ def validate_prompts(engine: Engine, prompts: list, params_list: list[SamplingPa
     return token_ids
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of a request for ``params.n`` completions, as one engine request (n
+    = 1): with a seed, choice i samples with seed + i (mod 2**64), so the choices differ and
+    each is reproducible alone.  A shallow copy: the checks ``params`` passed are not run
+    again for every choice (its lists are shared; nothing writes them)."""
+    choice = copy.copy(params)
+    choice.n, choice.best_of = 1, None
+    if params.seed is not None:
+        choice.seed = (params.seed + index) % 2**64
+    return choice
+
+
 def generate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams],
              priorities: list[int] | None = None, progress: Callable[[int], object] | None = None,
              on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
     """Run ``prompts`` on ``engine`` to completion (the one generation loop); outputs in
-    prompt order.
+    prompt order, each prompt's ``n`` choices together (:func:`choice_params`).
 
     All or nothing: every prompt and parameter is checked before any request is queued, and
     if anything fails mid-way (an error in a step, KeyboardInterrupt), every request of this
@@ -92,10 +108,13 @@ def generate(engine: Engine, prompts: list, params: SamplingParams | list[Sampli
     if len(priorities) != len(prompts):
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
     token_ids = validate_prompts(engine, prompts, params_list)
+    requests = [(prompt_ids, sp if sp.n == 1 else choice_params(sp, c), prio)
+                for prompt_ids, sp, prio in zip(token_ids, params_list, priorities)
+                for c in range(sp.n)]
     ids: list[str] = []
     done: dict[str, RequestOutput] = {}
     try:
-        for prompt_ids, sp, prio in zip(token_ids, params_list, priorities):
+        for prompt_ids, sp, prio in requests:
             ids.append(engine.add_request(prompt_ids, sp, prio, stream=on_output is not None))
         mine = set(ids)
         while len(done) < len(ids):

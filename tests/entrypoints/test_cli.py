@@ -124,6 +124,21 @@ def test_generate_flags_become_sampling_params():
     p = generate.sampling_params(args)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 40, 3)
     assert p.stop == ["\n\n", "END"] and p.stop_token_ids == [13, 198] and p.ignore_eos
+    args = build_parser().parse_args([
+        "generate", "--prompt", "p", "--min-p", "0.1", "--presence-penalty", "0.5",
+        "--frequency-penalty", "-0.5", "--repetition-penalty", "1.2", "--min-tokens", "2",
+        "--bad-word", "x", "--bad-word", "yz", "--n", "3"])
+    p = generate.sampling_params(args)
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+            p.min_tokens, p.bad_words, p.n) == (0.1, 0.5, -0.5, 1.2, 2, ["x", "yz"], 3)
+
+
+def test_generate_n_choices(capsys):
+    main(["generate", "--model", "random:tiny", "--prompt", "hello", "--n", "2",
+          "--max-tokens", "3", "--temperature", "0.8", "--seed", "1", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert "--- 'hello' choice 0 (length, 3 tokens" in out
+    assert "--- 'hello' choice 1 (length, 3 tokens" in out
 
 
 def test_serve_flags_become_engine_keywords():

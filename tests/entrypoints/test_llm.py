@@ -91,6 +91,38 @@ def test_one_prompt_or_a_list_of_prompts(llm):
     assert_empty(llm)
 
 
+def test_n_choices_per_prompt_come_prompt_major(llm):
+    """n > 1: n requests per prompt, choice i with seed + i (mod 2**64), in prompt order."""
+    sampled = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    outs = llm.generate(["ab", [7, 8]], SamplingParams(n=3, seed=2**64 - 2, **sampled),
+                        use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[97, 98]] * 3 + [[7, 8]] * 3
+    for i, out in enumerate(outs):
+        seed = (2**64 - 2 + i % 3) % 2**64  # ..., 2**64 - 1, 0
+        [ref] = llm.generate([out.prompt_token_ids], SamplingParams(seed=seed, **sampled),
+                             use_tqdm=False)
+        assert out.token_ids == ref.token_ids
+    # a list of params, one per prompt, each with its own n
+    outs = llm.generate(["a", "b"], [SamplingParams(n=2, **sampled), PARAMS], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[97], [97], [98]]
+    with pytest.raises(ValueError, match="n=2: a request of Engine.add_request is one "
+                                         "completion; LLM.generate and the server run n"):
+        llm.engine.add_request("hi", SamplingParams(n=2))
+    assert_empty(llm)
+
+
+def test_choices_share_the_checked_params(llm):
+    """Each choice is a copy of the params with its seed, not a new SamplingParams checked
+    again (a long stop_token_ids list is checked once per call; issue 41 item 4)."""
+    from cbatch.entrypoints.llm import choice_params
+
+    params = SamplingParams(n=4, seed=1, stop_token_ids=list(range(1000)))
+    choices = [choice_params(params, i) for i in range(4)]
+    assert [c.seed for c in choices] == [1, 2, 3, 4] and params.seed == 1
+    assert all(c.n == 1 and c.stop_token_ids is params.stop_token_ids for c in choices)
+    assert choice_params(SamplingParams(n=2), 1).seed is None
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
     """One tokenizer trained offline, saved both ways ``tokenizers`` reads it."""

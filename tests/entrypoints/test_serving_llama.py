@@ -67,7 +67,7 @@ def _reference(path, model, tok, messages, max_tokens):
                              min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     new = out[0, len(ids):].tolist()
-    return len(ids), tok.decode(new, skip_special_tokens=False)
+    return len(ids), tok.decode(new, skip_special_tokens=True)  # as the server, by default
 
 
 def test_chat_completions_through_the_checkpoints_template(chat_checkpoint):

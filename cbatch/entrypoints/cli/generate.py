@@ -12,9 +12,13 @@ from cbatch.sampling_params import SamplingParams
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The ``generate`` flags as SamplingParams (validated there, before any model loads)."""
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                           stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
-                          stop=args.stop)
+                          stop=args.stop, min_tokens=args.min_tokens,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty,
+                          bad_words=args.bad_word or None, n=args.n)
 
 
 def _summary(out) -> str:
@@ -50,13 +54,15 @@ def run_generate(args: argparse.Namespace) -> None:
 
     # every prompt checked before any output (a progress bar, a streamed prompt)
     validate_prompts(llm.engine, args.prompt, [params] * len(args.prompt))
-    if len(args.prompt) == 1:
+    if len(args.prompt) == 1 and params.n == 1:
         out = stream(llm, args.prompt[0], params)
         print(_summary(out), file=sys.stderr)
         return
     outs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
-    for prompt, out in zip(args.prompt, outs):
-        print(f"--- {prompt!r} {_summary(out)}\n{prompt}{out.text}")
+    for i, out in enumerate(outs):  # each prompt's n choices together
+        prompt = args.prompt[i // params.n]
+        choice = f" choice {i % params.n}" if params.n > 1 else ""
+        print(f"--- {prompt!r}{choice} {_summary(out)}\n{prompt}{out.text}")
 
 
 def add_generate_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
@@ -71,6 +77,21 @@ def add_generate_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
                      help="sample from the smallest set of tokens holding this probability")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely "
                      "tokens; 0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than "
+                     "this times the most likely one; 0 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: subtracted from the logit of every token already out")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: subtracted once per time a token is already out")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 0: divides the positive logits (multiplies the negative) of "
+                     "every token in the prompt or the output; 1 = off")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no EOS, stop token or stop string before this many tokens")
+    gen.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                     help="never generate this text (repeatable)")
+    gen.add_argument("--n", type=int, default=1,
+                     help="completions per prompt (choice i samples with seed + i)")
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling seed (default: None, the engine's per request)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",

@@ -3,8 +3,11 @@
     cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus).  Every error, of every route, is OpenAI's
-error JSON; an internal error's text goes to the log, not to the client.
+``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``.  Request fields the server does not know are
+accepted, as vLLM accepts them, and named in one warning line in the log.  Every error,
+of every route, is OpenAI's error JSON; an internal error's text goes to the log, not to
+the client.
 
 No client can take the server down: requests pass :class:`RequestGuard` first (host
 allow-list, API key, body size and read time), half-sent headers time out, and a failure
@@ -38,12 +41,17 @@ from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_
 from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                ModelCard, ModelList, OpenAIError)
+                                                DetokenizeRequest, DetokenizeResponse,
+                                                ModelCard, ModelList, OpenAIError,
+                                                TokenizeChatRequest, TokenizeCompletionRequest,
+                                                TokenizeResponse, VersionResponse,
+                                                ignored_fields)
 from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
                                                     load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
 from cbatch.hub import resolve_checkpoint_dir
+from cbatch.tokenizer import token_text
 
 logger = init_logger("cbatch.server")
 
@@ -138,15 +146,56 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def check_request(route: str, req) -> None:
+        """The model it names is this one; the fields it has and cbatch does not know are
+        logged (not refused, as vLLM: a client's extra field must not fail its request)."""
+        check_model(req.model)
+        ignored = ignored_fields(req)
+        if ignored:
+            logger.warning("%s: ignoring fields cbatch does not know: %s", route,
+                           ", ".join(ignored))
+
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        check_model(req.model)
+        check_request("/v1/completions", req)
         return await completions.create(req, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        check_model(req.model)
+        check_request("/v1/chat/completions", req)
         return await chat.create(req, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
+        """vLLM's: a prompt (or messages, through the chat template) as token ids."""
+        check_request("/tokenize", req)
+        if isinstance(req, TokenizeChatRequest):
+            ids = await chat.encode(req, req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)
+        strs = ([token_text(engine.tokenizer, t)[0] for t in ids] if req.return_token_strs
+                else None)
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's: token ids as text (special tokens kept)."""
+        check_request("/detokenize", req)
+        vocab_size = engine.engine.model.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"tokens must be ids in [0, {vocab_size}), got {bad[:5]}",
+                              param="tokens")
+        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens)
+        return DetokenizeResponse(prompt=text)
+
+    @app.get("/version")
+    async def version():
+        from cbatch import __version__
+
+        return VersionResponse(version=__version__)
 
     return app
 
@@ -233,7 +282,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
     print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
-          "/v1/chat/completions, /v1/models, /health, /metrics)", flush=True)
+          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, "
+          "/metrics)", flush=True)
     server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)

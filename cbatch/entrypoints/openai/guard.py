@@ -2,8 +2,9 @@
 protocol's header timeout.
 
 In order: the ``Host`` (and ``Origin``) must be an allowed host (a loopback server allows
-only loopback names, so a DNS-rebinding page gets a 400); ``/v1`` routes need the API key
-when one is set (``/health`` and ``/metrics`` stay open, as in vLLM); the body must fit
+only loopback names, so a DNS-rebinding page gets a 400); ``/v1`` routes, ``/tokenize`` and
+``/detokenize`` need the API key when one is set (``/health``, ``/metrics`` and ``/version``
+stay open, as in vLLM, which leaves its tokenizer routes open too); the body must fit
 ``max_request_bytes`` (413, before anything parses it) and arrive within
 ``body_timeout`` seconds (408).  The body is read here and handed on whole.
 
@@ -60,6 +61,10 @@ async def send_error(send, status: int, message: str, type: str, code: str | Non
     await send({"type": "http.response.body", "body": body})
 
 
+# the routes that need the API key: every one that runs the model or its tokenizer
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+
+
 class RequestGuard:
     """ASGI middleware: host allow-list, API key, body size and body read time."""
 
@@ -89,7 +94,7 @@ class RequestGuard:
                     return await send_error(send, 400, f"{name.decode()} {text!r} is not an "
                                             "allowed host of this server (--allowed-hosts)",
                                             "invalid_request_error", close=True)
-        if (self._expected is not None and scope["path"].startswith("/v1")
+        if (self._expected is not None and scope["path"].startswith(KEYED_PATHS)
                 and scope["method"] != "OPTIONS"):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):

@@ -1,15 +1,19 @@
 """Request and response schemas of the OpenAI API subset cbatch serves (pydantic models).
 
-Fields follow OpenAI's names and defaults; ``top_k``, ``ignore_eos`` and ``stop_token_ids``
-are the usual extensions (vLLM has them too).  Unknown fields are refused, so a misspelt
-parameter is a 400 that names it instead of being silently ignored.
+Fields follow OpenAI's names and defaults, with vLLM's extensions under vLLM's names
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ...: what clients put in the openai
+SDK's ``extra_body``).  The values are checked where the engine checks them, by
+:class:`cbatch.SamplingParams` (:func:`cbatch.entrypoints.openai.serving_completion.sampling_params`
+turns its refusals into 400s naming the field).  Fields cbatch does not know are accepted, as
+vLLM accepts them, and named in a warning in the server's log (:func:`ignored_fields`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,37 +32,56 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class OpenAIBaseModel(BaseModel):
+    """A request body: unknown fields are kept aside (``model_extra``), not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(req: BaseModel) -> list[str]:
+    """The top-level fields of ``req`` that cbatch does not know (the server logs them)."""
+    return sorted(req.model_extra or ())
+
+
+class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """What completions and chat completions share."""
-
-    model_config = ConfigDict(extra="forbid")
+class _SamplingFields(OpenAIBaseModel):
+    """What completions and chat completions share.  None means the default: OpenAI's
+    (temperature 1, 16 tokens) or :class:`cbatch.SamplingParams`' (every other field)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1: off
+    min_p: float | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=32)
+    best_of: int | None = None  # == n only (vLLM v1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
 
     @model_validator(mode="after")
-    def _supported(self):
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not "
-                             "supported by cbatch")
+    def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -70,15 +93,12 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _completion_supported(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported by cbatch")
         if self.suffix:
             raise ValueError("suffix is not supported by cbatch")
         if self.echo and self.logprobs is not None:
@@ -87,16 +107,56 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(OpenAIBaseModel):
+    """One part of a message's content: cbatch serves text models, so ``{"type": "text",
+    "text": ...}`` only."""
 
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"content parts of type {self.type!r} are not supported: cbatch "
+                             "serves text models ({\"type\": \"text\", \"text\": ...} only)")
+        return self
+
+
+class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to one
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: its content one string (text parts joined
+        by newlines, as vLLM joins them), unset fields left out."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(OpenAIBaseModel):
+    """What renders messages through the chat template (chat completions and /tokenize)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (wins)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
 
 class CompletionLogprobs(BaseModel):
@@ -106,11 +166,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token's log-probability at one prompt
+    position; ``rank`` (1 = the most likely) where the token is among the k asked for."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    # prompt_logprobs=k: per prompt token ({"token id": entry}), None for the first
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class UsageInfo(BaseModel):
@@ -137,12 +208,32 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
+class ChatTopLogprob(BaseModel):
+    """OpenAI's logprob of one token: its text, its log-probability, its UTF-8 bytes (a token
+    that is part of a character has them all the same; see ``cbatch.tokenizer.token_text``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    """A generated token and the ``top_logprobs`` most likely tokens in its place."""
+
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatDelta | None = None  # a whole response
     delta: ChatDelta | None = None  # a stream chunk
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -165,3 +256,40 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # e.g. a Llama tokenizer's BOS
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    """``POST /tokenize`` with messages, rendered by the chat template (vLLM's)."""
+
+    model: str | None = None
+    add_special_tokens: bool = False  # the template writes its own
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

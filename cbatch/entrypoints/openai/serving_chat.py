@@ -5,6 +5,7 @@ base checkpoint) gets a 400 that names it and says how to give it one (``--chat-
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,10 +14,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
+from cbatch.entrypoints.llm import choice_params
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
-                                                ChatCompletionResponse, ChatDelta, OpenAIError)
-from cbatch.entrypoints.openai.serving_completion import (open_streams, results, sampling_params,
-                                                          sse, sse_or_error,
+                                                ChatCompletionResponse, ChatDelta,
+                                                ChatLogprobs, ChatLogprobToken, ChatTopLogprob,
+                                                OpenAIError, _ChatTemplateFields)
+from cbatch.entrypoints.openai.serving_completion import (clamp, logprob_token, open_streams,
+                                                          prompt_logprobs, results,
+                                                          sampling_params, sse, sse_or_error,
                                                           unless_disconnected, usage)
 from cbatch.outputs import RequestOutput
 
@@ -89,7 +94,8 @@ class OpenAIServingChat:
             env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(chat_template)
 
-    def render(self, req: ChatCompletionRequest) -> str:
+    def render(self, req: _ChatTemplateFields) -> str:
+        """The prompt text of ``req.messages`` (a chat completion's, or /tokenize's)."""
         if self._template is None:
             arch = f" ({self.architecture})" if self.architecture else ""
             raise OpenAIError(400, f"model {self.model_name!r}{arch} has no chat template: "
@@ -100,25 +106,56 @@ class OpenAIServingChat:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=[m.model_dump() for m in req.messages],
-                                         add_generation_prompt=True, **self.special_tokens)
+            return self._template.render(**{
+                **self.special_tokens, **(req.chat_template_kwargs or {}),
+                "messages": [m.for_template() for m in req.messages],
+                "add_generation_prompt": req.add_generation_prompt})
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
                               param="messages") from None
 
+    async def encode(self, req: _ChatTemplateFields, add_special_tokens: bool = False
+                     ) -> list[int]:
+        """The prompt's token ids: the template wrote the special tokens it wants, so none
+        are added (unless asked); in a worker thread, as the engine encodes a string prompt
+        (the loop serves on meanwhile)."""
+        return await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
+                                       add_special_tokens=add_special_tokens)
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        # the template wrote the special tokens it wants: encode without adding more (in a
-        # worker thread, as the engine does for a string prompt: the loop serves on meanwhile)
-        prompt = await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
-                                         add_special_tokens=False)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
-        streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream)
+        prompt = await self.encode(req)
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, logprobs, max_tokens=max_tokens)
+        choices = [choice_params(params, c) for c in range(req.n)]
+        streams = await open_streams(self.engine, [prompt] * req.n, choices, req.stream)
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams)),
                                      media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))
         return JSONResponse(response.model_dump()) if response is not None else None
+
+    def _logprobs(self, req: ChatCompletionRequest, out: RequestOutput, start: int
+                  ) -> ChatLogprobs | None:
+        """OpenAI's logprobs of ``out``'s tokens from ``start`` on (None unless asked): each
+        token, and the ``top_logprobs`` most likely in its place, most likely first."""
+        if not req.logprobs:
+            return None
+        tokenizer, k, as_ids = (self.engine.tokenizer, req.top_logprobs or 0,
+                                req.return_tokens_as_token_ids)
+
+        def entry(token: int, logprob: float) -> dict:
+            text, raw = logprob_token(tokenizer, token, as_ids)
+            return {"token": text, "logprob": clamp(logprob), "bytes": list(raw)}
+
+        # each dict: the k most likely, most likely first, then the sampled token if it is
+        # not among them
+        return ChatLogprobs(content=[ChatLogprobToken(
+            **entry(token, alternatives[token]),
+            top_logprobs=[ChatTopLogprob(**entry(t, lp))
+                          for t, lp in itertools.islice(alternatives.items(), k)])
+            for token, alternatives in zip(out.token_ids[start:], out.logprobs[start:])])
 
     async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
         finals: dict[int, RequestOutput] = {}
@@ -126,7 +163,10 @@ class OpenAIServingChat:
             if out.finished:
                 finals[i] = out
         choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content=out.text),
-                              finish_reason=out.finish_reason)
+                              logprobs=self._logprobs(req, out, 0),
+                              finish_reason=out.finish_reason,
+                              prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs,
+                                                              self.engine.tokenizer))
                    for i, out in sorted(finals.items())]
         return ChatCompletionResponse(model=self.model_name, choices=choices,
                                       usage=usage(finals, req.n))
@@ -138,16 +178,18 @@ class OpenAIServingChat:
             delta = ChatDelta(role="assistant", content="")
             yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)]}))
         sent = [""] * len(streams)
+        num_sent = [0] * len(streams)  # tokens whose logprobs went out
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
             delta = out.text[len(sent[i]):]
             if not delta and not out.finished:
-                continue
-            sent[i] = out.text
+                continue  # (its tokens' logprobs go with the next chunk)
             if out.finished:
                 finals[i] = out
             choice = ChatChoice(index=i, delta=ChatDelta(content=delta),
+                                logprobs=self._logprobs(req, out, num_sent[i]),
                                 finish_reason=out.finish_reason)
+            sent[i], num_sent[i] = out.text, len(out.token_ids)
             yield sse(head.model_copy(update={"choices": [choice]}))
         if req.include_usage:
             yield sse(head.model_copy(update={"usage": usage(finals, req.n)}))

@@ -4,38 +4,57 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, Callable
+import re
+from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from cbatch.entrypoints.llm import choice_params
 from cbatch.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                 CompletionRequest, CompletionResponse,
-                                                OpenAIError, UsageInfo, _SamplingFields)
+                                                OpenAIError, PromptLogprob, UsageInfo,
+                                                _SamplingFields)
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
+from cbatch.tokenizer import Tokenizer, token_text
 
 # what a client hears when the engine failed (the failure itself is in the server's log)
 ENGINE_UNAVAILABLE = "the engine is not available; see the server log"
 
 
-def sampling_params(req: _SamplingFields, choice: int, logprobs: int | None = None,
+def sampling_params(req: _SamplingFields, logprobs: int | None = None,
                     max_tokens: int | None = None) -> SamplingParams:
-    """The engine's params for choice ``choice`` of a request: with a seed, choice i samples
-    with seed + i, so n choices differ and each is reproducible alone."""
+    """The engine's params for a request's choices (each choice runs as
+    ``choice_params(params, i)``: seed + i).  Every check is :class:`SamplingParams`'; its
+    refusal is a 400 naming the field.  ``max_tokens``: the endpoint's own (chat's
+    ``max_completion_tokens``) when given."""
+    max_tokens = max_tokens if max_tokens is not None else req.max_tokens
+    given = dict(  # None: SamplingParams' default
+        top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, seed=req.seed,
+        min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        stop_token_ids=req.stop_token_ids)
+    fields = dict(
+        {k: v for k, v in given.items() if v is not None},
+        max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's default
+        temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's too
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens, n=req.n, best_of=req.best_of)
     try:
-        return SamplingParams(
-            max_tokens=max_tokens or req.max_tokens or 16, temperature=req.temperature,
-            top_k=max(req.top_k, 0), top_p=req.top_p,
-            seed=None if req.seed is None else req.seed + choice,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            # OpenAI's logprobs=0 asks for the sampled token's logprob alone
-            logprobs=None if logprobs is None else max(logprobs, 1))
+        return SamplingParams(**fields)
     except ValueError as exc:
-        raise OpenAIError(400, str(exc)) from None
+        # its messages begin with the field they are about
+        name = re.match(r"\w+", str(exc))
+        param = name.group() if name and name.group() in fields else None
+        raise OpenAIError(400, str(exc), param=param) from None
 
 
 async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams],
@@ -137,20 +156,50 @@ def sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def completion_logprobs(out: RequestOutput, k: int, detokenize: Callable[[list[int]], str],
-                        text_offset: int) -> CompletionLogprobs | None:
-    """OpenAI's logprobs block from ``out.logprobs`` (one ``{token_id: logprob}`` per output
-    token: the k most likely and the sampled one)."""
+def clamp(logprob: float) -> float:
+    """A log-probability JSON can carry (-inf is not JSON), as vLLM clamps it."""
+    return max(logprob, -9999.0)
+
+
+def logprob_token(tokenizer: Tokenizer, token_id: int, as_id: bool) -> tuple[str, bytes]:
+    """A token as logprobs name it: ``token_text`` (its text, or OpenAI's ``bytes:\\x..``
+    for part of a character, so distinct tokens never share a name), or ``token_id:<id>``
+    (vLLM's ``return_tokens_as_token_ids``)."""
+    text, raw = token_text(tokenizer, token_id)
+    return (f"token_id:{token_id}", raw) if as_id else (text, raw)
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
+                        logprobs: list[dict[int, float]], text_offset: int, as_ids: bool = False
+                        ) -> CompletionLogprobs:
+    """OpenAI's logprobs block of ``token_ids`` (one ``{token_id: logprob}`` of
+    ``RequestOutput.logprobs`` each: the k most likely and the sampled one, so up to k + 1
+    entries, as OpenAI and vLLM give); ``text_offset``: where the first token's text
+    starts."""
     result = CompletionLogprobs()
-    for token, alternatives in zip(out.token_ids, out.logprobs):
-        text = detokenize([token])
-        result.tokens.append(text)
-        result.token_logprobs.append(alternatives.get(token))
-        top = sorted(alternatives.items(), key=lambda kv: -kv[1])[:k]
-        result.top_logprobs.append({detokenize([t]): lp for t, lp in top} if k else None)
+    for token, alternatives in zip(token_ids, logprobs):
+        result.tokens.append(logprob_token(tokenizer, token, as_ids)[0])
+        result.token_logprobs.append(clamp(alternatives[token]))
+        result.top_logprobs.append({logprob_token(tokenizer, t, as_ids)[0]: clamp(lp)
+                                    for t, lp in alternatives.items()})
         result.text_offset.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(tokenizer.decode([token]))
     return result
+
+
+def prompt_logprobs(out: RequestOutput, k: int | None, tokenizer: Tokenizer
+                    ) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice (``SamplingParams.prompt_logprobs=k``): per
+    prompt token, ``{"token id": {logprob, rank, decoded_token}}`` for the k most likely (in
+    order: rank 1, 2, ...) and the prompt's own token (rank None when it is not among them);
+    None for the first token."""
+    entries = getattr(out, "prompt_logprobs", None)
+    if k is None or entries is None:
+        return None
+    return [None if alternatives is None else {
+        str(t): PromptLogprob(logprob=clamp(lp), rank=r + 1 if r < k else None,
+                              decoded_token=tokenizer.decode([t]))
+        for r, (t, lp) in enumerate(alternatives.items())} for alternatives in entries]
 
 
 class OpenAIServingCompletion:
@@ -167,17 +216,20 @@ class OpenAIServingCompletion:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         # a list of token ids longer than the model is refused before anything reads it
+        # (unless it is to be truncated)
         max_len = self.engine.engine.max_model_len
-        if any(not isinstance(p, str) and len(p) > max_len for p in prompts):
+        if req.truncate_prompt_tokens is None and any(
+                not isinstance(p, str) and len(p) > max_len for p in prompts):
             raise OpenAIError(400, f"a prompt of token ids is longer than the model's "
                                    f"maximum length ({max_len})", param="prompt")
         return prompts
 
     async def create(self, req: CompletionRequest, raw_request: Request):
         prompts = self._prompts(req)
-        params = [sampling_params(req, c, req.logprobs) for c in range(req.n)]
+        params = sampling_params(req, req.logprobs)
+        choices = [choice_params(params, c) for c in range(req.n)]
         streams = await open_streams(self.engine, [p for p in prompts for _ in range(req.n)],
-                                     params * len(prompts), req.stream)
+                                     choices * len(prompts), req.stream)
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:
@@ -186,15 +238,25 @@ class OpenAIServingCompletion:
         response = await unless_disconnected(raw_request, self._full(req, streams, echo))
         return JSONResponse(response.model_dump()) if response is not None else None
 
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int,
+                  text_offset: int) -> CompletionLogprobs | None:
+        """The logprobs block of ``out``'s tokens from ``start`` on (None unless asked)."""
+        if req.logprobs is None:
+            return None
+        return completion_logprobs(self.engine.tokenizer, out.token_ids[start:],
+                                   out.logprobs[start:], text_offset,
+                                   req.return_tokens_as_token_ids)
+
     async def _full(self, req: CompletionRequest, streams, echo) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
             if out.finished:
                 finals[i] = out
+        tokenizer = self.engine.tokenizer
         choices = [CompletionChoice(
             index=i, text=echo[i] + out.text, finish_reason=out.finish_reason,
-            logprobs=None if req.logprobs is None else completion_logprobs(
-                out, req.logprobs, self.engine.tokenizer.decode, len(echo[i])))
+            logprobs=self._logprobs(req, out, 0, len(echo[i])),
+            prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs, tokenizer))
             for i, out in sorted(finals.items())]
         return CompletionResponse(model=self.model_name, choices=choices,
                                   usage=usage(finals, req.n))
@@ -202,17 +264,26 @@ class OpenAIServingCompletion:
     async def _stream(self, req: CompletionRequest, streams, echo) -> AsyncIterator[str]:
         chunk_id = CompletionResponse(model=self.model_name, choices=[])
         sent = [""] * len(streams)
+        num_sent = [0] * len(streams)  # tokens whose logprobs went out
+        offset = [len(e) for e in echo]  # text_offset of the next of them
         finals: dict[int, RequestOutput] = {}
+        tokenizer = self.engine.tokenizer
         async for i, out in results(streams):
             delta = out.text[len(sent[i]):]
             if not delta and not out.finished:
-                continue  # this token completed no character yet
-            sent[i] = out.text
+                continue  # this token completed no character yet (its logprobs wait too)
             if out.finished:
                 finals[i] = out
-            # the first chunk of a choice carries the echoed prompt
+            # the first chunk of a choice carries the echoed prompt (and its prompt logprobs)
             text, echo[i] = echo[i] + delta, ""
-            choice = CompletionChoice(index=i, text=text, finish_reason=out.finish_reason)
+            logprobs = self._logprobs(req, out, num_sent[i], offset[i])
+            if logprobs is not None and logprobs.tokens:
+                offset[i] = logprobs.text_offset[-1] + len(tokenizer.decode(out.token_ids[-1:]))
+            choice = CompletionChoice(
+                index=i, text=text, finish_reason=out.finish_reason, logprobs=logprobs,
+                prompt_logprobs=None if num_sent[i] else prompt_logprobs(
+                    out, req.prompt_logprobs, tokenizer))
+            sent[i], num_sent[i] = out.text, len(out.token_ids)
             yield sse(chunk_id.model_copy(update={"choices": [choice]}))
         if req.include_usage:
             yield sse(chunk_id.model_copy(update={"usage": usage(finals, req.n)}))
