@@ -173,7 +173,6 @@ def test_a_seed_at_the_top_of_its_range_with_n_choices(client, offline):
     ("/v1/completions", {"best_of": 3}, "best_of", "best_of == n"),
     ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids", "empty"),
     ("/v1/completions", {"seed": 2**64}, "seed", "2**64"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "", "prompt logprobs"),
     ("/v1/completions", {"logit_bias": {"600": 1}}, "", "logit_bias has token ids outside"),
     ("/v1/chat/completions", {"allowed_token_ids": [1, 512]}, "",
      "allowed_token_ids has token ids outside the vocabulary [0, 512): [512]"),
@@ -351,6 +350,23 @@ def test_completion_logprobs_come_in_streamed_chunks(client):
     assert all(p is not None for p in parts)
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for p in parts for x in getattr(p, field)] == getattr(full, field)
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, offline):
+    """The echoed prompt's tokens come first, the first with null logprobs (nothing predicts
+    it), then the output's, with text offsets running through both; streamed the same."""
+    kw = dict(model="tiny", prompt="hello", max_tokens=4, logprobs=1, echo=True, seed=5,
+              extra_body={"ignore_eos": True})
+    got = client.completions.create(**kw).choices[0]
+    lp = got.logprobs
+    assert got.text.startswith("hello") and lp.tokens[:5] == list("hello")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[:6] == [0, 1, 2, 3, 4, 5] and len(lp.tokens) == 9
+    want = _offline(offline, "hello", max_tokens=1, prompt_logprobs=1).prompt_logprobs
+    for token, value, entry in zip(b"hello"[1:], lp.token_logprobs[1:5], want[1:]):
+        assert value == pytest.approx(entry[token], abs=1e-5)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [x for c in chunks for x in c.choices[0].logprobs.tokens] == lp.tokens
 
 
 # ------------------------------------------------------------------ utility routes

@@ -101,9 +101,6 @@ class CompletionRequest(_SamplingFields):
     def _completion_supported(self):
         if self.suffix:
             raise ValueError("suffix is not supported by cbatch")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which cbatch does "
-                             "not compute")
         return self
 
 

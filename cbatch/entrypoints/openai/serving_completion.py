@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from typing import AsyncIterator
@@ -170,18 +171,23 @@ def logprob_token(tokenizer: Tokenizer, token_id: int, as_id: bool) -> tuple[str
 
 
 def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
-                        logprobs: list[dict[int, float]], text_offset: int, as_ids: bool = False
-                        ) -> CompletionLogprobs:
+                        logprobs: list[dict[int, float] | None], text_offset: int,
+                        as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's logprobs block of ``token_ids`` (one ``{token_id: logprob}`` of
-    ``RequestOutput.logprobs`` each: the k most likely and the sampled one, so up to k + 1
-    entries, as OpenAI and vLLM give); ``text_offset``: where the first token's text
+    ``RequestOutput.logprobs`` or ``.prompt_logprobs`` each: the k most likely and the
+    token's own, so up to k + 1 entries, as OpenAI and vLLM give; None for an echoed prompt's
+    first token, which nothing predicts); ``text_offset``: where the first token's text
     starts."""
     result = CompletionLogprobs()
     for token, alternatives in zip(token_ids, logprobs):
         result.tokens.append(logprob_token(tokenizer, token, as_ids)[0])
-        result.token_logprobs.append(clamp(alternatives[token]))
-        result.top_logprobs.append({logprob_token(tokenizer, t, as_ids)[0]: clamp(lp)
-                                    for t, lp in alternatives.items()})
+        if alternatives is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            result.token_logprobs.append(clamp(alternatives[token]))
+            result.top_logprobs.append({logprob_token(tokenizer, t, as_ids)[0]: clamp(lp)
+                                        for t, lp in alternatives.items()})
         result.text_offset.append(text_offset)
         text_offset += len(tokenizer.decode([token]))
     return result
@@ -227,6 +233,9 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw_request: Request):
         prompts = self._prompts(req)
         params = sampling_params(req, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
+            params = dataclasses.replace(
+                params, prompt_logprobs=max(req.prompt_logprobs or 0, req.logprobs))
         choices = [choice_params(params, c) for c in range(req.n)]
         streams = await open_streams(self.engine, [p for p in prompts for _ in range(req.n)],
                                      choices * len(prompts), req.stream)
@@ -239,12 +248,19 @@ class OpenAIServingCompletion:
         return JSONResponse(response.model_dump()) if response is not None else None
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int,
-                  text_offset: int) -> CompletionLogprobs | None:
-        """The logprobs block of ``out``'s tokens from ``start`` on (None unless asked)."""
+                  text_offset: int, echoed: bool = False) -> CompletionLogprobs | None:
+        """The logprobs block of ``out``'s tokens from ``start`` on (None unless asked);
+        ``echoed``: the prompt's tokens first (``echo``), from offset 0."""
         if req.logprobs is None:
             return None
-        return completion_logprobs(self.engine.tokenizer, out.token_ids[start:],
-                                   out.logprobs[start:], text_offset,
+        tokens, logprobs = out.token_ids[start:], out.logprobs[start:]
+        if echoed:
+            k = req.logprobs
+            tokens = out.prompt_token_ids + tokens
+            logprobs = [None if e is None else dict(list(e.items())[:k]) | {t: e[t]}
+                        for t, e in zip(out.prompt_token_ids, out.prompt_logprobs)] + logprobs
+            text_offset = 0
+        return completion_logprobs(self.engine.tokenizer, tokens, logprobs, text_offset,
                                    req.return_tokens_as_token_ids)
 
     async def _full(self, req: CompletionRequest, streams, echo) -> CompletionResponse:
@@ -255,7 +271,7 @@ class OpenAIServingCompletion:
         tokenizer = self.engine.tokenizer
         choices = [CompletionChoice(
             index=i, text=echo[i] + out.text, finish_reason=out.finish_reason,
-            logprobs=self._logprobs(req, out, 0, len(echo[i])),
+            logprobs=self._logprobs(req, out, 0, len(echo[i]), echoed=req.echo),
             prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs, tokenizer))
             for i, out in sorted(finals.items())]
         return CompletionResponse(model=self.model_name, choices=choices,
@@ -276,7 +292,8 @@ class OpenAIServingCompletion:
                 finals[i] = out
             # the first chunk of a choice carries the echoed prompt (and its prompt logprobs)
             text, echo[i] = echo[i] + delta, ""
-            logprobs = self._logprobs(req, out, num_sent[i], offset[i])
+            logprobs = self._logprobs(req, out, num_sent[i], offset[i],
+                                      echoed=req.echo and not num_sent[i] and not sent[i])
             if logprobs is not None and logprobs.tokens:
                 offset[i] = logprobs.text_offset[-1] + len(tokenizer.decode(out.token_ids[-1:]))
             choice = CompletionChoice(
