@@ -36,6 +36,7 @@ from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
+from cbatch.core.structured_output import StructuredOutputs
 from cbatch.layers.kv_cache import KVCache, num_kv_blocks
 from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
@@ -82,6 +83,7 @@ class LaunchedStep:
 
     scheduled: list[ScheduledSequence]
     tokens: SampledTokens
+    has_grammar: bool = False  # a row's grammar needs its token before the next step
 
 
 class Engine:
@@ -133,6 +135,8 @@ class Engine:
         self.runner = runner_class(model, self.kv_cache, config.max_num_seqs, max_tokens,
                                    config.use_cuda_graphs, **cpu_only)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
+                                            model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
@@ -165,6 +169,8 @@ class Engine:
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
                              f"max_logprobs ({max_logprobs})")
+        if params.structured_outputs is not None:  # parsed now; compiled in a worker
+            self.structured.check(params.structured_outputs)
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -186,7 +192,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
         seq = Sequence(request_id, ids, params, order, priority, seed, stream)
         self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.structured.hold(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str, report: bool = True) -> None:
@@ -196,6 +205,7 @@ class Engine:
         if seq is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self.scheduler.remove(seq)
+        self.structured.remove(seq)
         self._finish(seq, "abort")
         if report:
             self._aborted.append(seq)
@@ -241,9 +251,15 @@ class Engine:
         scheduling: in the step launched before this one)."""
         start = self._counters.start()
         changed, self._aborted = self._aborted, []
+        changed += self._admit_compiled()
+        while self._in_flight and self._in_flight[-1].has_grammar:
+            # a grammar's next bitmask needs the token in flight: read it before launching
+            changed += self._resolve(self._in_flight.popleft())
         launched = self._launch()
         if launched is not None:
             self._in_flight.append(launched)
+        elif not self._in_flight and not changed:  # idle but for grammars being compiled
+            self.structured.wait(timeout=0.05)
         keep = 1 if self.async_scheduling and launched is not None else 0
         # every step older than the newest is resolved, and all of them when nothing is left
         # to run (their rows then belong to finished requests only)
@@ -280,7 +296,20 @@ class Engine:
         self._counters.occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         if self.occupancy_trace is not None:
             self.occupancy_trace.append(len(schedule.scheduled))
-        return LaunchedStep(schedule.scheduled, tokens)
+        return LaunchedStep(schedule.scheduled, tokens, self.async_scheduling and any(
+            item.seq.grammar is not None for item in schedule.scheduled))
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Schedule the requests whose grammar is now compiled; fail those whose grammar
+        did not compile (returned: they changed)."""
+        failed = []
+        for seq, error in self.structured.ready():
+            if error is None:
+                self.scheduler.add(seq)
+            elif self._requests.pop(seq.request_id, None) is not None:
+                self._fail(seq, error)
+                failed.append(seq)
+        return failed
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
@@ -302,6 +331,8 @@ class Engine:
                 if logprobs is not None and logprobs[i] is not None:
                     seq.output_logprobs.append(logprobs[i])
                 reason = self.output_processor.stop_reason(seq, token)
+                if reason is None and seq.grammar is not None and seq.grammar.accept(token):
+                    reason = "stop"  # its grammar is complete
             except Exception as exc:
                 del self._requests[seq.request_id]
                 self._fail(seq, exc)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from cbatch import ops
+from cbatch.core import structured_output
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import SamplingBatch, logprobs_lists, logprobs_tensors, sample
 from cbatch.core.scheduler import ScheduledSequence
@@ -176,6 +177,7 @@ class ModelRunner:
             top_ps=[p.top_p for p in params],
             seeds=[item.seq.seed for item in scheduled],
             positions=[item.seq.num_output_tokens for item in scheduled],
+            bitmask=structured_output.bitmask(scheduled),
         )
         num_logprobs = [p.logprobs for p in params]
         tokens, logprobs = self.run(batch, sampling, num_logprobs)

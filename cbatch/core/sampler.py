@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbatch.core.structured_output import apply_bitmask
 from cbatch.layers.step_batch import to_device
 from cbatch.ops import cpu
 
@@ -63,6 +64,8 @@ def _noise(batch: SamplingBatch, rows: list[int], vocab: int, device: torch.devi
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits: [S, V]`` → int64 token ids ``[S]``."""
+    if batch.bitmask is not None:  # structured outputs: what a grammar forbids is -inf
+        apply_bitmask(logits, batch.bitmask)
     tokens = cpu.argmax(logits)
     if batch.all_greedy:
         return tokens

@@ -66,7 +66,7 @@ class CPUModelRunner(ModelRunner):
         # (a CPU runner captures no CUDA graphs: ModelRunner.logits replays none here)
         with self.threads.step():
             if (sampling.all_greedy and all(k is None for k in num_logprobs)
-                    and self.greedy_screen is not None):
+                    and sampling.bitmask is None and self.greedy_screen is not None):
                 return self.greedy_tokens(self.last_hidden(batch)), None  # no logits needed
             return super().run(batch, sampling, num_logprobs)
 
