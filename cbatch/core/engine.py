@@ -330,9 +330,10 @@ class Engine:
             try:  # what can fail for this request alone: its logprobs, its stop strings
                 if logprobs is not None and logprobs[i] is not None:
                     seq.output_logprobs.append(logprobs[i])
-                reason = self.output_processor.stop_reason(seq, token)
-                if reason is None and seq.grammar is not None and seq.grammar.accept(token):
-                    reason = "stop"  # its grammar is complete
+                if seq.grammar is not None and seq.grammar.accept(token):
+                    reason = "stop"  # its grammar is complete (even at max_tokens)
+                else:
+                    reason = self.output_processor.stop_reason(seq, token)
             except Exception as exc:
                 del self._requests[seq.request_id]
                 self._fail(seq, exc)

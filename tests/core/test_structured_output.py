@@ -183,3 +183,47 @@ def test_apply_bitmask_forbids_exactly_the_cleared_bits(dtype, vocab):
     apply_bitmask(logits, bitmask)
     torch.testing.assert_close(logits, want)
     assert torch.isfinite(logits[1]).all()
+
+
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tmp_path_factory):
+    """A tiny Qwen2 checkpoint with a byte-level BPE of 300 tokens trained here (multi-byte
+    tokens, special tokens, and a model vocabulary padded past the tokenizer's)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "ab", "age": 12, "ok": true, "tags": ["a", "b"]}',
+              "123-abcd! 456-xyz!", "yes no maybe so (1+2+3)"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    config = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size() + 20, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=tok.token_to_id("<|endoftext|>"))
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2-bpe")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("kind", BOUNDED)
+def test_a_checkpoints_bpe_tokenizer_constrains_its_outputs(bpe_checkpoint, kind):
+    """xgrammar reads the vocabulary of a Hugging Face tokenizer (merged tokens that span
+    several characters of the grammar); ids past it are never sampled."""
+    llm = LLM(str(bpe_checkpoint), max_num_seqs=4)
+    assert llm.engine.model.config.vocab_size > 300
+    outs = llm.generate(["hello"] * 4, [SamplingParams(
+        max_tokens=120, temperature=0.0 if i == 0 else 1.0, seed=i,
+        structured_outputs=CONSTRAINTS[kind]) for i in range(4)], use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        assert max(out.token_ids) < 300
+        assert_follows(kind, out.text)
+    if kind == "json":  # merged tokens were sampled, not bytes alone
+        assert any(len(out.token_ids) < len(out.text) for out in outs)

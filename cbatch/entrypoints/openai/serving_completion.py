@@ -33,7 +33,8 @@ def sampling_params(req: _SamplingFields, choice: int, logprobs: int | None = No
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             # OpenAI's logprobs=0 asks for the sampled token's logprob alone
-            logprobs=None if logprobs is None else max(logprobs, 1))
+            logprobs=None if logprobs is None else max(logprobs, 1),
+            structured_outputs=req.constraint())  # response_format, structured_outputs, tools
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from None
 
