@@ -29,6 +29,7 @@ CONSTRAINTS = {"json": {"json": PERSON}, "regex": {"regex": REGEX},
 
 def assert_follows(kind: str, text: str) -> None:
     """``text`` is what the constraint of ``CONSTRAINTS[kind]`` allows."""
+    assert "\ufffd" not in text, text  # whole UTF-8: no grammar lets a surrogate's bytes in
     if kind == "json":
         jsonschema.validate(json.loads(text), PERSON)
     elif kind == "json_object":

@@ -79,6 +79,33 @@ def _reason(exc: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
 
 
+# Two holes in xgrammar 0.2's grammars, closed by rewriting a grammar's text once, when it is
+# parsed:
+# - a JSON string with minLength/maxLength is written as repeats of this class (xgrammar's
+#   issue #800), which lets raw control characters in; JSON forbids them (json.loads refuses
+#   the output);
+# - every negated class ([^...]) admits the surrogate code points U+D800-U+DFFF, whose bytes
+#   are not UTF-8: a model with byte tokens could write text that decodes to U+FFFDs.
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+_LITERAL_OR_NEGATED_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[\^')
+
+
+def _closed_holes(xgr, grammar):
+    """``grammar`` without the holes above (itself where it has none, or where xgrammar would
+    not read the rewritten text: a constraint is never refused for them)."""
+    text = str(grammar)
+    fixed = _LITERAL_OR_NEGATED_CLASS.sub(
+        lambda m: m.group(0) if m.group(0).startswith('"') else r"[^\ud800-\udfff",
+        text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+    if fixed == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(fixed)
+    except Exception:
+        return grammar
+
+
 def _choice_ebnf(choices: list[str]) -> str:
     # a JSON string literal is an EBNF one too (the same escapes), non-ASCII kept as is
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -99,20 +126,22 @@ def parse_grammar(params: StructuredOutputsParams):
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError(f"a schema is a JSON object, got {type(schema).__name__}")
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        if kind == "json_object":  # any object: additional properties allowed
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                                strict_mode=False)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
-        if kind == "choice":
-            return xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
-        return xgr.Grammar.from_ebnf(params.grammar)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        elif kind == "json_object":  # any object: additional properties allowed
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                                   strict_mode=False)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(params.regex)
+        elif kind == "choice":
+            grammar = xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
+        else:
+            grammar = xgr.Grammar.from_ebnf(params.grammar)
     except json.JSONDecodeError as exc:
         raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
     except Exception as exc:  # xgrammar raises RuntimeError (and its own types) for these
         raise ValueError(f"structured_outputs.{kind} is not a valid {what}: "
                          f"{_reason(exc)}") from None
+    return _closed_holes(xgr, grammar)
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):

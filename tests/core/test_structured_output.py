@@ -3,8 +3,10 @@ follows its constraint, whatever shares its steps (several requests, chunked pre
 preemption, prefix caching, async scheduling), greedy or sampled; an invalid constraint is a
 ValueError naming it; a grammar compiles off the step loop, once per text."""
 
+import json
 import threading
 
+import jsonschema
 import pytest
 import torch
 
@@ -77,6 +79,22 @@ def test_json_object_outputs_that_finish_are_objects():
     assert len(finished) >= 4
     for out in finished:
         assert_follows("json_object", out.text)
+
+
+def test_length_bounded_strings_hold_no_raw_control_characters():
+    """xgrammar's own grammar for a string with maxLength admits raw control characters,
+    which JSON forbids; cbatch's does not: json.loads (strict) reads every output."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12},
+                                               "t": {"type": "string", "minLength": 2,
+                                                     "maxLength": 6}},
+              "required": ["s", "t"], "additionalProperties": False}
+    llm = LLM("random:tiny", max_num_seqs=8)
+    outs = llm.generate(["\t\n"] * 8, [SamplingParams(
+        max_tokens=80, temperature=1.5, seed=i, structured_outputs={"json": schema})
+        for i in range(8)], use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_streamed_snapshots_grow_into_a_valid_output():
