@@ -49,6 +49,7 @@ def reference():
     return {kind: [o.token_ids for o in _run("roomy", kind)[1]] for kind in BOUNDED}
 
 
+@pytest.mark.slow  # an engine per configuration
 @pytest.mark.parametrize("kind", BOUNDED)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_output_follows_its_constraint_in_any_batch(config, kind, reference):
@@ -230,6 +231,7 @@ def bpe_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # a checkpoint saved by transformers
 @pytest.mark.parametrize("kind", BOUNDED)
 def test_a_checkpoints_bpe_tokenizer_constrains_its_outputs(bpe_checkpoint, kind):
     """xgrammar reads the vocabulary of a Hugging Face tokenizer (merged tokens that span
