@@ -68,6 +68,12 @@ class ByteTokenizer:
 class HFTokenizer:
     """A checkpoint's tokenizer.json (or vocab.json + merges.txt) through ``tokenizers``."""
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` itself (transformers' name for it): what a grammar
+        engine reads the vocabulary from."""
+        return getattr(self._tok, "_tokenizer", self._tok)  # ByteLevelBPETokenizer wraps one
+
     def __init__(self, path: Path, eos_token_id: int):
         from tokenizers import Tokenizer as _Tokenizer
 

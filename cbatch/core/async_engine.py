@@ -140,6 +140,9 @@ class AsyncEngine:
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         if isinstance(prompt, str):  # tokenised here, in a worker: a long prompt stalls no step
             prompt = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        if params is not None and params.structured_outputs is not None:
+            # parsed here, in a worker (a ValueError for a bad one), and its compilation begun
+            await asyncio.to_thread(self.engine.structured.check, params.structured_outputs)
         queue: asyncio.Queue = asyncio.Queue()
         self._post(("add", request_id, prompt, params, priority, stream,
                     asyncio.get_running_loop(), queue))

@@ -36,6 +36,7 @@ from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
+from cbatch.core.structured_output import StructuredOutputs
 from cbatch.layers.kv_cache import KVCache, num_kv_blocks
 from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
@@ -82,6 +83,8 @@ class LaunchedStep:
 
     scheduled: list[ScheduledSequence]
     tokens: SampledTokens
+    # a row's rules (a grammar, bad words) need its token on the host before the next step
+    needs_output_on_host: bool = False
 
 
 class Engine:
@@ -133,6 +136,8 @@ class Engine:
         self.runner = runner_class(model, self.kv_cache, config.max_num_seqs, max_tokens,
                                    config.use_cuda_graphs, **cpu_only)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
+                                            model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
@@ -171,6 +176,8 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, "
                                  f"{cfg.vocab_size}): {bad[:5]}")
+        if params.structured_outputs is not None:  # parsed now; compiled in a worker
+            self.structured.check(params.structured_outputs)
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -197,7 +204,10 @@ class Engine:
         seq = Sequence(request_id, ids, params, order, priority, seed, stream,
                        bad_words_token_ids=self._bad_words_token_ids(params))
         self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.structured.hold(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
         return request_id
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
@@ -218,6 +228,7 @@ class Engine:
         if seq is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self.scheduler.remove(seq)
+        self.structured.remove(seq)
         self._finish(seq, "abort")
         if report:
             self._aborted.append(seq)
@@ -264,13 +275,15 @@ class Engine:
         scheduling: in the step launched before this one)."""
         start = self._counters.start()
         changed, self._aborted = self._aborted, []
-        if self._in_flight and self._needs_output_on_host:
-            # a request's rules read its last token (bad words, a grammar): resolve first
-            while self._in_flight:
-                changed += self._resolve(self._in_flight.popleft())
+        changed += self._admit_compiled()
+        while self._in_flight and self._in_flight[-1].needs_output_on_host:
+            # a grammar's next bitmask, or bad words, need the token in flight: read it first
+            changed += self._resolve(self._in_flight.popleft())
         launched = self._launch()
         if launched is not None:
             self._in_flight.append(launched)
+        elif not self._in_flight and not changed:  # idle but for grammars being compiled
+            self.structured.wait(timeout=0.05)
         keep = 1 if self.async_scheduling and launched is not None else 0
         # every step older than the newest is resolved, and all of them when nothing is left
         # to run (their rows then belong to finished requests only)
@@ -279,10 +292,6 @@ class Engine:
         outputs = self.output_processor.outputs(changed)
         self._counters.elapsed += self._counters.tick("postprocess") - start
         return outputs
-
-    @property
-    def _needs_output_on_host(self) -> bool:
-        return any(seq.params.needs_output_on_host for seq in self._requests.values())
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and send it to the device; the scheduled sequences advance by
@@ -311,7 +320,20 @@ class Engine:
         self._counters.occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         if self.occupancy_trace is not None:
             self.occupancy_trace.append(len(schedule.scheduled))
-        return LaunchedStep(schedule.scheduled, tokens)
+        return LaunchedStep(schedule.scheduled, tokens, self.async_scheduling and any(
+            item.seq.params.needs_output_on_host for item in schedule.scheduled))
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Schedule the requests whose grammar is now compiled; fail those whose grammar
+        did not compile (returned: they changed)."""
+        failed = []
+        for seq, error in self.structured.ready():
+            if error is None:
+                self.scheduler.add(seq)
+            elif self._requests.pop(seq.request_id, None) is not None:
+                self._fail(seq, error)
+                failed.append(seq)
+        return failed
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
@@ -335,7 +357,10 @@ class Engine:
             try:  # what can fail for this request alone: its logprobs, its stop strings
                 if logprobs is not None and logprobs[i] is not None:
                     seq.output_logprobs.append(logprobs[i])
-                reason = self.output_processor.stop_reason(seq, token)
+                if seq.grammar is not None and seq.grammar.accept(token):
+                    reason = "stop"  # its grammar is complete (even at max_tokens)
+                else:
+                    reason = self.output_processor.stop_reason(seq, token)
             except Exception as exc:
                 del self._requests[seq.request_id]
                 self._fail(seq, exc)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cbatch import ops
+from cbatch.core import structured_output
 from cbatch.core.input_batch import StepBatchBuilder
 from cbatch.core.sampler import (SamplingBatch, TokenCounts, logits_rules, logprobs_lists,
                                  logprobs_tensors, sample)
@@ -236,6 +237,7 @@ class ModelRunner:
             positions=[seq.num_output_tokens for seq in seqs],
             min_ps=[p.min_p for p in params],
             rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts),
+            bitmask=structured_output.bitmask(scheduled),
         )
         num_logprobs = [p.logprobs for p in params]
         prompt = PromptTargets.of(scheduled)

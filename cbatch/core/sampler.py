@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cbatch.core.structured_output import apply_bitmask
 from cbatch.layers.step_batch import to_device
 from cbatch.ops import compiled, cpu
 
@@ -172,19 +173,6 @@ def logits_rules(seqs: list[Sequence], samples: list[bool], eos_token_ids: froze
             if samples[row]:
                 rules.counted_rows.append(row)
     return rules
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """``logits: [S, V]`` float, in place: -inf wherever ``bitmask: int32 [S, ceil(V'/32)]``
-    has bit ``t % 32`` of word ``t // 32`` clear (V' may differ from V: tokens past the
-    mask's width are banned)."""
-    V = logits.shape[-1]
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    bits = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [S, 32 * words]
-    allowed = bits[:, :V]
-    if allowed.shape[1] < V:
-        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
-    logits.masked_fill_(~allowed, float("-inf"))
 
 
 def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,

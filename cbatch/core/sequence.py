@@ -56,6 +56,9 @@ class Sequence:
     # a cbatch.core.detokenizer.IncrementalDetokenizer, made when the text is first read (not
     # imported: this module stays free of everything but sampling_params)
     detokenizer: object | None = None
+    # a cbatch.core.structured_output.SequenceGrammar when params.structured_outputs is set
+    # (made once its grammar is compiled; not imported, for the same reason)
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

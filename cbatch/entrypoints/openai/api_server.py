@@ -37,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cbatch.logger import init_logger
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
 from cbatch.core.cpu.report import format_paths
-from cbatch.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BYTES, guard_settings
+from cbatch.entrypoints.openai.cli_args import (DEFAULT_MAX_REQUEST_BYTES, guard_settings,
+                                                tool_settings)
 from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -70,11 +71,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               shutdown_timeout: float = 0.0, chat_template: str | None = None, *,
               api_key: str | None = None, allowed_hosts: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float = 30.0) -> FastAPI:
+              body_timeout: float = 30.0, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
     :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
     down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
-    replaces the one the checkpoint ships, if any."""
+    replaces the one the checkpoint ships, if any.  ``tool_call_parser`` (a name of
+    ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on."""
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
@@ -85,7 +87,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint),
-                             architecture=type(engine.engine.model).__name__)
+                             architecture=type(engine.engine.model).__name__,
+                             tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -268,7 +271,7 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     engine, metrics = build_engine(args.model, args.max_waiting, served_model_name,
                                    on_dead=on_dead, **engine_kwargs)
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
-                    **guard_settings(args))
+                    **guard_settings(args), **tool_settings(args))
     print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
     paths = engine.engine.runner.describe()  # a CPU engine's fast paths
     if paths:

@@ -1,5 +1,6 @@
 """The flags of ``cbatch serve`` that bound what clients can do to the server (limits,
-timeouts, authentication), and the check of every serve flag before anything loads.
+timeouts, authentication) or set what it offers them (tool calls), and the check of every
+serve flag before anything loads.
 
 Parsing them imports nothing but argparse, like the rest of the command line.
 """
@@ -10,6 +11,7 @@ import argparse
 import math
 
 from cbatch import envs
+from cbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS  # (json and re only)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
@@ -29,6 +31,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a connection may take to send a request's headers")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a request's body may take to arrive (else 408)")
+    # tool calls, vLLM's flags: without them tool_choice "auto" is refused
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" in /v1/chat/completions: the model decides '
+                             "when to call tools, and --tool-call-parser finds its calls")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the format of the model's tool calls (hermes: "
+                             "<tool_call>{...}</tool_call>, as Qwen2, Qwen2.5 and Qwen3 write)")
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -49,6 +58,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for flag in ("--header-timeout", "--body-timeout"):
         value = getattr(args, _dest(flag))
         need(math.isfinite(value) and value > 0, flag, "a number of seconds > 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of "
+                         f"the model's calls: {', '.join(sorted(TOOL_PARSERS))})")
     if args.api_key is not None:
         need(bool(args.api_key.strip()), "--api-key", "a non-empty string")
     elif envs.CBATCH_API_KEY and not envs.CBATCH_API_KEY.strip():
@@ -65,6 +77,13 @@ def guard_settings(args: argparse.Namespace) -> dict:
     return dict(api_key=args.api_key or envs.CBATCH_API_KEY or None,
                 allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
                 body_timeout=args.body_timeout)
+
+
+def tool_settings(args: argparse.Namespace) -> dict:
+    """The keyword of ``build_app`` that the tool-call flags set: the parser of tool_choice
+    "auto" (None: "auto" is refused)."""
+    return dict(tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                else None)
 
 
 def _dest(flag: str) -> str:

@@ -11,11 +11,14 @@ vLLM accepts them, and named in a warning in the server's log (:func:`ignored_fi
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cbatch.sampling_params import StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -45,6 +48,103 @@ def ignored_fields(req: BaseModel) -> list[str]:
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+# -------------------------------------------------------------- structured outputs, tools
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")  # ("schema" is BaseModel's)
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (a JSON value its schema validates)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise ValueError('response_format of type "json_schema" needs '
+                             "json_schema.schema (the JSON schema)")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice={"type": "function", "function": {"name": ...}}``: call this one."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a tool call in a stream chunk: the first names it (id, name), the next
+    ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+def structured_outputs_of(response_format: ResponseFormat | None,
+                          structured_outputs: dict | None) -> StructuredOutputsParams | None:
+    """The constraint of a request: OpenAI's ``response_format`` or vLLM's
+    ``structured_outputs`` (one of them), None for none; ValueError naming the field."""
+    if response_format is not None and structured_outputs is not None:
+        raise ValueError("give either response_format or structured_outputs, not both")
+    if structured_outputs is not None:
+        try:
+            return StructuredOutputsParams(**structured_outputs)
+        except TypeError as exc:  # an unknown key
+            raise ValueError(f"structured_outputs takes json, json_object, regex, choice or "
+                             f"grammar ({exc})") from None
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -79,6 +179,8 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+    response_format: ResponseFormat | None = None  # structured outputs, OpenAI's way
+    structured_outputs: dict | None = None  # and vLLM's (json, regex, choice, grammar, ...)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -89,6 +191,10 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must follow (``response_format`` or ``structured_outputs``)."""
+        return structured_outputs_of(self.response_format, self.structured_outputs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -123,15 +229,22 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's answer to one
 
     def for_template(self) -> dict:
-        """The message as chat templates read it: its content one string (text parts joined
-        by newlines, as vLLM joins them), unset fields left out."""
+        """The message as chat templates read it (as vLLM hands it to them): its content one
+        string (text parts joined by newlines, as vLLM joins them; None for an assistant's
+        tool calls alone), the arguments of its tool calls as objects, not JSON text, other
+        unset fields left out."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+        message["content"] = ("\n".join(part.text for part in self.content)
+                              if isinstance(self.content, list) else self.content)
+        for call in message.get("tool_calls", []):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:  # not JSON: the template gets the text
+                pass
         return message
 
 
@@ -147,6 +260,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (wins)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # tool calls (vLLM's rules): tool_choice defaults to "auto" with tools, else "none"
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
@@ -154,6 +270,40 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function "
+                                 f"{self.tool_choice.function.name!r}, which is not among "
+                                 f"the tools ({', '.join(names) or 'none given'})")
+        elif self.tool_choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether structured output makes the reply a tool call (``required``, or a named
+        function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """A forced tool call's JSON schema (:func:`~cbatch.entrypoints.openai.tool_parsers.
+        tool_call_schema`), else the request's ``response_format``/``structured_outputs``."""
+        if not self.forces_tool_call:
+            return super().constraint()
+        if self.response_format is not None or self.structured_outputs is not None:
+            raise ValueError("a forced tool call (tool_choice required or a function) is "
+                             "structured output already: drop response_format and "
+                             "structured_outputs")
+        from cbatch.entrypoints.openai.tool_parsers import tool_call_schema
+
+        return StructuredOutputsParams(json=tool_call_schema(
+            self.tools, self.tool_choice, self.parallel_tool_calls))
 
 
 class CompletionLogprobs(BaseModel):
@@ -203,6 +353,7 @@ class CompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | list[DeltaToolCall] | None = None  # message | stream chunk
 
 
 class ChatTopLogprob(BaseModel):
@@ -229,7 +380,7 @@ class ChatChoice(BaseModel):
     message: ChatDelta | None = None  # a whole response
     delta: ChatDelta | None = None  # a stream chunk
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 

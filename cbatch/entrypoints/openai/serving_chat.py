@@ -1,6 +1,12 @@
 """``POST /v1/chat/completions``: the model's chat template turns messages into a prompt, which
 is then generated like a completion.  A model without one (plain GPT-2, a random model, a
-base checkpoint) gets a 400 that names it and says how to give it one (``--chat-template``)."""
+base checkpoint) gets a 400 that names it and says how to give it one (``--chat-template``).
+
+Tool calls (:mod:`~cbatch.entrypoints.openai.tool_parsers`): the template gets the tools
+(``tools=``) and the history's calls and answers; a forced call (``tool_choice`` required or a
+function) is structured output, and ``auto`` finds the calls the model wrote with the server's
+``--tool-call-parser``.  Either way the reply's calls come back as ``message.tool_calls``
+(``finish_reason`` "tool_calls"), or, streamed, as OpenAI's tool-call deltas."""
 
 from __future__ import annotations
 
@@ -18,11 +24,15 @@ from cbatch.entrypoints.llm import choice_params
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta,
                                                 ChatLogprobs, ChatLogprobToken, ChatTopLogprob,
-                                                OpenAIError, _ChatTemplateFields)
+                                                DeltaFunctionCall, DeltaToolCall, FunctionCall,
+                                                NamedToolChoice, OpenAIError, ToolCall,
+                                                _ChatTemplateFields, _id)
 from cbatch.entrypoints.openai.serving_completion import (clamp, logprob_token, open_streams,
                                                           prompt_logprobs, results,
                                                           sampling_params, sse, sse_or_error,
                                                           unless_disconnected, usage)
+from cbatch.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ParsedToolCall,
+                                                    forced_tool_calls)
 from cbatch.outputs import RequestOutput
 
 
@@ -76,10 +86,19 @@ def _raise_template_error(message: str):
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' tojson (Jinja's own escapes <, > and & for HTML, which no prompt wants)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None, architecture: str | None = None):
+                 special_tokens: dict[str, str] | None = None, architecture: str | None = None,
+                 tool_call_parser: str | None = None):
         self.engine = engine
+        # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): None = off
+        self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
         self.model_name = model_name
         self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
@@ -92,6 +111,7 @@ class OpenAIServingChat:
             # templates refuse messages they cannot render with raise_exception(message)
             # (Llama-2 and Mistral's do, for roles out of order), as in transformers
             env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(chat_template)
 
     def render(self, req: _ChatTemplateFields) -> str:
@@ -106,9 +126,11 @@ class OpenAIServingChat:
         from jinja2 import TemplateError
 
         try:
+            tools = getattr(req, "tools", None)  # (a chat completion's; /tokenize has none)
             return self._template.render(**{
                 **self.special_tokens, **(req.chat_template_kwargs or {}),
                 "messages": [m.for_template() for m in req.messages],
+                "tools": [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 "add_generation_prompt": req.add_generation_prompt})
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
@@ -122,7 +144,16 @@ class OpenAIServingChat:
         return await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
                                        add_special_tokens=add_special_tokens)
 
+    def _auto_tools(self, req: ChatCompletionRequest) -> bool:
+        """Whether the reply is searched for the calls the model chose to make."""
+        return bool(req.tools) and req.tool_choice == "auto" and self.tool_parser is not None
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
+        if req.tools and req.tool_choice == "auto" and self.tool_parser is None:
+            raise OpenAIError(400, '"auto" tool choice requires the server to run with '
+                                   "--enable-auto-tool-choice and --tool-call-parser (or ask "
+                                   'for tool_choice "required", "none" or a function)',
+                              param="tool_choice")
         prompt = await self.encode(req)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
@@ -162,12 +193,12 @@ class OpenAIServingChat:
         async for i, out in results(streams):
             if out.finished:
                 finals[i] = out
-        choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content=out.text),
+        choices = [ChatChoice(index=i, message=message, finish_reason=reason,
                               logprobs=self._logprobs(req, out, 0),
-                              finish_reason=out.finish_reason,
                               prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs,
                                                               self.engine.tokenizer))
-                   for i, out in sorted(finals.items())]
+                   for i, out in sorted(finals.items())
+                   for message, reason in [self._reply(req, out)]]
         return ChatCompletionResponse(model=self.model_name, choices=choices,
                                       usage=usage(finals, req.n))
 
@@ -177,20 +208,99 @@ class OpenAIServingChat:
         for i in range(len(streams)):  # OpenAI's first chunk of a choice names the role
             delta = ChatDelta(role="assistant", content="")
             yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)]}))
-        sent = [""] * len(streams)
+        choice_streams = [_ChoiceStream(req, self.tool_parser if self._auto_tools(req) else None)
+                          for _ in streams]
         num_sent = [0] * len(streams)  # tokens whose logprobs went out
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
-            delta = out.text[len(sent[i]):]
-            if not delta and not out.finished:
-                continue  # (its tokens' logprobs go with the next chunk)
+            deltas = choice_streams[i].deltas(out)
             if out.finished:
                 finals[i] = out
-            choice = ChatChoice(index=i, delta=ChatDelta(content=delta),
-                                logprobs=self._logprobs(req, out, num_sent[i]),
-                                finish_reason=out.finish_reason)
-            sent[i], num_sent[i] = out.text, len(out.token_ids)
-            yield sse(head.model_copy(update={"choices": [choice]}))
+                deltas = deltas or [ChatDelta(content="")]
+            if not deltas:
+                continue  # (its tokens' logprobs go with the next chunk)
+            logprobs = self._logprobs(req, out, num_sent[i])  # with the first delta
+            num_sent[i] = len(out.token_ids)
+            for k, delta in enumerate(deltas):
+                last = out.finished and k == len(deltas) - 1
+                choice = ChatChoice(index=i, delta=delta, logprobs=None if k else logprobs,
+                                    finish_reason=(choice_streams[i].finish_reason(out)
+                                                   if last else None))
+                yield sse(head.model_copy(update={"choices": [choice]}))
         if req.include_usage:
             yield sse(head.model_copy(update={"usage": usage(finals, req.n)}))
         yield "data: [DONE]\n\n"
+
+    def _reply(self, req: ChatCompletionRequest, out: RequestOutput
+               ) -> tuple[ChatDelta, str | None]:
+        """A finished output as the assistant's message, and its finish_reason ("tool_calls"
+        when it holds calls)."""
+        content, calls = out.text, []
+        if req.forces_tool_call:
+            try:
+                content, calls = None, forced_tool_calls(out.text, req.tool_choice)
+            except ValueError:  # cut off by max_tokens: the text as it is
+                content = out.text
+        elif self._auto_tools(req):
+            extracted = self.tool_parser.extract(out.text)
+            content, calls = extracted.content, extracted.tool_calls
+        if not calls:
+            return ChatDelta(role="assistant", content=content), out.finish_reason
+        return ChatDelta(role="assistant", content=content, tool_calls=[
+            ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]), "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+
+
+def _call_deltas(calls: list[ParsedToolCall]) -> ChatDelta:
+    return ChatDelta(tool_calls=[DeltaToolCall(
+        index=k, id=_id("chatcmpl-tool"), type="function",
+        function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+        for k, c in enumerate(calls)])
+
+
+class _ChoiceStream:
+    """What one choice of a chat stream sends as its output grows: its text as content
+    deltas; a named function's arguments as argument deltas of one call; the calls of
+    "required" once the output is complete; with ``parser`` (tool_choice "auto"), the content
+    up to where a call starts, then the calls once the output is complete."""
+
+    def __init__(self, req: ChatCompletionRequest, parser):
+        self.req, self.parser = req, parser
+        self.sent = 0  # characters of the output's text sent (or, for a call, consumed)
+        self.has_calls = False
+
+    def deltas(self, out: RequestOutput) -> list[ChatDelta]:
+        text, choice = out.text, self.req.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            piece, first = text[self.sent:], self.sent == 0 and not self.has_calls
+            self.sent, self.has_calls = len(text), True
+            if first:
+                return [_call_deltas([ParsedToolCall(choice.function.name, piece)])]
+            return [ChatDelta(tool_calls=[DeltaToolCall(
+                index=0, function=DeltaFunctionCall(arguments=piece))])] if piece else []
+        if choice == "required":
+            if not out.finished:
+                return []
+            try:
+                calls = forced_tool_calls(text, choice)
+            except ValueError:  # cut off by max_tokens: the text as it is
+                return [ChatDelta(content=text)]
+            self.has_calls = True
+            return [_call_deltas(calls)]
+        end, calls = len(text), []
+        if self.parser is not None:
+            end = self.parser.content_end(text)
+            if out.finished:
+                calls = self.parser.extract(text).tool_calls
+                if not calls:
+                    end = len(text)
+        piece, self.sent = text[self.sent:end], max(self.sent, end)
+        deltas = [ChatDelta(content=piece)] if piece else []
+        if calls:
+            self.has_calls = True
+            deltas.append(_call_deltas(calls))
+        return deltas
+
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        return "tool_calls" if self.has_calls and out.finish_reason == "stop" else (
+            out.finish_reason)

@@ -50,6 +50,8 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         truncate_prompt_tokens=req.truncate_prompt_tokens, n=req.n, best_of=req.best_of)
     try:
+        # response_format, structured_outputs, or a forced tool call's schema
+        fields["structured_outputs"] = req.constraint()
         return SamplingParams(**fields)
     except ValueError as exc:
         # its messages begin with the field they are about

@@ -1,0 +1,249 @@
+"""Structured outputs (xgrammar) in the engine: every output of a random-weight model
+follows its constraint, whatever shares its steps (several requests, chunked prefill,
+preemption, prefix caching, async scheduling), greedy or sampled; an invalid constraint is a
+ValueError naming it; a grammar compiles off the step loop, once per text."""
+
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from cbatch import LLM, Engine, SamplingParams
+from cbatch.core import structured_output
+from cbatch.core.structured_output import apply_bitmask
+from tests.helpers import STRESS_CONFIGS
+from tests.structured_utils import CONSTRAINTS, assert_follows
+
+pytest.importorskip("xgrammar")
+
+# bounded kinds: every output finishes (json_object's strings are not bounded: below)
+BOUNDED = ["json", "regex", "choice", "grammar"]
+# a pool of 160 tokens for six requests of up to 146: preemption
+PREEMPTING = dict(max_num_seqs=10, max_num_batched_tokens=64, block_size=4, num_blocks=40)
+CONFIGS = {**STRESS_CONFIGS, "preempting": PREEMPTING,
+           "async": dict(max_num_seqs=10, max_num_batched_tokens=64, async_scheduling=True),
+           "async-preempting": dict(PREEMPTING, async_scheduling=True)}
+
+
+def _requests(kind: str, count: int = 6):
+    """Prompts sharing a 24-token prefix (prefix caching finds it), each with its own seed,
+    half greedy; every other request unconstrained."""
+    prompts = [list(range(40, 64)) + [i + 1, 7 * i % 256] for i in range(count)]
+    params = [SamplingParams(max_tokens=120, temperature=0.0 if i % 4 < 2 else 1.0, seed=i,
+                             structured_outputs=CONSTRAINTS[kind] if i % 2 == 0 else None)
+              for i in range(count)]
+    return prompts, params
+
+
+def _run(config: str, kind: str):
+    llm = LLM("random:tiny", batch_invariant=True, **CONFIGS[config])
+    prompts, params = _requests(kind)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per kind: the outputs in the roomy configuration."""
+    return {kind: [o.token_ids for o in _run("roomy", kind)[1]] for kind in BOUNDED}
+
+
+@pytest.mark.slow  # an engine per configuration
+@pytest.mark.parametrize("kind", BOUNDED)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_every_output_follows_its_constraint_in_any_batch(config, kind, reference):
+    """The matcher follows each sequence through chunked prefill, preemption and async
+    scheduling: the tokens are those of the roomy run (batch-invariant), and every
+    constrained output ends with reason "stop" and follows its constraint."""
+    llm, outs = _run(config, kind)
+    for i, out in enumerate(outs):
+        if i % 2 == 0:
+            assert out.finish_reason == "stop", (i, out.text)
+            assert_follows(kind, out.text)
+    assert [o.token_ids for o in outs] == reference[kind]
+    stats = llm.engine.stats()
+    if "preempting" in config:
+        assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hit_tokens > 0
+    llm.engine.block_manager.check_whole()
+
+
+def test_json_object_outputs_that_finish_are_objects():
+    """Any JSON object: its strings are unbounded, so a random model's output may reach
+    max_tokens; every one that ends ends as an object."""
+    llm = LLM("random:tiny", max_num_seqs=8)
+    outs = llm.generate(["hello"] * 8, [SamplingParams(
+        max_tokens=200, temperature=1.0, seed=i, structured_outputs={"json_object": True})
+        for i in range(8)], use_tqdm=False)
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= 4
+    for out in finished:
+        assert_follows("json_object", out.text)
+
+
+def test_length_bounded_strings_hold_no_raw_control_characters():
+    """xgrammar's own grammar for a string with maxLength admits raw control characters,
+    which JSON forbids; cbatch's does not: json.loads (strict) reads every output."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12},
+                                               "t": {"type": "string", "minLength": 2,
+                                                     "maxLength": 6}},
+              "required": ["s", "t"], "additionalProperties": False}
+    llm = LLM("random:tiny", max_num_seqs=8)
+    outs = llm.generate(["\t\n"] * 8, [SamplingParams(
+        max_tokens=80, temperature=1.5, seed=i, structured_outputs={"json": schema})
+        for i in range(8)], use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_streamed_snapshots_grow_into_a_valid_output():
+    engine = Engine("random:tiny", max_num_seqs=4)
+    rid = engine.add_request("name:", SamplingParams(
+        max_tokens=120, temperature=1.0, seed=3, structured_outputs=CONSTRAINTS["json"]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.text for o in engine.step() if o.request_id == rid]
+    assert len(texts) > 10
+    assert all(texts[-1].startswith(t) for t in texts)
+    assert_follows("json", texts[-1])
+
+
+@pytest.mark.parametrize("constraint, match", [
+    ({"json": {"type": "nonsense"}}, r"structured_outputs\.json is not a valid JSON schema.*"
+                                      "nonsense"),
+    ({"json": "{not json"}, r"structured_outputs\.json is not valid JSON"),
+    ({"json": "[1, 2]"}, r"structured_outputs\.json .*a schema is a JSON object"),
+    ({"regex": "a(b"}, r"structured_outputs\.regex is not a valid regular expression.*"
+                       "parenthesis"),
+    ({"grammar": 'root ::= "a" | rule_b'}, r"structured_outputs\.grammar is not a valid EBNF "
+                                           r"grammar.*rule_b"),
+])
+def test_an_invalid_constraint_is_a_value_error_naming_it(constraint, match):
+    engine = Engine("random:tiny")
+    with pytest.raises(ValueError, match=match):
+        engine.add_request([1, 2, 3], SamplingParams(structured_outputs=constraint))
+    assert not engine.has_unfinished_requests()
+    assert not engine.structured.held
+
+
+def test_a_compiling_grammar_stalls_no_other_request(monkeypatch):
+    """A request whose grammar is still compiling is not scheduled; the others run meanwhile;
+    once compiled, it runs.  A constraint's text is compiled once."""
+    release, calls = threading.Event(), []
+    compile_ = structured_output.StructuredOutputs._compile
+
+    def slow_compile(self, grammar):
+        calls.append(grammar)
+        assert release.wait(30)
+        return compile_(self, grammar)
+
+    monkeypatch.setattr(structured_output.StructuredOutputs, "_compile", slow_compile)
+    engine = Engine("random:tiny", max_num_seqs=4)
+    constrained = SamplingParams(max_tokens=60, structured_outputs=CONSTRAINTS["regex"])
+    waiting = [engine.add_request([1, 2, 3], constrained) for _ in range(2)]
+    free = engine.add_request([4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
+    done = {}
+    for _ in range(50):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if free in done:
+            break
+    assert free in done and done[free].finish_reason == "length"
+    assert not any(r in done for r in waiting)
+    assert len(engine.structured.held) == 2 and not engine.scheduler.waiting
+    release.set()
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid in waiting:
+        assert_follows("regex", done[rid].text)
+    assert len(calls) == 1  # the second request found the first's compilation
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends(monkeypatch):
+    release = threading.Event()
+    compile_ = structured_output.StructuredOutputs._compile
+    monkeypatch.setattr(structured_output.StructuredOutputs, "_compile",
+                        lambda self, g: (release.wait(30), compile_(self, g))[1])
+    engine = Engine("random:tiny")
+    rid = engine.add_request([1, 2], SamplingParams(structured_outputs={"regex": "[ab]{2}"}))
+    engine.abort(rid)
+    outs = engine.step()
+    release.set()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    assert not engine.structured.held and not engine.has_unfinished_requests()
+
+
+def test_greedy_rows_with_a_grammar_leave_the_greedy_screen():
+    """On the CPU an all-greedy step takes its tokens from the lm_head's screen, which never
+    sees the bitmask: a grammar row must not (its output would not follow it)."""
+    outs = LLM("random:tiny").generate(["x"] * 2, SamplingParams(
+        max_tokens=40, structured_outputs=CONSTRAINTS["regex"]), use_tqdm=False)
+    for out in outs:
+        assert_follows("regex", out.text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [31, 64, 100])
+def test_apply_bitmask_forbids_exactly_the_cleared_bits(dtype, vocab):
+    """Against a bit-by-bit reference; the bitmask covers 64 ids, so a vocab of 100 has ids
+    past it: forbidden in the constrained rows, untouched in the all-ones row."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=gen).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 2), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = -1  # a row without a grammar
+    want = logits.clone()
+    for s in range(3):
+        for t in range(vocab):
+            allowed = t < 64 and (int(bitmask[s, t // 32]) >> (t % 32)) & 1
+            if not allowed and not (s == 1 and t >= 64):
+                want[s, t] = float("-inf")
+    apply_bitmask(logits, bitmask)
+    torch.testing.assert_close(logits, want)
+    assert torch.isfinite(logits[1]).all()
+
+
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tmp_path_factory):
+    """A tiny Qwen2 checkpoint with a byte-level BPE of 300 tokens trained here (multi-byte
+    tokens, special tokens, and a model vocabulary padded past the tokenizer's)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "ab", "age": 12, "ok": true, "tags": ["a", "b"]}',
+              "123-abcd! 456-xyz!", "yes no maybe so (1+2+3)"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    config = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size() + 20, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=tok.token_to_id("<|endoftext|>"))
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2-bpe")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.slow  # a checkpoint saved by transformers
+@pytest.mark.parametrize("kind", BOUNDED)
+def test_a_checkpoints_bpe_tokenizer_constrains_its_outputs(bpe_checkpoint, kind):
+    """xgrammar reads the vocabulary of a Hugging Face tokenizer (merged tokens that span
+    several characters of the grammar); ids past it are never sampled."""
+    llm = LLM(str(bpe_checkpoint), max_num_seqs=4)
+    assert llm.engine.model.config.vocab_size > 300
+    outs = llm.generate(["hello"] * 4, [SamplingParams(
+        max_tokens=120, temperature=0.0 if i == 0 else 1.0, seed=i,
+        structured_outputs=CONSTRAINTS[kind]) for i in range(4)], use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        assert max(out.token_ids) < 300
+        assert_follows(kind, out.text)
+    if kind == "json":  # merged tokens were sampled, not bytes alone
+        assert any(len(out.token_ids) < len(out.text) for out in outs)
