@@ -5,6 +5,7 @@ base checkpoint) gets a 400 that names it and says how to give it one (``--chat-
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
+from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta, OpenAIError)
 from cbatch.entrypoints.openai.serving_completion import (open_streams, results, sampling_params,
@@ -73,8 +75,11 @@ def _raise_template_error(message: str):
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None, architecture: str | None = None):
+                 special_tokens: dict[str, str] | None = None, architecture: str | None = None,
+                 special_tokens_in_content: bool = True):
         self.engine = engine
+        # False: contents are encoded as plain text (--no-special-tokens-in-content)
+        self.special_tokens_in_content = special_tokens_in_content
         self.model_name = model_name
         self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
@@ -89,7 +94,9 @@ class OpenAIServingChat:
             env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(chat_template)
 
-    def render(self, req: ChatCompletionRequest) -> str:
+    def render(self, req: ChatCompletionRequest, messages: list[dict] | None = None) -> str:
+        """The template's text for ``req`` (``messages``: these message dicts instead of
+        the request's)."""
         if self._template is None:
             arch = f" ({self.architecture})" if self.architecture else ""
             raise OpenAIError(400, f"model {self.model_name!r}{arch} has no chat template: "
@@ -100,25 +107,43 @@ class OpenAIServingChat:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=[m.model_dump() for m in req.messages],
-                                         add_generation_prompt=True, **self.special_tokens)
+            if messages is None:
+                messages = [m.model_dump() for m in req.messages]
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         **self.special_tokens)
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
                               param="messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        # the template wrote the special tokens it wants: encode without adding more (in a
-        # worker thread, as the engine does for a string prompt: the loop serves on meanwhile)
-        prompt = await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
-                                         add_special_tokens=False)
+        prompt = await self.prompt_ids(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = [sampling_params(req, c, max_tokens=max_tokens) for c in range(req.n)]
-        streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream)
+        streams = await open_streams(self.engine, [prompt] * req.n, params, req.stream,
+                                     raw_request)
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams)),
                                      media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))
         return JSONResponse(response.model_dump()) if response is not None else None
+
+    async def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The rendered template's token ids.  The template wrote the special tokens it
+        wants: encoded without adding more, in a worker thread (as the engine does for a
+        string prompt: the loop serves on meanwhile); without special tokens in content, the
+        messages' contents are encoded as plain text (:mod:`chat_content`)."""
+        tokenizer = self.engine.tokenizer
+        if self.special_tokens_in_content:
+            encode = functools.partial(tokenizer.encode, self.render(req),
+                                       add_special_tokens=False)
+        else:
+            text, spans = render_with_spans(functools.partial(self.render, req),
+                                            [m.model_dump() for m in req.messages])
+            encode = functools.partial(tokenizer.encode_literal_spans, text, spans)
+        try:
+            return await asyncio.to_thread(encode)
+        except ValueError as exc:  # text the tokenizer cannot take (a lone surrogate)
+            raise OpenAIError(400, f"messages: {exc}", param="messages") from None
 
     async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
         finals: dict[int, RequestOutput] = {}
