@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +21,8 @@ class Tokenizer(Protocol):
     eos_token_id: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_literal_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
                spaces_between_special_tokens: bool = True) -> str: ...
@@ -45,7 +48,13 @@ class ByteTokenizer:
         self.eos_token_id = eos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))  # (it has no special tokens)
+        try:
+            return list(text.encode("utf-8"))  # (it has no special tokens)
+        except UnicodeEncodeError as e:
+            raise not_utf8(text, e) from None
+
+    def encode_literal_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        return self.encode(text)  # no special tokens: every text is literal
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
                spaces_between_special_tokens: bool = True) -> str:
@@ -86,12 +95,46 @@ class HFTokenizer:
         self.eos_token_id = eos_token_id
         # added tokens (chat markers, EOS, ...): id -> text
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._literal = None  # a copy that reads special tokens' spellings as text (lazy)
+        self._literal_lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
         Llama tokenizer's BOS; GPT-2's and Qwen's add nothing), as vLLM does for a prompt; a
         rendered chat template has them in its text already, and is encoded without."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encoding(self._tok, text, add_special_tokens).ids
+
+    def encode_literal_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """``text``'s ids (no special tokens added) where no special token comes from inside
+        ``spans`` (character ranges ``[start, end)``): there, a special token's spelling
+        (``<|im_end|>``) is ordinary text, as ``transformers``' ``split_special_tokens`` reads
+        it.  A text whose spans spell none is encoded exactly as :meth:`encode` does."""
+        encoding = _encoding(self._tok, text, False)
+        base = getattr(self._tok, "_tokenizer", self._tok)  # implementations wrap one
+        special = {i for i, t in base.get_added_tokens_decoder().items() if t.special}
+        if not any(i in special and any(a < end and start < b for start, end in spans)
+                   for i, (a, b) in zip(encoding.ids, encoding.offsets)):
+            return encoding.ids
+        ids, pos = [], 0
+        for start, end in sorted(spans):
+            if pos < start:
+                ids += self._tok.encode(text[pos:start], add_special_tokens=False).ids
+            ids += self._literal_tokenizer().encode(text[start:end],
+                                                    add_special_tokens=False).ids
+            pos = end
+        if pos < len(text):
+            ids += self._tok.encode(text[pos:], add_special_tokens=False).ids
+        return ids
+
+    def _literal_tokenizer(self):
+        with self._literal_lock:  # encodes run in worker threads
+            if self._literal is None:
+                from tokenizers import Tokenizer as _Tokenizer
+
+                base = getattr(self._tok, "_tokenizer", self._tok)
+                self._literal = _Tokenizer.from_str(base.to_str())
+                self._literal.encode_special_tokens = True
+            return self._literal
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
                spaces_between_special_tokens: bool = True) -> str:
@@ -148,6 +191,31 @@ def _byte_level_alphabet() -> dict[str, int]:
             extra += 1
     assert set(table) == set(chars), "tokenizers' byte-level alphabet is not GPT-2's"
     return table
+
+
+def _encoding(tokenizer, text: str, add_special_tokens: bool):
+    """``tokenizers``' encoding of ``text``; a text UTF-8 cannot encode is a ValueError that
+    says so (``tokenizers`` says only "TextInputSequence must be str")."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise not_utf8(text, e) from None
+        raise
+
+
+def not_utf8(text: str, error: UnicodeEncodeError) -> ValueError:
+    """The error for a text that UTF-8 cannot encode (a lone surrogate, as JSON's "\\ud800"
+    or Python's surrogateescape make): it names the character and its place."""
+    char = text[error.start]
+    why = (f"perhaps the byte 0x{ord(char) - 0xDC00:02x}, not UTF-8, of a command line or a "
+           "file name" if 0xDC80 <= ord(char) <= 0xDCFF else
+           "half of a UTF-16 pair, which no text holds alone")
+    return ValueError(f"the text cannot be encoded as UTF-8: {char!r} at character "
+                      f"{error.start} is a lone surrogate ({why})")
 
 
 def missing_tokenizer_files(path: Path) -> list[str]:

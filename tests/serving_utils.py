@@ -32,9 +32,11 @@ def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
 @contextlib.contextmanager
 def running_server(model: str = "random:tiny", name: str = "tiny", max_waiting: int = 1024,
                    app_kwargs: dict | None = None, server_kwargs: dict | None = None,
-                   **engine_kwargs):
+                   sndbuf: int | None = None, **engine_kwargs):
     """Yields (base_url, AsyncEngine).  ``app_kwargs`` go to ``build_app`` (limits, API key,
-    allowed hosts), ``server_kwargs`` to ``uvicorn_config`` (timeouts, concurrency)."""
+    allowed hosts), ``server_kwargs`` to ``uvicorn_config`` (timeouts).  ``sndbuf``: the
+    kernel's send buffer of each connection, in bytes (a small one fills after little: the
+    kernel otherwise buffers megabytes for a client that reads nothing)."""
     import uvicorn
 
     from cbatch.entrypoints.openai.api_server import build_app, build_engine, uvicorn_config
@@ -44,7 +46,14 @@ def running_server(model: str = "random:tiny", name: str = "tiny", max_waiting: 
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning",
                                            **(server_kwargs or {})))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sockets = None
+    if sndbuf is not None:  # accepted connections inherit the listening socket's buffer
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        sock.bind(("127.0.0.1", port))
+        sockets = [sock]
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=sockets), daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
     try:

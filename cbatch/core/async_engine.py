@@ -134,26 +134,61 @@ class AsyncEngine:
         Raises what :meth:`Engine.add_request`
         raises for a bad request, :class:`QueueFullError` when the waiting queue is full and
         :class:`EngineDeadError` when the engine is not running."""
+        request_ids = None if request_id is None else [request_id]
+        return (await self.add_requests([prompt], [params], request_ids, priority, stream))[0]
+
+    async def add_requests(self, prompts: list[str | list[int]],
+                           params: list[SamplingParams | None],
+                           request_ids: list[str] | None = None, priority: int = 0,
+                           stream: bool = True) -> list[RequestStream]:
+        """Admit several requests as one, all or none (a prompt list of one API call): they
+        join the waiting queue together, or not at all when they do not all fit under
+        ``max_waiting`` (:class:`QueueFullError`; a ValueError when they never could) or
+        one of them is refused (what :meth:`Engine.add_request` raises, naming the prompt).
+        One round trip to the engine thread whatever their number; cancelling the call
+        (the client went away) aborts every one of them."""
+        if len(prompts) != len(params):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if len(prompts) > self.max_waiting:
+            raise ValueError(f"{len(prompts)} prompts (choices included) are more than this "
+                             f"engine ever admits at once (max_waiting={self.max_waiting}); "
+                             "send fewer per request")
         if not self.is_running:
             raise EngineDeadError("the engine is shut down" if self._error is None else
                                   f"the engine loop failed: {self._error!r}")
-        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        if isinstance(prompt, str):  # tokenised here, in a worker: a long prompt stalls no step
-            prompt = await asyncio.to_thread(self.tokenizer.encode, prompt)
-        if params is not None and params.structured_outputs is not None:
-            # parsed here, in a worker (a ValueError for a bad one), and its compilation begun
-            await asyncio.to_thread(self.engine.structured.check, params.structured_outputs)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._post(("add", request_id, prompt, params, priority, stream,
-                    asyncio.get_running_loop(), queue))
+        request_ids = ([uuid.uuid4().hex for _ in prompts] if request_ids is None
+                       else [str(r) for r in request_ids])
+        if any(isinstance(p, str) for p in prompts):
+            # tokenised here, in a worker: long prompts stall no step and no event loop
+            prompts = await asyncio.to_thread(self._encode_all, prompts)
+        constraints = list({id(p.structured_outputs): p.structured_outputs for p in params
+                            if p is not None and p.structured_outputs is not None}.values())
+        if constraints:
+            # parsed here, in a worker (a ValueError for a bad one), and compilation begun
+            await asyncio.to_thread(lambda: [self.engine.structured.check(c)
+                                             for c in constraints])
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in prompts]
+        self._post(("add", list(zip(request_ids, prompts, params)), priority, stream, loop,
+                    queues))
         try:
-            admitted = await queue.get()  # None, or the reason it was refused
-        except BaseException:  # cancelled while waiting: do not leave it running unheard
-            self.abort(request_id)
+            admitted = await queues[0].get()  # None, or the reason they were refused
+        except BaseException:  # cancelled while waiting: do not leave them running unheard
+            for request_id in request_ids:
+                self.abort(request_id)
             raise
         if admitted is not None:
             raise admitted
-        return RequestStream(self, request_id, queue)
+        return [RequestStream(self, r, q) for r, q in zip(request_ids, queues)]
+
+    def _encode_all(self, prompts: list) -> list:
+        encoded = []
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append(self.tokenizer.encode(p) if isinstance(p, str) else p)
+            except ValueError as e:
+                raise ValueError(f"{_which(i, len(prompts))}{e}") from None
+        return encoded
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0
@@ -242,19 +277,29 @@ class AsyncEngine:
             if command[0] == "abort":
                 self._abort(command[1])
                 continue
-            _, request_id, prompt, params, priority, stream, loop, queue = command
+            _, requests, priority, stream, loop, queues = command
+            added: list[str] = []
             try:
                 if self._stopping:
                     raise EngineDeadError("the engine is shutting down")
-                if len(engine.scheduler.waiting) >= self.max_waiting:
-                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting} "
-                                         "requests waiting); retry later")
-                engine.add_request(prompt, params, priority, request_id, stream)
-            except Exception as exc:  # refused: the caller raises it
-                pending[loop].append((queue, exc))
+                if len(engine.scheduler.waiting) + len(requests) > self.max_waiting:
+                    raise QueueFullError(f"the waiting queue is full (max_waiting="
+                                         f"{self.max_waiting}); retry later")
+                for i, (request_id, prompt, params) in enumerate(requests):
+                    try:
+                        engine.add_request(prompt, params, priority, request_id, stream)
+                    except (ValueError, TypeError) as e:  # (not type(e): its own arguments)
+                        kind = ValueError if isinstance(e, ValueError) else TypeError
+                        raise kind(f"{_which(i, len(requests))}{e}") from None
+                    added.append(request_id)
+            except Exception as exc:  # refused, all of them: the caller raises it
+                for request_id in added:
+                    engine.abort(request_id, report=False)
+                pending[loop].append((queues[0], exc))
                 continue
-            self._streams[request_id] = (loop, queue)
-            pending[loop].append((queue, None))
+            for request_id, queue in zip(added, queues):
+                self._streams[request_id] = (loop, queue)
+            pending[loop].append((queues[0], None))
 
     def _collect(self, outputs: list[RequestOutput], pending: dict) -> None:
         for out in outputs:
@@ -280,6 +325,11 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
+
+
+def _which(i: int, n: int) -> str:
+    """The prefix that names prompt ``i`` of ``n`` in an error ("" for a single prompt)."""
+    return f"prompt {i + 1} of {n}: " if n > 1 else ""
 
 
 def _put_all(items: list) -> None:

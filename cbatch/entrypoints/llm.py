@@ -97,7 +97,9 @@ def generate(engine: Engine, prompts: list, params: SamplingParams | list[Sampli
 
     All or nothing: every prompt and parameter is checked before any request is queued, and
     if anything fails mid-way (an error in a step, KeyboardInterrupt), every request of this
-    call is aborted and the exception propagates, leaving the engine as it was.
+    call is aborted and the exception propagates, leaving the engine as it was.  Requests the
+    engine held before the call run on beside this call's, and run on after it (their
+    outputs are not this call's: their owner steps the engine for them).
     ``progress(1)`` is called per finished request, ``on_output(output)`` for every output
     of this call's requests as it streams (each step's snapshot).
     """
@@ -119,7 +121,9 @@ def generate(engine: Engine, prompts: list, params: SamplingParams | list[Sampli
         mine = set(ids)
         while len(done) < len(ids):
             for out in engine.step():
-                if on_output is not None and out.request_id in mine:
+                if out.request_id not in mine:  # another caller's request on this engine
+                    continue
+                if on_output is not None:
                     on_output(out)
                 if out.finished and out.request_id not in done:
                     done[out.request_id] = out

@@ -134,14 +134,25 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
-    raw = json.loads((path / "config.json").read_text())
-    cls = model_class(architecture_of(raw, path / "config.json"))
+    raw = read_json_object(path / "config.json")
+    architecture = architecture_of(raw, path / "config.json")
+    cls = model_class(architecture)
+    try:
+        if cls is GPT2LMHeadModel:
+            config = GPT2Config.from_hf(path)
+        else:
+            config = cls.config_class.from_hf(raw, **cls.config_switches)
+    except KeyError as e:
+        raise ValueError(f"{path / 'config.json'}: field {e} is missing (a {architecture} "
+                         "config needs it)") from None
+    except (TypeError, ValueError) as e:  # a field of the wrong type or value
+        message = str(e)
+        raise ValueError(message if message.startswith(str(path)) else
+                         f"{path / 'config.json'}: {message}") from None
     if cls is GPT2LMHeadModel:
-        config = GPT2Config.from_hf(path)
         state = convert_hf_state_dict(load_state_dict(path, device), config)
         tied = ("lm_head.weight", "transformer.wte.weight")
     else:
-        config = cls.config_class.from_hf(raw, **cls.config_switches)
         config = _with_generation_eos(config, path)
         state = cls.convert_hf_state_dict(load_state_dict(path, device), config)
         tied = ("lm_head.weight", "model.embed_tokens.weight") \
@@ -150,6 +161,24 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         model = cls(config, attention_backend)
     _assign(model, state, path, tied, device, dtype)
     return model.eval()
+
+
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, generation_config.json) as a dict; ValueError
+    naming the file and what is wrong with it (not JSON, or not a JSON object)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                         f"{e.colno}") from None
+    if not isinstance(raw, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+            type(raw), "a number")
+        raise ValueError(f"{path} holds {kind}, not the JSON object ({{...}}) of a Hugging "
+                         "Face config")
+    return raw
 
 
 def _with_generation_eos(config, path: Path):
@@ -164,7 +193,7 @@ def _with_generation_eos(config, path: Path):
             else (value,)
 
     eos = ids(config.eos_token_id)
-    eos += tuple(i for i in ids(json.loads(gen.read_text()).get("eos_token_id")) if i not in eos)
+    eos += tuple(i for i in ids(read_json_object(gen).get("eos_token_id")) if i not in eos)
     return dataclasses.replace(config, eos_token_id=eos[0] if len(eos) == 1 else eos or None)
 
 

@@ -23,12 +23,16 @@ _MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
 
 
 def architecture_of(raw: dict, path: Path | str = "config.json") -> str:
-    """The supported architecture a Hugging Face config dict names."""
+    """The supported architecture a Hugging Face config dict names; ValueError naming
+    ``path`` when it names none cbatch runs, or names them in the wrong form."""
     named = raw.get("architectures") or []
+    if not isinstance(named, list) or not all(isinstance(a, str) for a in named):
+        raise ValueError(f"{path}: architectures must be a list of class names, like "
+                         f'["LlamaForCausalLM"]; got {named!r:.80}')
     for arch in named:
         if arch in ARCHITECTURES:
             return arch
-    if not named and raw.get("model_type") in _MODEL_TYPES:
+    if not named and isinstance(raw.get("model_type"), str) and raw["model_type"] in _MODEL_TYPES:
         return _MODEL_TYPES[raw["model_type"]]
     what = f"architectures {named}" if named else f"model_type {raw.get('model_type')!r}"
     raise ValueError(f"{path}: {what} is not supported; cbatch runs "

@@ -13,6 +13,7 @@ import torch
 
 from cbatch import envs
 from cbatch.ops import compiled, reference
+from cbatch.ops.checks import check_no_meta_mix
 
 BACKENDS = ("cuda", "triton", "cpu", "torch")
 _PREFERENCE = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
@@ -85,16 +86,25 @@ for _backend in compiled.compiled_backends():
 
 if compiled.compiled_backends():
 
+    # (each fake refuses meta tensors mixed with real ones: check_no_meta_mix)
     @torch.library.register_fake("cbatch::write_kv_cache")
     def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+        check_no_meta_mix("cbatch::write_kv_cache", key=key, value=value, key_cache=key_cache,
+                          value_cache=value_cache, slot_mapping=slot_mapping)
         return None
 
     @torch.library.register_fake("cbatch::paged_decode_attention")
     def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
+        check_no_meta_mix("cbatch::paged_decode_attention", query=query, key_cache=key_cache,
+                          value_cache=value_cache, block_tables=block_tables,
+                          seq_lens=seq_lens)
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("cbatch::paged_prefill_attention")
     def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+        check_no_meta_mix("cbatch::paged_prefill_attention", query=query, key_cache=key_cache,
+                          value_cache=value_cache, block_tables=block_tables,
+                          cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
         return query.new_empty(query.shape)
 
 

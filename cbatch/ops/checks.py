@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import torch
 
+def check_no_meta_mix(op: str, **tensors: torch.Tensor | None) -> None:
+    """For an op's fake (meta) implementation: ValueError when meta tensors come with real
+    ones.  The dispatcher sends such a call to the fake, which computes shapes only, so the
+    op would return uninitialised memory or write nothing; all-meta calls (shape inference)
+    and fake tensors under ``torch.compile`` (they report a real device) pass."""
+    meta = [name for name, t in tensors.items() if t is not None and t.device.type == "meta"]
+    real = {name: t.device for name, t in tensors.items()
+            if t is not None and t.device.type != "meta"}
+    if meta and real:
+        name, device = next(iter(real.items()))
+        raise ValueError(f"{op}: {', '.join(meta)} on the meta device but "
+                         f"{name} on {device}: a meta tensor holds no data, so the op would "
+                         "compute nothing; put every tensor on one device")
+
+
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, H, D], got shape "

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from cbatch import envs
 from cbatch.ops import compiled
+from cbatch.ops.checks import check_no_meta_mix
 
 ROUTES = ("cbatch", "onednn", "torch")
 BLOCK = 16  # output columns per block of the "cbatch" layout
@@ -273,10 +274,12 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
 
     @torch.library.register_fake("cbatch::linear")
     def _(x, packed, out_features, bias, residual, activation):
+        check_no_meta_mix("cbatch::linear", x=x, packed=packed, bias=bias, residual=residual)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")
     def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None):
+        check_no_meta_mix("cbatch::greedy_head", x=x, packed=packed, screen=screen, scales=scales)
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("cbatch::argmax")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from cbatch.kernels import cache, decode_attention, prefill_attention
+from cbatch.ops.checks import check_no_meta_mix
 
 
 @torch.library.custom_op("cbatch_triton::write_kv_cache",
@@ -31,6 +32,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
 
 @paged_decode_attention.register_fake
 def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    check_no_meta_mix("cbatch_triton::paged_decode_attention", query=query, key_cache=key_cache,
+                      value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens)
     return query.new_empty(query.shape)
 
 
@@ -48,4 +51,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
 @paged_prefill_attention.register_fake
 def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
       max_query_len=-1):
+    check_no_meta_mix("cbatch_triton::paged_prefill_attention", query=query, key_cache=key_cache,
+                      value_cache=value_cache, block_tables=block_tables,
+                      cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     return query.new_empty(query.shape)

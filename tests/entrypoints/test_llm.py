@@ -32,6 +32,9 @@ def assert_empty(llm):
     (["ok", 123], PARAMS, TypeError, r"prompts\[1\] is int 123: prompts must be a string, "
      "a list of token ids, or a list of those"),
     (["ok", "fine"], [PARAMS], ValueError, "got 1 SamplingParams for 2 prompts"),
+    (["ok", "a\ud800b"], PARAMS, ValueError, r"prompt 2 of 2 .*'\\ud800' at character 1 "
+     "is a lone surrogate"),  # (not a TypeError of UnicodeEncodeError's own arguments)
+    ("a\udcffb", PARAMS, ValueError, "lone surrogate .perhaps the byte 0xff, not UTF-8"),
     (["ok", "fine"], [PARAMS, "greedy"], TypeError, "params must be SamplingParams"),
     (["ok", [1] * 40], [PARAMS, SamplingParams(max_tokens=250)], ValueError,
      r"prompt \(40 tokens\) \+ max_tokens \(250\)"),
@@ -71,6 +74,22 @@ def test_an_error_in_a_step_aborts_the_calls_requests(llm, monkeypatch, error):
     monkeypatch.undo()
     again = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+    assert_empty(llm)
+
+
+@pytest.mark.parametrize("other_tokens", [1, 40])  # the other request ends first, or after
+def test_generate_beside_another_unfinished_request(llm, other_tokens):
+    """A call on an engine that holds another caller's request runs its own to the end (no
+    KeyError from the other's output) and leaves the other one running."""
+    other = llm.engine.add_request([5, 6], SamplingParams(max_tokens=other_tokens,
+                                                          ignore_eos=True))
+    [out] = llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)
+    assert out.finished and out.finish_reason == "length" and len(out.token_ids) == 4
+    assert not llm.engine.is_unfinished(out.request_id)
+    if llm.engine.is_unfinished(other):
+        llm.engine.abort(other, report=False)
+    while llm.engine.has_unfinished_requests():  # the other's last output, if it ended
+        llm.engine.step()
     assert_empty(llm)
 
 

@@ -173,3 +173,24 @@ def test_config_validation():
         GPT2Config(n_embd=100, n_head=12)
     with pytest.raises(ValueError, match="n_layer must be >= 1"):
         GPT2Config(n_layer=0)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", r"config.json is not valid JSON: Expecting property name .* line 1, column 2"),
+    ("[1, 2]", r"config.json holds an array, not the JSON object"),
+    ('"gpt2"', r"config.json holds a string, not the JSON object"),
+    ('{"architectures": "LlamaForCausalLM"}',
+     r"config.json: architectures must be a list of class names, like \[\"LlamaForCausalLM\"\]; "
+     r"got 'LlamaForCausalLM'"),
+    ('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}',
+     r"config.json: field 'num_attention_heads' is missing \(a LlamaForCausalLM config needs it\)"),
+    ('{"model_type": ["gpt2"]}', r"config.json: model_type \['gpt2'\] is not supported"),
+])
+def test_a_bad_config_json_is_named_and_said_once(tiny_hf_dir, tmp_path, text, match):
+    """Every message names the file and says what is wrong with it, never an AttributeError
+    or "X is not supported; cbatch runs ... X" (issue 41.14)."""
+    path = _copy(tiny_hf_dir, tmp_path / "m")
+    (path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=match) as exc:
+        load_model(str(path))
+    assert str(path / "config.json") in str(exc.value)

@@ -85,3 +85,28 @@ def test_the_torch_backend_checks_block_ids_and_slots():
     assert not kc.any()
 
 
+
+
+# ------------------------------------------------------------------ issue 41, finding 20
+
+
+@pytest.mark.skipif(not ops.available_backends()["cpu"].available, reason="no CPU extension")
+def test_a_meta_tensor_among_cpu_tensors_is_a_clear_error():
+    """The raw compiled ops dispatch a call holding any meta tensor to their fake (shapes
+    only), which would return uninitialised memory or write nothing: refused instead, naming
+    the meta argument; an all-meta call still infers shapes."""
+    q, kc = torch.randn(2, 4, 16), torch.randn(8, 16, 4, 16)
+    vc, tables = torch.randn_like(kc), torch.tensor([[0], [1]], dtype=torch.int32)
+    lens, meta = torch.tensor([3, 5], dtype=torch.int32), torch.device("meta")
+    with pytest.raises(ValueError, match="key_cache on the meta device but query on cpu"):
+        torch.ops.cbatch.paged_decode_attention(q, kc.to(meta), vc, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="block_tables on the meta device"):
+        torch.ops.cbatch.paged_prefill_attention(q, kc, vc, tables.to(meta),
+                                                 torch.tensor([0, 1, 2], dtype=torch.int32),
+                                                 lens, 0.25)
+    key, slots = torch.randn(3, 4, 16), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="slot_mapping on the meta device"):
+        torch.ops.cbatch.write_kv_cache(key, key, kc, vc, slots.to(meta))
+    out = torch.ops.cbatch.paged_decode_attention(*(t.to(meta) for t in (q, kc, vc, tables,
+                                                                         lens)), 0.25)
+    assert out.device == meta and out.shape == q.shape

@@ -9,11 +9,12 @@ accepted, as vLLM accepts them, and named in one warning line in the log.  Every
 of every route, is OpenAI's error JSON; an internal error's text goes to the log, not to
 the client.
 
-No client can take the server down: requests pass :class:`RequestGuard` first (host
-allow-list, API key, body size and read time), half-sent headers time out, and a failure
-of one request ends that request alone.  If the engine itself fails, ``/health`` fails and
+No client can take the server down: requests pass :class:`RequestGuard` first (well-formed
+and allowed hosts, API key, a slot of ``--limit-concurrency`` or a bounded wait for one, body
+size, read time and number of values), half-sent headers and unread responses time out, and
+a failure of one request ends that request alone.  If the engine itself fails, ``/health`` fails and
 the process exits with status 1 within seconds, so that a supervisor restarts it.  The first
-SIGTERM or SIGINT stops accepting connections and gives running requests
+SIGTERM, SIGINT or SIGHUP stops accepting connections and gives running requests
 ``--shutdown-timeout`` seconds before they are aborted (streams end with reason "abort"); a
 second one exits at once.
 """
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -37,9 +39,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cbatch.logger import init_logger
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
 from cbatch.core.cpu.report import format_paths
-from cbatch.entrypoints.openai.cli_args import (DEFAULT_MAX_REQUEST_BYTES, guard_settings,
+from cbatch.entrypoints.openai.cli_args import (DEFAULT_LIMIT_CONCURRENCY,
+                                                DEFAULT_MAX_QUEUED_REQUESTS,
+                                                DEFAULT_MAX_REQUEST_BYTES, guard_settings,
                                                 tool_settings)
-from cbatch.entrypoints.openai.guard import RequestGuard, timed_protocol
+from cbatch.entrypoints.openai.guard import ConcurrencyLimit, RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, DetokenizeResponse,
@@ -71,11 +75,17 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               shutdown_timeout: float = 0.0, chat_template: str | None = None, *,
               api_key: str | None = None, allowed_hosts: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float = 30.0, tool_call_parser: str | None = None) -> FastAPI:
+              body_timeout: float = 30.0,
+              limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+              max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+              queue_timeout: float = 30.0, special_tokens_in_content: bool = True,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
-    :class:`RequestGuard` with these settings.  When the app shuts down it shuts the engine
-    down, giving running requests ``shutdown_timeout`` seconds.  ``chat_template`` (Jinja)
-    replaces the one the checkpoint ships, if any.  ``tool_call_parser`` (a name of
+    :class:`RequestGuard` with these settings (``limit_concurrency`` None: no limit).  When
+    the app shuts down it shuts the engine down, giving running requests ``shutdown_timeout``
+    seconds.  ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any;
+    ``special_tokens_in_content=False`` encodes chat contents as plain text
+    (``--no-special-tokens-in-content``); ``tool_call_parser`` (a name of
     ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on."""
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
@@ -88,7 +98,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint),
                              architecture=type(engine.engine.model).__name__,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser,
+                             special_tokens_in_content=special_tokens_in_content)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,8 +108,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     app = FastAPI(title="cbatch", lifespan=lifespan)
     app.state.engine = engine
+    limit = None if limit_concurrency is None else ConcurrencyLimit(
+        limit_concurrency, max_queued_requests, queue_timeout)
     app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes,
-                       body_timeout=body_timeout, api_key=api_key, allowed_hosts=allowed_hosts)
+                       body_timeout=body_timeout, api_key=api_key, allowed_hosts=allowed_hosts,
+                       limit=limit)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -112,10 +126,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        errors = exc.errors()
+        param = ".".join(str(p) for p in errors[0]["loc"] if p != "body") or None
         message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}"
-                            for e in exc.errors())
+                            for e in errors[:5])  # the first few: a list may fail per item
+        if len(errors) > 5:
+            message += f"; and {len(errors) - 5} more"
         return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(EngineDeadError)
@@ -173,7 +189,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
         """vLLM's: a prompt (or messages, through the chat template) as token ids."""
         check_request("/tokenize", req)
         if isinstance(req, TokenizeChatRequest):
-            ids = await chat.encode(req, req.add_special_tokens)
+            ids = await chat.prompt_ids(req, req.add_special_tokens)
         else:
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
                                           add_special_tokens=req.add_special_tokens)
@@ -204,11 +220,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 0.0,
-                   limit_concurrency: int | None = 512, header_timeout: float = 10.0,
+                   header_timeout: float = 10.0, write_timeout: float = 30.0,
                    log_level: str = "info"):
-    """uvicorn's settings for ``app``: half-sent headers time out, at most
-    ``limit_concurrency`` connections and requests at once (503 beyond), and a graceful
-    shutdown that waits at most a second longer than the engine gives running requests."""
+    """uvicorn's settings for ``app``: half-sent headers and unread responses time out, and
+    a graceful shutdown that waits at most a second longer than the engine gives running
+    requests.  (The concurrency limit is the app's own, :class:`RequestGuard`'s: uvicorn's
+    would refuse every request, not the excess, with a 503 in plain text.)"""
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -217,21 +234,53 @@ def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float =
     except ImportError:  # uvicorn's own choice without httptools
         base = H11Protocol
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=timed_protocol(base, header_timeout),
-                          limit_concurrency=limit_concurrency,
+                          http=timed_protocol(base, header_timeout, write_timeout),
                           timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 1)
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's limit of open files to its hard limit (as vLLM does): every
+    connection, queued ones included, holds a file descriptor, and a common default of 1024
+    is fewer than the concurrency limit and its queue."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-files limit from %d to %d: %s", soft,
+                           target, e)
 
 
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, whose first signal also starts the engine's bounded shutdown
-        and whose second exits at once; :meth:`engine_failed` makes it exit as well."""
+        """uvicorn's server, whose first signal (SIGINT, SIGTERM, or SIGHUP as well: a
+        closed terminal) also starts the engine's bounded shutdown and whose second exits at
+        once; :meth:`engine_failed` makes it exit as well."""
 
         engine: AsyncEngine
         shutdown_timeout: float
         failed = False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():  # SIGINT and SIGTERM
+                hangup = None  # SIGHUP too, unless it is ignored (nohup): then it stays so
+                if (hasattr(signal, "SIGHUP")
+                        and threading.current_thread() is threading.main_thread()
+                        and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN):
+                    hangup = signal.signal(signal.SIGHUP, self.handle_exit)
+                try:
+                    yield
+                finally:  # restored before uvicorn raises the signal again to exit by it
+                    if hangup is not None:
+                        signal.signal(signal.SIGHUP, hangup)
 
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit:
@@ -278,7 +327,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
         print("\n".join([f"{engine.engine.config.device} fast paths:"] + format_paths(paths)),
               flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
-                            args.limit_concurrency, args.header_timeout)
+                            args.header_timeout, args.write_timeout)
+    raise_open_files_limit()
     server = _server_class()(config)
     server.engine, server.shutdown_timeout = engine, args.shutdown_timeout
     server_box.append(server)

@@ -14,6 +14,8 @@ from cbatch import envs
 from cbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS  # (json and re only)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DEFAULT_LIMIT_CONCURRENCY = 512
+DEFAULT_MAX_QUEUED_REQUESTS = 4 * DEFAULT_LIMIT_CONCURRENCY  # a burst of 4x is served
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +27,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              "loopback names when bound to a loopback address, else any)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="larger request bodies get 413 before they are parsed")
-    parser.add_argument("--limit-concurrency", type=int, default=512,
-                        help="connections and requests at once; more get 503")
+    parser.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                        help="requests served at once; more wait for a slot (/health and "
+                             "/metrics never wait)")
+    parser.add_argument("--max-queued-requests", type=int,
+                        default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="requests that may wait for a slot; more get 503 at once")
+    parser.add_argument("--queue-timeout", type=float, default=30.0,
+                        help="seconds a request may wait for a slot (else 503)")
     parser.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds a connection may take to send a request's headers")
     parser.add_argument("--body-timeout", type=float, default=30.0,
@@ -38,6 +46,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the format of the model's tool calls (hermes: "
                              "<tool_call>{...}</tool_call>, as Qwen2, Qwen2.5 and Qwen3 write)")
+    parser.add_argument("--write-timeout", type=float, default=30.0,
+                        help="seconds a client may leave its response unread before the "
+                             "connection is closed and its request aborted")
+    parser.add_argument("--no-special-tokens-in-content", dest="special_tokens_in_content",
+                        action="store_false",
+                        help="encode chat messages' contents as plain text, so that a content "
+                             "spelling the template's special tokens (<|im_end|>) cannot forge "
+                             "a turn (default: read them, as vLLM and transformers do)")
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -55,7 +71,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     need(args.num_replicas >= 1, "--num-replicas", ">= 1")
     need(args.max_request_bytes >= 1, "--max-request-bytes", ">= 1")
     need(args.limit_concurrency >= 1, "--limit-concurrency", ">= 1")
-    for flag in ("--header-timeout", "--body-timeout"):
+    need(args.max_queued_requests >= 0, "--max-queued-requests", ">= 0")
+    for flag in ("--header-timeout", "--body-timeout", "--queue-timeout", "--write-timeout"):
         value = getattr(args, _dest(flag))
         need(math.isfinite(value) and value > 0, flag, "a number of seconds > 0")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -66,17 +83,29 @@ def check_serve_args(args: argparse.Namespace) -> None:
     elif envs.CBATCH_API_KEY and not envs.CBATCH_API_KEY.strip():
         raise ValueError("CBATCH_API_KEY must be a non-empty string, got "
                          f"{envs.CBATCH_API_KEY!r} (unset it to serve without a key)")
+    if args.allowed_hosts is not None:
+        from cbatch.entrypoints.openai.guard import check_allowed_hosts
+
+        check_allowed_hosts(_host_list(args.allowed_hosts))
 
 
 def guard_settings(args: argparse.Namespace) -> dict:
-    """The keywords of ``build_app`` (its :class:`RequestGuard`) that the serve flags set."""
+    """The keywords of ``build_app`` that the serve flags set: its :class:`RequestGuard`'s
+    and what chat contents may spell."""
     from cbatch.entrypoints.openai.guard import default_allowed_hosts
 
     allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
-               else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+               else _host_list(args.allowed_hosts))
     return dict(api_key=args.api_key or envs.CBATCH_API_KEY or None,
                 allowed_hosts=allowed, max_request_bytes=args.max_request_bytes,
-                body_timeout=args.body_timeout)
+                body_timeout=args.body_timeout, limit_concurrency=args.limit_concurrency,
+                max_queued_requests=args.max_queued_requests,
+                queue_timeout=args.queue_timeout,
+                special_tokens_in_content=args.special_tokens_in_content)
+
+
+def _host_list(value: str) -> list[str]:
+    return [h.strip() for h in value.split(",") if h.strip()]
 
 
 def tool_settings(args: argparse.Namespace) -> dict:

@@ -1,48 +1,150 @@
 """What every HTTP request passes before the app sees it (one ASGI middleware), and the HTTP
-protocol's header timeout.
+protocol's header and write timeouts.
 
-In order: the ``Host`` (and ``Origin``) must be an allowed host (a loopback server allows
-only loopback names, so a DNS-rebinding page gets a 400); ``/v1`` routes, ``/tokenize`` and
-``/detokenize`` need the API key when one is set (``/health``, ``/metrics`` and ``/version``
-stay open, as in vLLM, which leaves its tokenizer routes open too); the body must fit
-``max_request_bytes`` (413, before anything parses it) and arrive within
-``body_timeout`` seconds (408).  The body is read here and handed on whole.
+In order: the ``Host`` and ``Origin`` headers must be well formed (``host[:port]``; an Origin
+``scheme://host[:port]`` or ``null``), else a 400, and the host an allowed one (a server bound
+to a loopback address allows only loopback names, so a DNS-rebinding page gets a 400); ``/v1``
+routes, ``/tokenize`` and ``/detokenize`` need the API key when one is set (``/health``,
+``/metrics`` and ``/version`` stay open, as in vLLM, which leaves its tokenizer routes open
+too); then the request waits for one of ``limit_concurrency`` slots (at most
+``max_queued_requests`` wait, each at most ``queue_timeout`` seconds; a 503 beyond), and its
+body must fit ``max_request_bytes`` (413, before anything parses it), arrive within
+``body_timeout`` seconds (408) and hold at most :data:`MAX_BODY_VALUES` JSON values and
+:data:`MAX_BODY_CONTAINERS` lists and objects (400: parsing and validating a body runs on the
+event loop, so its cost is bounded here, before it starts).  The body is read here and
+handed on whole.
 
-Half-sent headers never reach an ASGI app: :func:`timed_protocol` closes a connection whose
-request headers are not complete ``header_timeout`` seconds after it opened (or after its
-last response), so slow clients cannot hold connections, and file descriptors, forever.
+Half-sent headers and unread responses never hold a connection: :func:`timed_protocol`
+closes a connection whose request headers are not complete ``header_timeout`` seconds after
+it opened (or after its last response), and one whose client has read nothing of a pending
+response for ``write_timeout`` seconds, so slow clients cannot hold connections, slots and
+file descriptors forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import json
+import re
 import secrets
+import socket
 import time
-from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
+# A JSON body's cost to parse and validate grows with its values (list items, fields), not its
+# bytes: 2**17 small values take some 30-60 ms, a 16 MiB body of them several seconds
+# (benchmarks/NOTES.md).  A 128k-token prompt of token ids still fits.
+MAX_BODY_VALUES = 1 << 17
+MAX_BODY_CONTAINERS = 1 << 14  # lists and objects: the costliest values (prompts, messages)
+
+_NAME = re.compile(r"[A-Za-z0-9._~-]+")  # a DNS name or an IPv4 address, as Host spells it
+_PORT = re.compile(r"[0-9]{0,5}")
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(.*)", re.DOTALL)
+
+
+def parse_host(authority: str) -> str | None:
+    """The host of an HTTP ``Host`` value (``host[:port]``: a name, an IPv4 address or a
+    bracketed IPv6 address, then an optional port), lower-cased, an IP address in its
+    canonical form (``[0::1]:80`` -> ``::1``); None when ``authority`` is not of that shape
+    (``a@127.0.0.1``, ``localhost/x``, ``localhost:abc``, ``[::1``)."""
+    if authority.startswith("["):
+        host, bracket, port = authority[1:].partition("]")
+        if not bracket or (port and not port.startswith(":")):
+            return None
+        port = port[1:]
+        try:
+            host = str(ipaddress.IPv6Address(host))
+        except ValueError:
+            return None
+    else:
+        host, _, port = authority.partition(":")
+        if not _NAME.fullmatch(host):
+            return None
+        host = _canonical(host)
+    if not _PORT.fullmatch(port) or (port and int(port) > 65535):
+        return None
+    return host
+
+
+def parse_origin(origin: str) -> str | None:
+    """The host of an ``Origin`` value (``scheme://host[:port]``), "" for ``null`` (an opaque
+    origin: a sandboxed page, a file), None when malformed."""
+    if origin == "null":
+        return ""
+    match = _ORIGIN.fullmatch(origin)
+    return None if match is None else parse_host(match.group(1))
+
+
+def _canonical(host: str) -> str:
+    """A host name lower-cased, an IP address in its canonical form."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()
+
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+    """Whether a server bound to ``host`` listens on a loopback address only: the address
+    the bind resolves ``host`` to, however it is spelt (``127.1``, ``0x7f.1``, any address in
+    127.0.0.0/8, ``::1``, ``localhost``, a name for one of them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as the bind picks it
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        address = socket.getaddrinfo(host.strip("[]"), None, family, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):  # it cannot be bound either: keep the allow-list
+        return True
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def default_allowed_hosts(bind_host: str) -> list[str] | None:
-    """The hosts a server bound to ``bind_host`` answers by default: loopback names when it
-    is bound to a loopback address, else any (None)."""
-    return sorted({*LOOPBACK_NAMES, bind_host}) if is_loopback(bind_host) else None
+    """The hosts a server bound to ``bind_host`` answers by default: loopback names (and the
+    bind address as given) when it is bound to a loopback address, else any (None)."""
+    if not is_loopback(bind_host):
+        return None
+    return sorted({*LOOPBACK_NAMES, _canonical(bind_host.strip("[]"))})
 
 
-def _hostname(authority: str) -> str:
-    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``."""
-    return (urlsplit(f"//{authority}").hostname or "").lower()
+def check_allowed_hosts(hosts: list[str]) -> set[str] | None:
+    """An allow-list as the guard compares it (None: any host); ValueError naming an entry
+    that is no host name or address, or an empty list (which would refuse every request)."""
+    if "*" in hosts:
+        return None
+    if not hosts:
+        raise ValueError("--allowed-hosts names no host, so every request would be refused; "
+                         "give host names separated by commas, or '*' for any")
+    allowed = set()
+    for entry in hosts:
+        host = parse_host(entry if ":" not in entry or entry.startswith("[")
+                          else f"[{entry}]")  # a bare IPv6 address
+        if host is None or entry.endswith(":"):
+            raise ValueError(f"--allowed-hosts entry {entry!r} is not a host name or address "
+                             "(give names like example.com, 10.0.0.5 or ::1, no port or path)")
+        allowed.add(host)
+    return allowed
+
+
+def body_values(body: bytes) -> tuple[int, int]:
+    """(values, containers) of a JSON body, counted from its separators without parsing it:
+    values = the commas outside strings + the lists and objects, containers = the lists and
+    objects, as the parse would make them (within one per list or object).  Fast
+    (``bytes.count``): a few ms for 16 MiB."""
+    containers = body.count(b"[") + body.count(b"{")
+    values = body.count(b",") + containers
+    if values <= MAX_BODY_VALUES and containers <= MAX_BODY_CONTAINERS:
+        return values, containers
+    # the quick count included what strings hold: count outside them (escapes dropped first)
+    stripped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    num_strings = stripped.count(b'"') // 2  # each one a value or a field's name
+    if num_strings > MAX_BODY_VALUES:
+        return num_strings, containers
+    outside = b"".join(stripped.split(b'"')[::2])
+    containers = outside.count(b"[") + outside.count(b"{")
+    return outside.count(b",") + containers, containers
 
 
 def error_body(message: str, type: str, code: str | None = None) -> bytes:
@@ -51,12 +153,14 @@ def error_body(message: str, type: str, code: str | None = None) -> bytes:
 
 
 async def send_error(send, status: int, message: str, type: str, code: str | None = None,
-                     close: bool = False) -> None:
+                     close: bool = False, retry_after: bool = False) -> None:
     body = error_body(message, type, code)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if close:  # the rest of the request was never read: the connection cannot be reused
         headers.append((b"connection", b"close"))
+    if retry_after:  # a 503 of load: worth retrying soon
+        headers.append((b"retry-after", b"1"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -65,48 +169,145 @@ async def send_error(send, status: int, message: str, type: str, code: str | Non
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
+class ConcurrencyLimit:
+    """At most ``limit`` requests at once; up to ``max_queued`` more wait for a slot, in order
+    of arrival, each at most ``timeout`` seconds.  A burst is served in full, a flood beyond
+    the queue is refused at once (and what waits too long is refused then), so the server's
+    work and memory stay bounded."""
+
+    def __init__(self, limit: int, max_queued: int, timeout: float):
+        if limit < 1 or max_queued < 0 or not timeout > 0:
+            raise ValueError(f"a concurrency limit needs limit >= 1, max_queued >= 0 and a "
+                             f"timeout > 0, got {limit}, {max_queued}, {timeout}")
+        self.limit, self.max_queued, self.timeout = limit, max_queued, timeout
+        self.num_running = 0
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self) -> str | None:
+        """Take a slot (release it with :meth:`release`): None once taken, else why not."""
+        if self.num_running < self.limit and not self._waiting:
+            self.num_running += 1
+            return None
+        if len(self._waiting) >= self.max_queued:
+            return (f"the server is at its limit of {self.limit} requests at once with "
+                    f"{len(self._waiting)} more waiting (--limit-concurrency, "
+                    "--max-queued-requests); retry later")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        timer = asyncio.get_running_loop().call_later(self.timeout, self._expire, waiter)
+        try:
+            if await waiter:  # handed a slot by release()
+                return None
+        except BaseException:  # cancelled: a slot handed over meanwhile goes on
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self.release()
+            elif waiter in self._waiting:
+                self._waiting.remove(waiter)
+            raise
+        finally:
+            timer.cancel()
+        return (f"no request slot came free within {self.timeout:g} s (--queue-timeout; "
+                f"{self.limit} requests at once, --limit-concurrency); retry later")
+
+    def release(self) -> None:
+        """Give a slot back: to the first request waiting, else free."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self.num_running -= 1
+
+    def _expire(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            self._waiting.remove(waiter)
+            waiter.set_result(False)
+
+
+# routes that any client may ask at any time, without a key and without a slot (probes)
+OPEN_PATHS = ("/health", "/metrics")
+
+
 class RequestGuard:
-    """ASGI middleware: host allow-list, API key, body size and body read time."""
+    """ASGI middleware: well-formed and allowed hosts, API key, a slot of the concurrency
+    limit, body size, read time and number of values (in that order: the cheap refusals
+    first, and no body is read before its request has a slot)."""
 
     def __init__(self, app, *, max_request_bytes: int, body_timeout: float,
-                 api_key: str | None = None, allowed_hosts: list[str] | None = None):
+                 api_key: str | None = None, allowed_hosts: list[str] | None = None,
+                 limit: ConcurrencyLimit | None = None):
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
         self._expected = None if api_key is None else f"Bearer {api_key}".encode()
-        self.allowed_hosts = (None if allowed_hosts is None or "*" in allowed_hosts
-                              else {h.lower().strip("[]") for h in allowed_hosts})
+        self.allowed_hosts = None if allowed_hosts is None else check_allowed_hosts(
+            list(allowed_hosts))
+        self.limit = limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {}
+        headers: dict[bytes, list[bytes]] = {}
         for name, value in scope["headers"]:
-            headers.setdefault(name.lower(), value)
-        if self.allowed_hosts is not None:
-            for name in (b"host", b"origin"):
-                value = headers.get(name)
-                if value is None:
-                    continue
-                text = value.decode("latin-1")
-                host = _hostname(text if name == b"host" else urlsplit(text).netloc)
-                if host not in self.allowed_hosts:
-                    return await send_error(send, 400, f"{name.decode()} {text!r} is not an "
-                                            "allowed host of this server (--allowed-hosts)",
-                                            "invalid_request_error", close=True)
+            headers.setdefault(name.lower(), []).append(value)
+        refusal = self._check_hosts(headers)
+        if refusal is not None:
+            return await send_error(send, 400, refusal, "invalid_request_error", close=True)
         if (self._expected is not None and scope["path"].startswith(KEYED_PATHS)
                 and scope["method"] != "OPTIONS"):
-            given = headers.get(b"authorization", b"")
+            given = headers.get(b"authorization", [b""])[0]
             if not secrets.compare_digest(given, self._expected):
                 return await send_error(send, 401, "Incorrect API key provided: pass it as "
                                         "'Authorization: Bearer <key>'",
                                         "invalid_request_error", "invalid_api_key", close=True)
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+        if self.limit is None or scope["path"] in OPEN_PATHS:
+            return await self._read_and_run(scope, receive, send, headers)
+        refusal = await self.limit.acquire()
+        if refusal is not None:
+            return await send_error(send, 503, refusal, "server_overloaded", close=True,
+                                    retry_after=True)
+        try:
+            await self._read_and_run(scope, receive, send, headers)
+        finally:
+            self.limit.release()
+
+    def _check_hosts(self, headers: dict[bytes, list[bytes]]) -> str | None:
+        """Why the Host and Origin headers are refused (malformed, repeated, or not an
+        allowed host), else None."""
+        for name, parse in ((b"host", parse_host), (b"origin", parse_origin)):
+            values = headers.get(name)
+            if values is None:
+                continue
+            text = values[0].decode("latin-1")
+            if len(values) > 1:
+                return f"{name.decode()} is given {len(values)} times; give it once"
+            host = parse(text)
+            if host is None:
+                form = "host[:port]" if name == b"host" else "scheme://host[:port] or null"
+                return f"{name.decode()} {text[:200]!r} is not of the form {form}"
+            if self.allowed_hosts is not None and host not in self.allowed_hosts:
+                return (f"{name.decode()} {text[:200]!r} is not an allowed host of this "
+                        "server (--allowed-hosts)")
+        return None
+
+    async def _read_and_run(self, scope, receive, send, headers) -> None:
+        length = headers.get(b"content-length", [b""])[0]
+        if length.isdigit() and int(length) > self.max_request_bytes:
             return await self._too_large(send)
         body, error = await self._read_body(receive)
         if error is not None:
             return await error(send)
+        values, containers = body_values(body)  # (microseconds for a small body)
+        if values > MAX_BODY_VALUES or containers > MAX_BODY_CONTAINERS:
+            return await send_error(
+                send, 400, f"the request body holds about {values} JSON values, "
+                f"{containers} of them lists or objects; this server takes at most "
+                f"{MAX_BODY_VALUES} and {MAX_BODY_CONTAINERS}: split the request",
+                "invalid_request_error", "request_too_large")
         replayed = False
 
         async def replay():
@@ -151,13 +352,16 @@ async def _nothing(send) -> None:  # the client went away: nobody to answer
     return None
 
 
-def timed_protocol(base: type, header_timeout: float) -> type:
+def timed_protocol(base: type, header_timeout: float, write_timeout: float = 30.0) -> type:
     """A subclass of uvicorn's HTTP protocol class ``base`` that closes a connection whose
     request headers are not complete ``header_timeout`` seconds after it opened or after its
-    last response (slowloris)."""
+    last response (slowloris), and one whose client reads nothing for ``write_timeout``
+    seconds while the server has more to send (its write buffer stays full): the request
+    then ends as a disconnect does, its engine requests aborted and its slot freed."""
 
     class TimedProtocol(base):
         _header_timer = None
+        _write_timer = None
 
         def _arm(self) -> None:
             if self._header_timer is not None:
@@ -170,6 +374,10 @@ def timed_protocol(base: type, header_timeout: float) -> type:
             if waiting and not self.transport.is_closing():
                 self.transport.close()
 
+        def _write_late(self) -> None:
+            self._write_timer = None
+            self.transport.abort()  # close() would wait for the buffer the client never reads
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
@@ -178,9 +386,21 @@ def timed_protocol(base: type, header_timeout: float) -> type:
             super().on_response_complete()
             self._arm()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_late)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
         def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
+            for timer in (self._header_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
 
     TimedProtocol.__name__ = f"Timed{base.__name__}"

@@ -11,6 +11,7 @@ function) is structured output, and ``auto`` finds the calls the model wrote wit
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
 from cbatch.entrypoints.llm import choice_params
+from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta,
                                                 ChatLogprobs, ChatLogprobToken, ChatTopLogprob,
@@ -95,10 +97,12 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 class OpenAIServingChat:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None, architecture: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, special_tokens_in_content: bool = True):
         self.engine = engine
         # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): None = off
         self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
+        # False: contents are encoded as plain text (--no-special-tokens-in-content)
+        self.special_tokens_in_content = special_tokens_in_content
         self.model_name = model_name
         self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
@@ -114,8 +118,9 @@ class OpenAIServingChat:
             env.filters["tojson"] = _tojson
             self._template = env.from_string(chat_template)
 
-    def render(self, req: _ChatTemplateFields) -> str:
-        """The prompt text of ``req.messages`` (a chat completion's, or /tokenize's)."""
+    def render(self, req: _ChatTemplateFields, messages: list[dict] | None = None) -> str:
+        """The prompt text of ``req.messages`` (a chat completion's, or /tokenize's);
+        ``messages``: these message dicts (:meth:`ChatMessage.for_template`'s) instead."""
         if self._template is None:
             arch = f" ({self.architecture})" if self.architecture else ""
             raise OpenAIError(400, f"model {self.model_name!r}{arch} has no chat template: "
@@ -126,23 +131,17 @@ class OpenAIServingChat:
         from jinja2 import TemplateError
 
         try:
+            if messages is None:
+                messages = [m.for_template() for m in req.messages]
             tools = getattr(req, "tools", None)  # (a chat completion's; /tokenize has none)
             return self._template.render(**{
                 **self.special_tokens, **(req.chat_template_kwargs or {}),
-                "messages": [m.for_template() for m in req.messages],
+                "messages": messages,
                 "tools": [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 "add_generation_prompt": req.add_generation_prompt})
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
                               param="messages") from None
-
-    async def encode(self, req: _ChatTemplateFields, add_special_tokens: bool = False
-                     ) -> list[int]:
-        """The prompt's token ids: the template wrote the special tokens it wants, so none
-        are added (unless asked); in a worker thread, as the engine encodes a string prompt
-        (the loop serves on meanwhile)."""
-        return await asyncio.to_thread(self.engine.tokenizer.encode, self.render(req),
-                                       add_special_tokens=add_special_tokens)
 
     def _auto_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether the reply is searched for the calls the model chose to make."""
@@ -154,13 +153,14 @@ class OpenAIServingChat:
                                    "--enable-auto-tool-choice and --tool-call-parser (or ask "
                                    'for tool_choice "required", "none" or a function)',
                               param="tool_choice")
-        prompt = await self.encode(req)
+        prompt = await self.prompt_ids(req)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, logprobs, max_tokens=max_tokens)
         choices = [choice_params(params, c) for c in range(req.n)]
-        streams = await open_streams(self.engine, [prompt] * req.n, choices, req.stream)
+        streams = await open_streams(self.engine, [prompt] * req.n, choices, req.stream,
+                                     raw_request)
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams)),
                                      media_type="text/event-stream")
@@ -187,6 +187,26 @@ class OpenAIServingChat:
             top_logprobs=[ChatTopLogprob(**entry(t, lp))
                           for t, lp in itertools.islice(alternatives.items(), k)])
             for token, alternatives in zip(out.token_ids[start:], out.logprobs[start:])])
+
+    async def prompt_ids(self, req: _ChatTemplateFields, add_special_tokens: bool = False
+                         ) -> list[int]:
+        """The rendered template's token ids (a chat completion's, or /tokenize's).  The
+        template wrote the special tokens it wants: encoded without adding more (unless
+        asked), in a worker thread (as the engine does for a string prompt: the loop serves
+        on meanwhile); without special tokens in content, the messages' contents are encoded
+        as plain text (:mod:`chat_content`)."""
+        tokenizer = self.engine.tokenizer
+        if self.special_tokens_in_content:
+            encode = functools.partial(tokenizer.encode, self.render(req),
+                                       add_special_tokens=add_special_tokens)
+        else:
+            text, spans = render_with_spans(functools.partial(self.render, req),
+                                            [m.for_template() for m in req.messages])
+            encode = functools.partial(tokenizer.encode_literal_spans, text, spans)
+        try:
+            return await asyncio.to_thread(encode)
+        except ValueError as exc:  # text the tokenizer cannot take (a lone surrogate)
+            raise OpenAIError(400, f"messages: {exc}", param="messages") from None
 
     async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
         finals: dict[int, RequestOutput] = {}

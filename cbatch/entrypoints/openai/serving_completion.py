@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from cbatch.entrypoints.llm import choice_params
+from cbatch.entrypoints.openai.limits import check_length
 from cbatch.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                 CompletionRequest, CompletionResponse,
                                                 OpenAIError, PromptLogprob, UsageInfo,
@@ -61,24 +62,26 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
 
 
 async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams],
-                       stream: bool) -> list[RequestStream]:
-    """Admit one request per (prompt, params) pair, all or none: a refusal aborts the ones
-    already admitted and becomes the OpenAI error for the whole call.  ``stream=False``:
-    each stream carries only its request's final output."""
-    streams: list[RequestStream] = []
+                       stream: bool, raw_request: Request | None = None
+                       ) -> list[RequestStream]:
+    """Admit one request per (prompt, params) pair as one (:meth:`AsyncEngine.add_requests`:
+    all or none, under ``--max-waiting`` together); a refusal becomes the OpenAI error for the
+    whole call.  ``stream=False``: each stream carries only its request's final output.
+    ``raw_request``: its client's disconnect, watched from before the admission, aborts
+    every one of them (an OpenAIError of status 499, which nobody hears, ends the call)."""
+    admission = engine.add_requests(prompts, params, stream=stream)
     try:
-        for prompt, p in zip(prompts, params):
-            streams.append(await engine.add_request(prompt, p, stream=stream))
-    except BaseException as exc:
-        for s in streams:
-            s.abort()
-        if isinstance(exc, QueueFullError):
-            raise OpenAIError(503, str(exc), "server_overloaded") from None
-        if isinstance(exc, EngineDeadError):
-            raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
-        if isinstance(exc, ValueError):
-            raise OpenAIError(400, str(exc)) from None
-        raise
+        if raw_request is None:
+            return await admission
+        streams = await unless_disconnected(raw_request, admission)
+    except QueueFullError as exc:
+        raise OpenAIError(503, str(exc), "server_overloaded") from None
+    except EngineDeadError:
+        raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc)) from None
+    if streams is None:  # the client went away while they were admitted: all aborted
+        raise OpenAIError(499, "the client closed the connection", code="client_closed")
     return streams
 
 
@@ -223,6 +226,10 @@ class OpenAIServingCompletion:
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        try:
+            check_length("prompt", prompts)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="prompt") from None
         # a list of token ids longer than the model is refused before anything reads it
         # (unless it is to be truncated)
         max_len = self.engine.engine.max_model_len
@@ -240,7 +247,7 @@ class OpenAIServingCompletion:
                 params, prompt_logprobs=max(req.prompt_logprobs or 0, req.logprobs))
         choices = [choice_params(params, c) for c in range(req.n)]
         streams = await open_streams(self.engine, [p for p in prompts for _ in range(req.n)],
-                                     choices * len(prompts), req.stream)
+                                     choices * len(prompts), req.stream, raw_request)
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:
