@@ -242,6 +242,29 @@ def test_a_client_that_stops_reading_frees_its_slot():
             stuck.close()
 
 
+# ------------------------------------------------------------- finding 5: list fields
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop", ["x"] * 129), ("stop_token_ids", [1] * 129), ("logit_bias", {str(i): 1 for i in
+                                                                          range(1025)}),
+    ("allowed_token_ids", [1] * 1025), ("bad_words", ["x"] * 129)])
+def test_list_fields_beyond_their_caps_are_400s_naming_them(field, value):
+    from cbatch.entrypoints.openai.limits import LIMITS
+
+    assert len(value) == LIMITS[field] + 1
+    with running_server(**KW) as (url, engine):
+        for route, body in (("/v1/completions", {"prompt": "hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                    "content": "hi"}]})):
+            r = httpx.post(f"{url}{route}", json={**body, field: value, "max_tokens": 1})
+            error = _assert_openai_error(r, 400, f"at most {LIMITS[field]}")
+            assert field in error["message"]
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}] * 2049})
+        _assert_openai_error(r, 400, "at most 2048")
+
+
 # ------------------------------------------------------------- finding 1: a prompt list
 
 

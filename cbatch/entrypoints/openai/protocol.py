@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cbatch.entrypoints.openai.limits import check_length
 from cbatch.sampling_params import StructuredOutputsParams
 
 
@@ -188,6 +189,14 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         return self
 
+    @model_validator(mode="after")
+    def _lists_within_limits(self):
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words"):
+            check_length(name, getattr(self, name))
+        if isinstance(self.stop, list):
+            check_length("stop", self.stop)
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -254,6 +263,11 @@ class _ChatTemplateFields(OpenAIBaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+    @model_validator(mode="after")
+    def _messages_within_limits(self):
+        check_length("messages", self.messages)
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
