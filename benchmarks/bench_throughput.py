@@ -6,8 +6,13 @@
     python benchmarks/bench_throughput.py --quick               # tiny model and workloads
     python benchmarks/bench_throughput.py --workload longtail --engines cbatch-continuous \
         --batch-invariant                                       # the cost of the mode
+    python benchmarks/bench_throughput.py --workload seed --engines cbatch-continuous \
+        --temperature 0.8 --top-p 0.95 --seed 0                 # sampled
 
-Engines, all on the same weights with greedy decoding:
+Engines, all on the same weights, greedy by default (--temperature > 0: every request
+sampled at that temperature and --top-p, top-k off, request i with its own seed --seed + i,
+as benchmarks/peers/ do; transformers' engines sample with the same temperature and top-p
+from one torch seed, so only cbatch's rows repeat request by request):
   cbatch-continuous   cbatch.LLM (continuous batching, paged KV cache, prefix caching)
   cbatch-no-prefix-cache  the same with enable_prefix_caching=False
   cbatch-invariant    cbatch.LLM(batch_invariant=True), with --batch-invariant
@@ -28,12 +33,13 @@ ratio of a decode step of that size replayed right after reads of the weights' b
 compute floor (the step's linear-layer FLOPs at the rate its first linear layer reaches on
 those rows with the weight in cache: a bf16 step at batch 8 can be bound by either), and the
 share of the step spent in the linear layers (GEMMs).  Results in throughput.*
-(throughput-batch-invariant.* with --batch-invariant), written to a new folder under
-benchmarks/runs/ or to --out.
+(throughput-batch-invariant.* with --batch-invariant; -sampled added when sampled), written to a
+new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import sys
@@ -339,10 +345,21 @@ class _StepClock:
         pass
 
 
+def hf_sampling(args) -> dict:
+    """transformers' generate() arguments for --temperature / --top-p: greedy at 0, else
+    sampled with top-k off (its default is 50), torch's generator seeded here with --seed."""
+    if args.temperature == 0:
+        return {"do_sample": False}
+    torch.manual_seed(args.seed)
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": 0}
+
+
 def run_hf_generate(args, wl, hf) -> tuple[dict, list]:
     pad = hf.config.eos_token_id
     ids_all = [p if isinstance(p, list) else None for p in wl.prompts]
     per, tokens = [], []
+    sampling = hf_sampling(args)  # seeds torch once for the whole run
     _settle()
     start = time.perf_counter()
     size = args.max_num_seqs or wl.batch_size
@@ -357,8 +374,8 @@ def run_hf_generate(args, wl, hf) -> tuple[dict, list]:
         m = max(p.max_tokens for p in params)
         with torch.inference_mode():
             out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m,
-                              min_new_tokens=m, do_sample=False, pad_token_id=pad,
-                              eos_token_id=None, streamer=clock)
+                              min_new_tokens=m, pad_token_id=pad, eos_token_id=None,
+                              streamer=clock, **sampling)
         times = clock.times  # [prompt, token 1, token 2, ...]
         for row, p in zip(out[:, L:].tolist(), params):
             tokens.append(row[:p.max_tokens])
@@ -373,8 +390,8 @@ def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
     if not hasattr(hf, "init_continuous_batching"):
         raise Unavailable(f"transformers {transformers.__version__} has no continuous batching")
     gen_cfg = transformers.GenerationConfig(
-        max_new_tokens=max(p.max_tokens for p in wl.params), do_sample=False,
-        eos_token_id=None, pad_token_id=hf.config.eos_token_id)
+        max_new_tokens=max(p.max_tokens for p in wl.params), eos_token_id=None,
+        pad_token_id=hf.config.eos_token_id, **hf_sampling(args))
     manager = hf.init_continuous_batching(generation_config=gen_cfg)
     manager.start()
     try:
@@ -412,10 +429,22 @@ def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
 
 def make_workload(name, tokenizer, vocab, args):
     if name == "seed":
-        return workloads.seed(tokenizer, args.scale)
-    fn = {"longtail": workloads.longtail, "uniform": workloads.uniform,
-          "sharedprefix": workloads.sharedprefix}[name]
-    return fn(vocab=vocab, scale=args.scale, max_len=args.max_len)
+        wl = workloads.seed(tokenizer, args.scale)
+    else:
+        fn = {"longtail": workloads.longtail, "uniform": workloads.uniform,
+              "sharedprefix": workloads.sharedprefix}[name]
+        wl = fn(vocab=vocab, scale=args.scale, max_len=args.max_len)
+    return sampled(wl, args.temperature, args.top_p, args.seed)
+
+
+def sampled(wl, temperature: float, top_p: float, seed: int):
+    """``wl`` with every request sampled at ``temperature`` and ``top_p`` (top-k off),
+    request i seeded with ``seed + i``; ``wl`` itself (greedy) at temperature 0."""
+    if temperature == 0:
+        return wl
+    wl.params = [dataclasses.replace(p, temperature=temperature, top_p=top_p, seed=seed + i)
+                 for i, p in enumerate(wl.params)]
+    return wl
 
 
 def run(args) -> Path:
@@ -428,7 +457,9 @@ def run(args) -> Path:
         wl = make_workload(name, probe.tokenizer, probe.engine.model.config.vocab_size, args)
         wl.prompts = [probe.tokenizer.encode(p) if isinstance(p, str) else p for p in wl.prompts]
         print(f"\n== {name}: {len(wl.prompts)} requests, {wl.num_output_tokens} output tokens, "
-              f"batch {args.max_num_seqs or wl.batch_size}", flush=True)
+              f"batch {args.max_num_seqs or wl.batch_size}"
+              + (f", temperature {args.temperature} top_p {args.top_p} seed {args.seed}"
+                 if args.temperature else ", greedy"), flush=True)
         results, reference_tokens = {}, None
         for engine in args.engines:
             row = {"workload": name, "engine": engine}
@@ -473,6 +504,8 @@ def run(args) -> Path:
                 row["wall_vs_continuous"] = row["wall_s"] / base["wall_s"]
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "scale": args.scale, "max_len": args.max_len,
+            "sampling": (f"temperature {args.temperature}, top_p {args.top_p}, top-k off, "
+                         f"request i seeded {args.seed} + i" if args.temperature else "greedy"),
             "max_num_seqs": args.max_num_seqs or "the workload's batch size",
             "note": "wall_vs_continuous > 1 means slower than cbatch continuous batching",
             "timing": "one run per engine after a warm-up; gc.collect() + gc.freeze() before "
@@ -503,7 +536,8 @@ def run(args) -> Path:
             "gemm_share": "CPU: time inside the linear layers (each Linear's forward and the "
                           "screened lm_head wrapped with a timer) / step time, over a rerun "
                           "of the first 8 requests after the timed run"}
-    name = "throughput-batch-invariant" if args.batch_invariant else "throughput"
+    name = ("throughput" + ("-batch-invariant" if args.batch_invariant else "")
+            + ("-sampled" if args.temperature else ""))
     return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 
@@ -547,6 +581,12 @@ def main(argv=None):
                              "sharedprefix")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--hf-timeout", type=float, default=3600)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="with --temperature: nucleus sampling (1 = off)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="with --temperature: request i is seeded with SEED + i")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also run cbatch-invariant (batch_invariant=True) after "
                              "cbatch-continuous")

@@ -3,12 +3,15 @@
 Runs in OpenVINO GenAI's own virtualenv, not cbatch's (see benchmarks/peers/README.md):
 
     python bench_openvino_genai.py --model gpt2-random-ov --workloads workloads.json \
-        --workload seed|longtail --precision fp32|bf16 [--reps 2] [--prefix-caching]
+        --workload seed|longtail --precision fp32|bf16 [--reps 2] [--prefix-caching] \
+        [--temperature 0.8 --top-p 0.95 --seed 0]
 
 Model: an IR of GPT-2 small with random weights (make_gpt2_random.py, then optimum-cli).
-Every request: greedy, exactly max_tokens new tokens (ignore_eos, min_new_tokens =
-max_new_tokens), the token-id prompts of workloads.json (workloads.py), all submitted at the
-start, then step() until done.  Load, compile and a 2-request warm-up are not timed.
+Every request: exactly max_tokens new tokens (ignore_eos, min_new_tokens = max_new_tokens),
+the token-id prompts of workloads.json (workloads.py), all submitted at the start, then
+step() until done; greedy, or with --temperature > 0 sampled (do_sample) at that temperature
+and --top-p (top-k off), request i with its own rng_seed --seed + i (as bench_throughput.py
+and bench_vllm_cpu.py do).  Load, compile and a 2-request warm-up are not timed.
 """
 import argparse
 import json
@@ -33,9 +36,17 @@ PRECISIONS = {
 }
 
 
-def make_config(max_new_tokens: int) -> ov_genai.GenerationConfig:
+def make_config(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                seed: int = 0) -> ov_genai.GenerationConfig:
+    """Exactly max_new_tokens tokens, no penalties; greedy at temperature 0, else sampled
+    with top_p and top-k off, from the request's own random stream (rng_seed)."""
     g = ov_genai.GenerationConfig()
-    g.do_sample = False
+    g.do_sample = temperature > 0
+    if g.do_sample:
+        g.temperature = temperature
+        g.top_p = top_p
+        # top_k stays at its default, off (as vLLM's and cbatch's default)
+        g.rng_seed = seed
     g.num_beams = 1
     g.num_return_sequences = 1
     g.max_new_tokens = max_new_tokens
@@ -51,9 +62,11 @@ def to_tensor(ids):
     return ov.Tensor(np.asarray([ids], dtype=np.int64))
 
 
-def run_batch(pipe, prompts, max_tokens, first_id):
-    """Submit all requests, step until done; return (seconds, per-request generated ids)."""
-    configs = [make_config(m) for m in max_tokens]
+def run_batch(pipe, prompts, max_tokens, first_id, args):
+    """Submit all requests, step until done; return (seconds, per-request generated ids).
+    Request i samples (if args.temperature > 0) with seed args.seed + i."""
+    configs = [make_config(m, args.temperature, args.top_p, args.seed + i)
+               for i, m in enumerate(max_tokens)]
     tensors = [to_tensor(p) for p in prompts]
     t0 = time.perf_counter()
     handles = [pipe.add_request(first_id + i, t, c)
@@ -83,6 +96,10 @@ def main():
                     help="scheduler token budget per step (GenAI default 256)")
     ap.add_argument("--kv-precision", default=None,
                     help="KV cache precision (u8, bf16, f32; default: per --precision)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="request i samples with rng_seed SEED + i (when --temperature > 0)")
     args = ap.parse_args()
 
     with open(args.workloads) as f:
@@ -112,7 +129,8 @@ def main():
 
     print(f"openvino {ov.__version__}  openvino-genai {ov_genai.__version__}")
     print(f"workload={args.workload} requests={len(prompts)} output_tokens={n_out} "
-          f"prompt_tokens={sum(map(len, prompts))} precision={args.precision} props={props}")
+          f"prompt_tokens={sum(map(len, prompts))} precision={args.precision} "
+          f"temperature={args.temperature} top_p={args.top_p} seed={args.seed} props={props}")
     print(sc.to_string().replace("\n", " "))
 
     t = time.perf_counter()
@@ -120,14 +138,15 @@ def main():
     print(f"load+compile {time.perf_counter() - t:.1f}s")
 
     # Warm-up: 2 short requests (untimed).
-    wdt, wout = run_batch(pipe, [prompts[0], prompts[-1]], [8, 8], first_id=10_000_000)
+    wdt, wout = run_batch(pipe, [prompts[0], prompts[-1]], [8, 8], first_id=10_000_000,
+                           args=args)
     assert all(len(o) == 8 for o in wout), [len(o) for o in wout]
     print(f"warm-up {wdt:.2f}s")
 
     rates = []
     first_outs = None
     for rep in range(args.reps):
-        dt, outs = run_batch(pipe, prompts, max_tokens, first_id=rep * 100_000)
+        dt, outs = run_batch(pipe, prompts, max_tokens, first_id=rep * 100_000, args=args)
         bad = [(i, len(o), m) for i, (o, m) in enumerate(zip(outs, max_tokens)) if len(o) != m]
         if bad:
             raise SystemExit(f"token count mismatch (request, got, want): {bad[:10]}")
@@ -141,7 +160,8 @@ def main():
               f"all_exact=True  same_as_rep0={same}  "
               f"kv_cache_bytes={m.kv_cache_size_in_bytes} max_cache_usage={m.max_cache_usage:.1f}%")
     print(f"first request's first 8 ids: {first_outs[0][:8]}")
-    print(f"RESULT workload={args.workload} precision={args.precision} reps={args.reps} "
+    print(f"RESULT workload={args.workload} precision={args.precision} "
+          f"temperature={args.temperature} top_p={args.top_p} reps={args.reps} "
           f"best_tok_s={max(rates):.1f} mean_tok_s={sum(rates) / len(rates):.1f}")
 
 

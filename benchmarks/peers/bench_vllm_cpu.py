@@ -4,11 +4,13 @@ Runs in vLLM's own virtualenv, not cbatch's (see benchmarks/peers/README.md):
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 python bench_vllm_cpu.py --model gpt2-random \
         --workloads workloads.json --workload seed|longtail --dtype float32|bfloat16 [--reps 2] \
-        [--no-prefix-caching]
+        [--no-prefix-caching] [--temperature 0.8 --top-p 0.95 --seed 0]
 
 Model: the Hugging Face checkpoint of GPT-2 small with random weights (make_gpt2_random.py).
-Every request: greedy, exactly max_tokens new tokens (ignore_eos, min_tokens = max_tokens),
-the token-id prompts of workloads.json (workloads.py), all given to one ``LLM.generate``.
+Every request: exactly max_tokens new tokens (ignore_eos, min_tokens = max_tokens), the
+token-id prompts of workloads.json (workloads.py), all given to one ``LLM.generate``; greedy,
+or with --temperature > 0 sampled at that temperature and --top-p (top-k off), request i
+with its own seed --seed + i (as bench_throughput.py and bench_openvino_genai.py do).
 Load, compilation and a 2-request warm-up are not timed; the prefix cache is emptied before
 each timed run (bench_throughput.py empties cbatch's after its warm-up).
 """
@@ -26,6 +28,10 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="turn off vLLM's prefix cache (on by default, as cbatch's)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="request i samples with seed SEED + i (when --temperature > 0)")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, __version__
@@ -35,19 +41,22 @@ def main():
         wl = json.load(f)[args.workload]
     prompts, max_tokens, batch_size = wl["prompts"], wl["max_tokens"], wl["batch_size"]
     print(f"vllm {__version__}  workload={args.workload} requests={len(prompts)} "
-          f"output_tokens={sum(max_tokens)} dtype={args.dtype} max_num_seqs={batch_size}")
+          f"output_tokens={sum(max_tokens)} dtype={args.dtype} max_num_seqs={batch_size} "
+          f"temperature={args.temperature} top_p={args.top_p} seed={args.seed}")
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=batch_size,
               enable_prefix_caching=not args.no_prefix_caching, max_model_len=1024, seed=0)
     print(f"load {time.perf_counter() - t:.1f}s")
 
-    def params(m):
-        return SamplingParams(temperature=0.0, max_tokens=m, min_tokens=m, ignore_eos=True)
+    def params(m, i):
+        sampled = dict(top_p=args.top_p, seed=args.seed + i) if args.temperature > 0 else {}
+        return SamplingParams(temperature=args.temperature, max_tokens=m, min_tokens=m,
+                              ignore_eos=True, **sampled)
 
     def run(ps, ms):
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps],
-                            [params(m) for m in ms], use_tqdm=False)
+                            [params(m, i) for i, m in enumerate(ms)], use_tqdm=False)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     wdt, _ = run([prompts[0], prompts[-1]], [8, 8])
@@ -64,8 +73,8 @@ def main():
         rates.append(got / dt)
         print(f"rep {rep}: wall {dt:.3f}s  output_tokens {got}  tok/s {got / dt:.1f}  "
               f"same_as_rep0={outs == first}")
-    print(f"RESULT workload={args.workload} dtype={args.dtype} reps={args.reps} "
-          f"best_tok_s={max(rates):.1f}")
+    print(f"RESULT workload={args.workload} dtype={args.dtype} temperature={args.temperature} "
+          f"top_p={args.top_p} reps={args.reps} best_tok_s={max(rates):.1f}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,36 @@ def test_throughput_benchmark(tmp_path):
 
 
 @pytest.mark.slow
+def test_throughput_benchmark_sampled(tmp_path):
+    """--temperature/--top-p/--seed (as benchmarks/peers/ take them): every request sampled
+    from its own seed, so the same tokens again with the prefix cache off."""
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--workload", "seed",
+                                 "--engines", "cbatch-continuous", "cbatch-no-prefix-cache",
+                                 "--temperature", "0.8", "--top-p", "0.95", "--seed", "7"])
+    rows = {r["engine"]: r for r in _rows(out, "throughput-sampled")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    off = rows["cbatch-no-prefix-cache"]
+    assert off["same_tokens_as_continuous"] == f"{off['requests']}/{off['requests']}"
+    meta = json.loads((out / "throughput-sampled.json").read_text())
+    assert meta["sampling"] == "temperature 0.8, top_p 0.95, top-k off, request i seeded 7 + i"
+
+
+def test_sampled_workload_seeds_each_request():
+    """bench_throughput.sampled: request i at the temperature and top-p given, seed + i, its
+    length exact as before; the seed workload's one prompt then gives different tokens."""
+    from cbatch import LLM, workloads
+
+    greedy = workloads.seed()
+    wl = bench_throughput.sampled(workloads.seed(), 0.8, 0.95, 7)
+    assert [(p.temperature, p.top_p, p.seed, p.max_tokens, p.ignore_eos) for p in wl.params] == [
+        (0.8, 0.95, 7 + i, g.max_tokens, True) for i, g in enumerate(greedy.params)]
+    assert bench_throughput.sampled(greedy, 0.0, 0.95, 7) is greedy
+    outs = LLM("random:tiny").generate(wl.prompts[1:5], wl.params[1:5], use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+@pytest.mark.slow
 def test_linear_benchmark(tmp_path):
     rows = _rows(bench_linear.main(["--quick", "--out", str(tmp_path), "--no-progress",
                                     "--reps", "2"]), "linear")
