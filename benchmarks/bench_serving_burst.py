@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -37,7 +38,7 @@ from benchmarks.common import (base_parser, environment, publish, pyplot,  # noq
                                save_figure)
 
 COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "ttft_p50",
-           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline"]
+           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "steps_by_threads"]
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -143,17 +144,32 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=60)
 
 
+def cpu_steps(url: str) -> dict[str, int]:
+    """A cbatch server's steps so far by CPU thread count (``cbatch_cpu_steps``); {} for
+    other servers."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'^cbatch_cpu_steps_total\{[^}]*threads="(\d+)"\} ([0-9.e+]+)$', text,
+                       re.M)
+    return {n: int(float(v)) for n, v in found}
+
+
 def run_server(name: str, cmd: list[str], port: int, env, args, prompts, sampling) -> dict:
     log = Path(args.log_dir) / f"{name}.log"
     proc, url = serve(cmd, port, env, args.start_timeout, log)
     try:
         # a small warm-up burst, not timed (vLLM compiles its graphs on first use)
         asyncio.run(burst(url, args.served_model_name, prompts[:2], 4, sampling))
+        before = cpu_steps(url)
         results, duration = asyncio.run(burst(url, args.served_model_name, prompts,
                                               args.output_len, sampling))
+        after = cpu_steps(url)
     finally:
         stop(proc)
     row = summarize(name, results, duration)
+    if after:  # a CPU cbatch engine: the thread counts its steps ran on during the burst
+        row["steps_by_threads"] = {n: after[n] - before.get(n, 0) for n in after}
     if not args.no_progress:
         print(" ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}"
                        for k in COLUMNS if k in row), flush=True)
@@ -170,14 +186,18 @@ def run_offline(args, prompts, sampling) -> dict:
                              seed=None if "seed" not in sampling else sampling["seed"] + i)
               for i in range(len(prompts))]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
+    before = llm.engine.stats().steps_by_threads
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - start
+    after = llm.engine.stats().steps_by_threads
     row = {"server": "cbatch offline (LLM.generate)", "requests": len(prompts), "failed": 0,
            "duration_s": duration,
-           "output_tok_per_s": sum(len(o.token_ids) for o in outs) / duration}
+           "output_tok_per_s": sum(len(o.token_ids) for o in outs) / duration,
+           "steps_by_threads": {str(n): after[n] - before.get(n, 0) for n in after}}
     if not args.no_progress:
-        print(f"offline: {row['output_tok_per_s']:.1f} tok/s in {duration:.2f} s", flush=True)
+        print(f"offline: {row['output_tok_per_s']:.1f} tok/s in {duration:.2f} s, steps by "
+              f"threads {row['steps_by_threads']}", flush=True)
     return row
 
 

@@ -391,6 +391,7 @@ class Engine:
             graph_memory_bytes=self.runner.graph_memory_bytes,
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
+            steps_by_threads=self.runner.steps_by_threads(),
         )
 
 

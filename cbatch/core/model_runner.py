@@ -266,6 +266,10 @@ class ModelRunner:
         tokens = sample(logits, sampling)
         return tokens, logprobs_tensors(logits, tokens, num_logprobs), prompt_logprobs
 
+    def steps_by_threads(self) -> dict[int, int]:
+        """Steps run at each CPU thread count (the CPU runner's thread policy; none here)."""
+        return {}
+
     def release(self, request_id: str) -> None:
         """Forget what the runner holds for a finished request (its penalties' counts)."""
         self.token_counts.release(request_id)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # of which were found in the prefix cache
     graph_capture_s: float = 0.0  # start-up time spent capturing decode CUDA graphs
     graph_memory_bytes: int = 0  # device memory their pool holds
+    # CPU: steps run at each thread count (the thread policy's choices; empty elsewhere)
+    steps_by_threads: dict[int, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

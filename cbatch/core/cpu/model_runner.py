@@ -73,6 +73,9 @@ class CPUModelRunner(ModelRunner):
                 return self.greedy_tokens(self.last_hidden(batch)), None, None
             return super().run(batch, sampling, num_logprobs, prompt)
 
+    def steps_by_threads(self) -> dict[int, int]:
+        return dict(self.threads.steps_by_threads)
+
     def describe(self) -> dict[str, str]:
         """The CPU paths live in this engine, a phrase each: ``isa`` (what the C++ kernels
         use), ``attention`` (the step for the model's head dim), ``linear`` (the route of the

@@ -71,6 +71,12 @@ class ServerMetrics:
             family = family_type(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if stats.steps_by_threads:  # a CPU engine: how many threads its steps ran on
+            family = CounterMetricFamily("cbatch_cpu_steps", "Steps, by CPU threads used",
+                                         labels=["model_name", "threads"])
+            for threads, steps in sorted(stats.steps_by_threads.items()):
+                family.add_metric([self.model_name, str(threads)], steps)
+            yield family
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
