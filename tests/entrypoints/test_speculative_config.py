@@ -1,0 +1,53 @@
+"""``speculative_config`` as vLLM spells it: EngineConfig's checks, LLM's keyword and the
+``--speculative-config '<json>'`` flag of ``cbatch generate`` and ``cbatch serve``."""
+
+import json
+
+import pytest
+
+from cbatch.config import EngineConfig, SpeculativeConfig
+from cbatch.entrypoints.cli.engine_args import engine_kwargs
+from cbatch.entrypoints.cli.main import build_parser
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def test_speculative_config_checks_name_the_key():
+    c = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert c.speculative_config == SpeculativeConfig("ngram", 4, 5, 5)  # vLLM's defaults
+    assert SpeculativeConfig("ngram", 2, prompt_lookup_max=4).prompt_lookup_min == 4
+    assert EngineConfig(speculative_config='{"num_speculative_tokens": 2}') \
+        .speculative_config.num_speculative_tokens == 2
+    assert EngineConfig().speculative_config is None
+    for bad, match in [({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({}, "num_speculative_tokens"),
+                       ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_max": 0},
+                        "prompt_lookup_max"),
+                       ({"num_speculative_tokens": 2, "draft": 1}, "unknown keys"),
+                       ("{oops", "not JSON"), ([2], "must be a dict")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=bad)
+    # a speculative engine drafts from the last step's tokens: it runs synchronously
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+    assert not EngineConfig(speculative_config=NGRAM).use_async_scheduling
+
+
+def test_the_flag_is_json_in_generate_and_serve():
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["serve"]))["speculative_config"] is None
+    for argv in (["serve"], ["generate", "--prompt", "x"]):
+        args = parse(argv + ["--speculative-config", json.dumps(NGRAM)])
+        assert engine_kwargs(args)["speculative_config"] == NGRAM
+
+
+@pytest.mark.parametrize("text", ["{oops", "[1, 2]"])
+def test_a_flag_that_is_not_a_json_object_is_a_usage_error(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--speculative-config", text])
+    assert exit_.value.code == 2
+    assert "--speculative-config" in capsys.readouterr().err
