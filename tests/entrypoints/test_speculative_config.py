@@ -6,8 +6,9 @@ import json
 import pytest
 
 from cbatch.config import EngineConfig, SpeculativeConfig
+from cbatch.entrypoints.cli import generate
 from cbatch.entrypoints.cli.engine_args import engine_kwargs
-from cbatch.entrypoints.cli.main import build_parser
+from cbatch.entrypoints.cli.main import build_parser, main
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -51,3 +52,21 @@ def test_a_flag_that_is_not_a_json_object_is_a_usage_error(text, capsys):
         build_parser().parse_args(["serve", "--speculative-config", text])
     assert exit_.value.code == 2
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_generate_speculates(capsys, monkeypatch):
+    made = []
+
+    def load_llm(args, **kwargs):
+        from cbatch.entrypoints.cli.engine_args import load_llm as load
+
+        made.append(load(args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(generate, "load_llm", load_llm)
+    main(["generate", "--model", "random:tiny", "--prompt", "abcabcabc", "--prompt", "xyxyxy",
+          "--max-tokens", "12", "--ignore-eos", "--speculative-config", json.dumps(NGRAM)])
+    assert "(length, 12 tokens" in capsys.readouterr().out
+    stats = made[0].engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.num_steps < 12  # fewer steps than tokens
