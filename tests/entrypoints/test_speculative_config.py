@@ -70,3 +70,37 @@ def test_generate_speculates(capsys, monkeypatch):
     stats = made[0].engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     assert stats.num_steps < 12  # fewer steps than tokens
+
+
+def test_a_speculative_server_streams_the_same_text_and_counts_drafts():
+    """``cbatch serve --speculative-config``'s engine behind the HTTP server: a streamed
+    greedy completion is the offline non-speculative one, and /metrics has vLLM's
+    spec_decode counters (per draft position too)."""
+    httpx = pytest.importorskip("httpx")
+    from cbatch import LLM, SamplingParams
+    from tests.serving_utils import running_server
+
+    prompt = "abcabcabcabc xyzxyz abcabc"
+    ref = LLM("random:tiny").generate([prompt], SamplingParams(max_tokens=24,
+                                                               ignore_eos=True),
+                                      use_tqdm=False)[0]
+    with running_server("random:tiny", "tiny", speculative_config=NGRAM) as (url, _):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == ref.text
+        metrics = httpx.get(f"{url}/metrics").text
+
+    def value(name):
+        return float(next(line for line in metrics.splitlines()
+                          if line.startswith(name)).split()[-1])
+
+    accepted = value("cbatch_spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= value("cbatch_spec_decode_num_draft_tokens_total")
+    assert value("cbatch_spec_decode_num_drafts_total") > 0
+    assert value('cbatch_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",'
+                 'position="0"}') > 0
