@@ -186,6 +186,8 @@ def _assert_speculated(engine: Engine, partly: bool = True) -> None:
     if partly:
         assert st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens, st
     assert 1.0 < st.spec_decode_mean_accepted_length <= 4.0
+    assert 0.0 < st.spec_decode_acceptance_rate <= 1.0
+    assert st.spec_decode_draft_s > 0 and st.spec_decode_verify_s > 0
 
 
 @pytest.fixture(scope="module")
