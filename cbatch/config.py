@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,72 @@ MODEL_CONFIGS: dict[str, GPT2Config] = {
 }
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM spells it (``speculative_config={"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``).
+
+    ``ngram`` (prompt lookup): each decoding request drafts up to ``num_speculative_tokens``
+    tokens by finding the longest suffix of its tokens, ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` long, that occurred earlier in its prompt or output, and proposing
+    what followed it (:mod:`cbatch.core.spec_decode`).  As vLLM: with neither lookup bound
+    given both are 5; with one, the other equals it.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{SPECULATIVE_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or k < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be an int >= 1 "
+                             f"(the drafts a request verifies per step), got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"speculative_config: {name} must be an int >= 1, got "
+                                 f"{value!r}")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig | None:
+        """``value`` (a SpeculativeConfig, a dict of its fields, its JSON text, or None) as
+        a SpeculativeConfig; a ValueError names an unknown key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON ({e}): {value!r:.80}") \
+                    from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict like {\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 4}}, got {value!r:.80}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**value)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _knob(default, help: str, **metadata):
     """A field of :class:`EngineConfig` with the help text its command-line flag shows."""
     return field(default=default, metadata={"help": help, **metadata})
@@ -151,6 +218,10 @@ class EngineConfig:
                                 "may run on, fewer while other processes take them)")
     max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default; "
                               "-1: the whole vocabulary)")
+    speculative_config: dict | SpeculativeConfig | None = _knob(
+        None, "speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+        "(default: off)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -180,6 +251,11 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
                              f"{self.scheduling_policy!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling=True cannot run with speculative_config: a "
+                             "speculative engine reads each step's accepted tokens before "
+                             "it drafts and schedules the next; leave async_scheduling unset")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
                                            or not self.tokenizer):
             raise ValueError("tokenizer must be a directory or hub id (a non-empty string), "
@@ -214,8 +290,11 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        """``async_scheduling`` with None decided: on for CUDA."""
-        return self.on_cuda if self.async_scheduling is None else self.async_scheduling
+        """``async_scheduling`` with None decided: on for CUDA unless speculating (a
+        speculative engine resolves each step before it launches the next)."""
+        if self.async_scheduling is None:
+            return self.on_cuda and self.speculative_config is None
+        return self.async_scheduling
 
     @property
     def cache_salt(self) -> str:

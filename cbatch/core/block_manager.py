@@ -113,6 +113,16 @@ class BlockManager:
         for _ in range(need):
             block_table.append(self._allocate())
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Release the blocks of ``block_table`` (in place) past the first that hold
+        ``num_tokens`` tokens (what rejected speculative drafts took); such blocks hold no
+        computed token, so none is cached."""
+        keep = self.blocks_for(num_tokens)
+        if len(block_table) > keep:
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free(tail)
+
     def free(self, block_table: list[int]) -> None:
         """Drop the table's references (in place: the table ends empty).  Its blocks are
         released last to first, so a prefix's tail is evicted before its head."""

@@ -11,6 +11,12 @@ that ends on ``max_tokens`` is known to end and gets none).  So the two modes di
 which rows share a step: a request's tokens are the same whenever its logits do not depend
 on its batch-mates, which ``batch_invariant=True`` guarantees (the tests also find them the
 same without it, greedy and seeded, on the CPU).
+
+With ``speculative_config`` (:mod:`cbatch.core.spec_decode`), each decoding request that
+speculates gets drafts before the step is scheduled, verifies them in the step, and gains 1
+to k + 1 tokens when it is resolved, each checked for a stop condition in turn (the rest
+dropped).  Such an engine runs synchronously: it drafts from the tokens the last step
+accepted, so it resolves each step before it launches the next (async scheduling is off).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from cbatch.core.model_runner import ModelRunner, SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
+from cbatch.core.spec_decode import NgramProposer, SpecDecodeCounters, accepted_tokens, speculates
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import StructuredOutputs
@@ -83,6 +90,7 @@ class LaunchedStep:
 
     scheduled: list[ScheduledSequence]
     tokens: SampledTokens
+    launched_at: float  # when it was sent (perf_counter)
     # a row's rules (a grammar, bad words) need its token on the host before the next step
     needs_output_on_host: bool = False
 
@@ -139,6 +147,9 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec)
+        self._spec = SpecDecodeCounters(0 if spec is None else spec.num_speculative_tokens)
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
@@ -296,6 +307,8 @@ class Engine:
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and send it to the device; the scheduled sequences advance by
         their new tokens, and those that sample get an in-flight token."""
+        if self.proposer is not None:
+            self._propose()
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             self._counters.tick("schedule")
@@ -308,19 +321,21 @@ class Engine:
                 item.seq.first_scheduled_time = t
         batch = self.runner.prepare(schedule.scheduled, pad_to=schedule.pad_to)
         self._counters.tick("prepare")
+        launched_at = time.perf_counter()
         tokens = self.runner.execute(batch, schedule.scheduled)
         for item, samples_now in zip(schedule.scheduled, tokens.samples):
             seq = item.seq
-            if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
-                self._counters.num_prefill_tokens += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
+            n = item.num_new_tokens - len(item.draft_token_ids)  # drafts count once accepted
+            if n > 1 or seq.num_output_tokens == 0:
+                self._counters.num_prefill_tokens += n
+            seq.num_computed_tokens += n
             seq.num_inflight += samples_now
         self._counters.tick("execute")
         self._counters.num_steps += 1
         self._counters.occupancy_sum += len(schedule.scheduled) / self.config.max_num_seqs
         if self.occupancy_trace is not None:
             self.occupancy_trace.append(len(schedule.scheduled))
-        return LaunchedStep(schedule.scheduled, tokens, self.async_scheduling and any(
+        return LaunchedStep(schedule.scheduled, tokens, launched_at, self.async_scheduling and any(
             item.seq.params.needs_output_on_host for item in schedule.scheduled))
 
     def _admit_compiled(self) -> list[Sequence]:
@@ -335,6 +350,15 @@ class Engine:
                 failed.append(seq)
         return failed
 
+    def _propose(self) -> None:
+        """Draft for every running request that decodes and speculates (the others get
+        none); the scheduler decides how many of them its step verifies."""
+        start = time.perf_counter()
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = (self.proposer.propose(seq.token_ids)
+                                  if seq.is_decoding and speculates(seq.params) else [])
+        self._spec.draft_s += time.perf_counter() - start
+
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
         check stop conditions, finish.  Returns the sequences that changed."""
@@ -342,36 +366,55 @@ class Engine:
         tokens, logprobs = step.tokens.wait()
         prompt_logprobs = step.tokens.prompt_logprobs()
         now = self._counters.tick("execute")
+        offsets = step.tokens.offsets  # None: row i's token is tokens[i]
+        if offsets is not None:
+            self._spec.verify_s += now - step.launched_at
         changed = []
-        for i, (item, token) in enumerate(zip(step.scheduled, tokens)):
+        for i, item in enumerate(step.scheduled):
             seq = item.seq
             if prompt_logprobs is not None and prompt_logprobs[i] and not seq.is_finished:
                 seq.prompt_logprobs += [None] * (not seq.prompt_logprobs) + prompt_logprobs[i]
             if not step.tokens.samples[i] or seq.is_finished:
                 continue  # mid-prefill, or ended (stopped, aborted) since this step began
+            first = i if offsets is None else offsets[i]
+            new = [tokens[first]]
+            if item.draft_token_ids:
+                new = accepted_tokens(item.draft_token_ids, tokens[first:offsets[i + 1]])
+                self._spec.count(len(item.draft_token_ids), len(new) - 1)
             seq.num_inflight -= 1
-            seq.token_ids.append(token)
-            self._counters.num_output_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            try:  # what can fail for this request alone: its logprobs, its stop strings
-                if logprobs is not None and logprobs[i] is not None:
-                    seq.output_logprobs.append(logprobs[i])
-                if seq.grammar is not None and seq.grammar.accept(token):
-                    reason = "stop"  # its grammar is complete (even at max_tokens)
-                else:
-                    reason = self.output_processor.stop_reason(seq, token)
-            except Exception as exc:
-                del self._requests[seq.request_id]
-                self._fail(seq, exc)
-                reason = None
-            if reason is not None:
-                self.scheduler.remove(seq)
-                del self._requests[seq.request_id]
-                self._finish(seq, reason)
+            lp = logprobs[first] if logprobs is not None else None  # (none with drafts)
+            for j, token in enumerate(new):
+                if j:  # the draft before this token was accepted: its K/V stand
+                    seq.num_computed_tokens += 1
+                if self._append(seq, token, lp):
+                    break  # finished: the tokens after the one that ended it are dropped
             changed.append(seq)
         self._counters.tick("postprocess")
         return changed
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:
+        """Add a sampled token to ``seq`` and check its stop conditions; True when it ended
+        ``seq`` (finished, or failed)."""
+        seq.token_ids.append(token)
+        self._counters.num_output_tokens += 1
+        try:  # what can fail for this request alone: its logprobs, its stop strings
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            if seq.grammar is not None and seq.grammar.accept(token):
+                reason = "stop"  # its grammar is complete (even at max_tokens)
+            else:
+                reason = self.output_processor.stop_reason(seq, token)
+        except Exception as exc:
+            del self._requests[seq.request_id]
+            self._fail(seq, exc)
+            return True
+        if reason is not None:
+            self.scheduler.remove(seq)
+            del self._requests[seq.request_id]
+            self._finish(seq, reason)
+        return reason is not None
 
     def stats(self) -> EngineStats:
         c = self._counters
@@ -392,6 +435,12 @@ class Engine:
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
             steps_by_threads=self.runner.steps_by_threads(),
+            spec_decode_num_drafts=self._spec.num_drafts,
+            spec_decode_num_draft_tokens=self._spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self._spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self._spec.accepted_per_pos),
+            spec_decode_draft_s=self._spec.draft_s,
+            spec_decode_verify_s=self._spec.verify_s,
         )
 
 

@@ -84,14 +84,48 @@ class PromptTargets:
         return out if out.targets else None
 
 
+@dataclass
+class DraftPositions:
+    """Where a step that verifies speculative drafts samples (``core/spec_decode.py``): row s
+    of the step draws ``counts[s]`` tokens, at its run's last ``counts[s]`` positions (its
+    last token's and each draft's: 1 + its drafts), in order; ``token_indices`` are those
+    positions in the step's flat tokens, ``offsets[s]`` where row s's draws start in the
+    step's ``[sum(counts)]`` tokens."""
+
+    token_indices: list[int]
+    counts: list[int]
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledSequence]) -> DraftPositions | None:
+        """Those of a step; None when no row verifies drafts (each samples its last)."""
+        if not any(item.draft_token_ids for item in scheduled):
+            return None
+        out, end = cls([], [], [0]), 0
+        for item in scheduled:
+            count = 1 + len(item.draft_token_ids)
+            end += item.num_new_tokens
+            out.token_indices += range(end - count, end)
+            out.counts.append(count)
+            out.offsets.append(out.offsets[-1] + count)
+        return out
+
+    def repeat(self, per_row: list) -> list:
+        """``per_row`` (one entry per row) with row s's entry ``counts[s]`` times."""
+        return [x for x, count in zip(per_row, self.counts) for _ in range(count)]
+
+
 class SampledTokens:
     """One step's sampled tokens (and logprobs), on their way to the host."""
 
     def __init__(self, tokens: torch.Tensor, samples: list[bool],
                  logprobs: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None],
                  prompt: PromptTargets | None = None,
-                 prompt_logprobs: tuple[torch.Tensor, ...] | None = None):
+                 prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
+                 drafts: DraftPositions | None = None):
         self.samples = samples  # per row: whether it reached its sequence's last token
+        # row s's draws: tokens[offsets[s]:offsets[s + 1]] (None: tokens[s], one per row)
+        self.offsets = None if drafts is None else drafts.offsets
         # on CUDA: non-blocking copies into pinned memory, then an event to wait for
         self._tokens = tokens.to("cpu", non_blocking=True)
         self._logprobs, self._prompt_logprobs = (None if t is None else tuple(
@@ -105,7 +139,8 @@ class SampledTokens:
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Block until they are on the host: the token of every scheduled sequence (entries
-        of sequences still mid-prefill are meaningless) and the logprobs (see
+        of sequences still mid-prefill are meaningless; with drafts, each row's draws from
+        ``offsets[s]``) and the logprobs, one entry per token (see
         :func:`~cbatch.core.sampler.logprobs_tensors`)."""
         if self._ready is not None:
             self._ready.synchronize()
@@ -180,11 +215,12 @@ class ModelRunner:
         runs, deferred, num_tokens = [], [], 0
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            tokens = seq.token_ids[start:start + n]
-            if len(tokens) < n:  # its last token was sampled by the step still running
+            known = n - len(item.draft_token_ids)  # then the drafts it verifies
+            tokens = seq.token_ids[start:start + known]
+            if len(tokens) < known:  # its last token was sampled by the step still running
                 deferred.append((num_tokens + len(tokens), self._sampled_rows[id(seq)]))
                 tokens.append(0)
-            runs.append((tokens, start, seq.block_table))
+            runs.append((tokens + item.draft_token_ids, start, seq.block_table))
             num_tokens += n
         shape = {}
         if all(item.num_new_tokens == 1 for item in scheduled):
@@ -216,10 +252,14 @@ class ModelRunner:
                                     f"failed ({type(exc).__name__}: {exc})")
         return self.model.compute_logits(self.last_hidden(batch))
 
-    def last_hidden(self, batch: StepBatch) -> torch.Tensor:
-        """``[S, hidden]``: the final hidden state of each real sequence's last new token."""
+    def last_hidden(self, batch: StepBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, hidden]``: the final hidden state at the positions a step samples: ``rows``
+        (int64 ``[N]``, indices into the step's flat tokens), or (None) each real sequence's
+        last new token."""
         hidden = self.model(batch, self.kv_cache)
-        return hidden[batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]]
+        if rows is None:
+            rows = batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]
+        return hidden[rows]
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, scheduled: list[ScheduledSequence]) -> SampledTokens:
@@ -227,42 +267,58 @@ class ModelRunner:
         before the scheduled sequences advance); :meth:`SampledTokens.wait` gives the
         tokens."""
         seqs = [item.seq for item in scheduled]
+        samples = row_samples = [item.samples for item in scheduled]
+        positions = [seq.num_output_tokens for seq in seqs]  # the output index each draws
+        drafts, rows = DraftPositions.of(scheduled), None
+        draw_of = list(range(len(scheduled)))  # each row's (first) draw
+        if drafts is not None:  # a row per position sampled: 1 + drafts of a verifying row
+            seqs, samples = drafts.repeat(seqs), drafts.repeat(row_samples)
+            positions = [p + j for p, count in zip(positions, drafts.counts)
+                         for j in range(count)]
+            rows, draw_of = to_device(drafts.token_indices, self.device), drafts.offsets[:-1]
         params = [seq.params for seq in seqs]
-        samples = [item.samples for item in scheduled]
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
             top_ks=[p.top_k for p in params],
             top_ps=[p.top_p for p in params],
             seeds=[seq.seed for seq in seqs],
-            positions=[seq.num_output_tokens for seq in seqs],
+            positions=positions,
             min_ps=[p.min_p for p in params],
             rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts),
             bitmask=structured_output.bitmask(scheduled),
         )
         num_logprobs = [p.logprobs for p in params]
         prompt = PromptTargets.of(scheduled)
-        tokens, logprobs, prompt_logprobs = self.run(batch, sampling, num_logprobs, prompt)
+        tokens, logprobs, prompt_logprobs = self.run(batch, sampling, num_logprobs, prompt,
+                                                     rows)
         self._sampled = tokens
-        self._sampled_rows = {id(item.seq): row for row, item in enumerate(scheduled)
-                              if samples[row]}
-        return SampledTokens(tokens, samples, logprobs, num_logprobs, prompt, prompt_logprobs)
+        self._sampled_rows = {id(item.seq): draw_of[row] for row, item in enumerate(scheduled)
+                              if row_samples[row] and not item.draft_token_ids}
+        return SampledTokens(tokens, row_samples, logprobs, num_logprobs, prompt,
+                             prompt_logprobs, drafts)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
-            prompt: PromptTargets | None = None
+            prompt: PromptTargets | None = None, rows: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None,
                        tuple[torch.Tensor, ...] | None]:
-        """The forward pass and the sampler: int64 tokens ``[S]``, the logprobs tensors
-        (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no row asked) and those of
-        the prompt tokens ``prompt`` names (None when it is None)."""
-        if prompt is None:
+        """The forward pass and the sampler: int64 tokens ``[N]`` (one per sampling row: each
+        sequence's last token, or the positions ``rows`` names, :class:`DraftPositions`),
+        the logprobs tensors (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no
+        row asked) and those of the prompt tokens ``prompt`` names (None when it is
+        None)."""
+        if prompt is None and rows is None:
             logits, prompt_logprobs = self.logits(batch), None
         else:  # logits at more positions than each sequence's last: the eager forward
             hidden = self.model(batch, self.kv_cache)
-            logits = self.model.compute_logits(
-                hidden[batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]])
-            at = self.model.compute_logits(hidden[to_device(prompt.token_indices, self.device)])
-            prompt_logprobs = logprobs_tensors(at, to_device(prompt.targets, self.device),
-                                               prompt.num_logprobs)
+            if rows is None:
+                rows = batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]
+            logits = self.model.compute_logits(hidden[rows])
+            prompt_logprobs = None
+            if prompt is not None:
+                at = self.model.compute_logits(
+                    hidden[to_device(prompt.token_indices, self.device)])
+                prompt_logprobs = logprobs_tensors(
+                    at, to_device(prompt.targets, self.device), prompt.num_logprobs)
         tokens = sample(logits, sampling)
         return tokens, logprobs_tensors(logits, tokens, num_logprobs), prompt_logprobs
 

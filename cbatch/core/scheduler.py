@@ -20,6 +20,14 @@ step is filling with the same tokens waits one step, then finds that block in th
 Each such wait coincides with a step that fills the block, so a request waits at most once
 per block of its prompt that another request is filling.
 
+Speculative decoding (``core/spec_decode.py``): a decoding sequence with drafts
+(``Sequence.spec_token_ids``) verifies as many of them as the budget and the free blocks left
+by every running sequence's own tokens allow (drafts never preempt anyone), and no more than
+``max_tokens`` leaves room for; its step then feeds its last token and those drafts
+(``ScheduledSequence.draft_token_ids``).  Only verified tokens count as computed, so the
+prefix cache never hashes a draft, and the blocks that rejected drafts took past a sequence's
+tokens go back at the next ``schedule()``.
+
 With async scheduling (the engine schedules step n+1 while step n runs) a sequence's newest
 token may still be in flight: it is scheduled like any known token, except that a sequence
 whose in-flight token is its last (``max_tokens``) needs nothing more: it leaves ``running``
@@ -50,12 +58,15 @@ def policy_key(policy: str):
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens fed this step: the uncomputed ones, or a chunk of them
+    # tokens fed this step: the uncomputed ones, or a chunk of them; then the drafts
+    num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)  # the drafts this step verifies
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token (and so samples the next)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+                == self.seq.num_tokens)
 
 
 @dataclass
@@ -129,7 +140,8 @@ class Scheduler:
         if not self.block_manager.enable_prefix_caching or end > seq.num_tokens - 1:
             return False  # (the last token is always computed: match_prefix stops short)
         prefix = seq.token_ids[:end]
-        return any(item.seq.num_computed_tokens + item.num_new_tokens >= end
+        return any(item.seq.num_computed_tokens + item.num_new_tokens
+                   - len(item.draft_token_ids) >= end
                    and item.seq.token_ids[start] == prefix[start]
                    and item.seq.token_ids[:end] == prefix for item in scheduled)
 
@@ -168,6 +180,27 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
 
+    def _schedule_drafts(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+        """Add to each scheduled decode its drafts, as many as ``budget``, the free blocks
+        and ``max_tokens`` allow (a step adds at most drafts + 1 tokens); returns the
+        tokens added."""
+        bm, bs, used = self.block_manager, self.block_manager.block_size, 0
+        for item in scheduled:
+            seq = item.seq
+            if not seq.spec_token_ids or not seq.is_decoding:
+                continue
+            k = min(len(seq.spec_token_ids), budget - used,
+                    seq.params.max_tokens - seq.num_output_tokens - 1)
+            end = seq.num_computed_tokens + 1  # its last token's slot is already held
+            k = min(k, (len(seq.block_table) + bm.num_free_blocks) * bs - end)
+            if k <= 0:
+                continue
+            bm.grow(seq.block_table, end + k)
+            item.draft_token_ids = seq.spec_token_ids[:k]
+            item.num_new_tokens += k
+            used += k
+        return used
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -175,6 +208,7 @@ class Scheduler:
         self._retire_last_in_flight()
         for seq in self.running:  # the blocks the last step filled join the cache
             self._cache_computed(seq)
+            bm.truncate(seq.block_table, seq.num_tokens)  # taken by rejected drafts
         # Running sequences: decodes first, then prefill chunks, each group in policy order.
         order = sorted(self.running, key=lambda s: (not s.is_decoding, self._key(s)))
         scheduled: dict[int, ScheduledSequence] = {}
@@ -201,6 +235,7 @@ class Scheduler:
             scheduled[id(seq)] = ScheduledSequence(seq, n)
             budget -= n
         out.scheduled = list(scheduled.values())
+        budget -= self._schedule_drafts(out.scheduled, budget)
 
         # Waiting sequences, unless this step already had to preempt (no thrash).
         if not out.preempted:

@@ -39,6 +39,8 @@ class Sequence:
     bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output known on the host
     num_inflight: int = 0  # sampled tokens still on the device (async scheduling)
+    # speculative decoding: the drafts proposed to follow token_ids (verified, not yet known)
+    spec_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask
     # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)

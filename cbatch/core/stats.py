@@ -27,6 +27,30 @@ class EngineStats:
     graph_memory_bytes: int = 0  # device memory their pool holds
     # CPU: steps run at each thread count (the thread policy's choices; empty elsewhere)
     steps_by_threads: dict[int, int] = field(default_factory=dict)
+    # speculative decoding (vLLM's spec_decode counters): drafts (a sequence verifying
+    # drafts in a step), draft tokens verified, of which accepted, accepted by draft
+    # position; seconds spent drafting, and wall seconds of the steps that verified drafts
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_draft_s: float = 0.0
+    spec_decode_verify_s: float = 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Fraction of the verified draft tokens that were accepted."""
+        if self.spec_decode_num_draft_tokens == 0:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence gains per step, on average: 1 + accepted drafts (as
+        vLLM's mean acceptance length)."""
+        if self.spec_decode_num_drafts == 0:
+            return 0.0
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -62,16 +62,16 @@ class CPUModelRunner(ModelRunner):
         return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
-            prompt: PromptTargets | None = None
+            prompt: PromptTargets | None = None, rows: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None,
                        tuple[torch.Tensor, ...] | None]:
         # (a CPU runner captures no CUDA graphs: ModelRunner.logits replays none here)
         with self.threads.step():
             if (sampling.all_greedy and sampling.plain and prompt is None
                     and all(k is None for k in num_logprobs) and self.greedy_screen is not None):
-                # no logits needed
-                return self.greedy_tokens(self.last_hidden(batch)), None, None
-            return super().run(batch, sampling, num_logprobs, prompt)
+                # no logits needed (speculative drafts' positions too: any rows of hidden)
+                return self.greedy_tokens(self.last_hidden(batch, rows)), None, None
+            return super().run(batch, sampling, num_logprobs, prompt, rows)
 
     def steps_by_threads(self) -> dict[int, int]:
         return dict(self.threads.steps_by_threads)

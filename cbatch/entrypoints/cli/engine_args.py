@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from cbatch.config import engine_fields
 
@@ -31,7 +32,20 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = "random:gpt2"
 
 
-_TYPES = {"int": int, "str": str, "float": float}
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object {{...}} is needed, got {text!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"  # what argparse's "invalid ... value" message calls it
+
+_TYPES = {"int": int, "str": str, "float": float, "dict": json_object}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -51,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help)
             continue
-        kind = _TYPES[f.type.split(" | ")[0]]  # "int | None" -> int
+        kind = _TYPES[f.type.split(" | ")[0]]  # "int | None" -> int, "dict | ..." -> JSON
         group.add_argument(flag, type=kind, default=f.default,
                            choices=f.metadata.get("choices"), help=help)
 

@@ -77,6 +77,32 @@ class ServerMetrics:
             for threads, steps in sorted(stats.steps_by_threads.items()):
                 family.add_metric([self.model_name, str(threads)], steps)
             yield family
+        if stats.spec_decode_num_accepted_tokens_per_pos:  # a speculative engine
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats):
+        """Speculative decoding's counters, vLLM's ``vllm:spec_decode_*`` under this
+        server's prefix."""
+        for name, doc, value in (
+                ("num_drafts", "Sequences that verified drafts, summed over steps",
+                 stats.spec_decode_num_drafts),
+                ("num_draft_tokens", "Draft tokens verified",
+                 stats.spec_decode_num_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted",
+                 stats.spec_decode_num_accepted_tokens),
+                ("draft_seconds", "Seconds spent drafting", stats.spec_decode_draft_s),
+                ("verify_seconds", "Wall seconds of the steps that verified drafts",
+                 stats.spec_decode_verify_s)):
+            family = CounterMetricFamily(f"cbatch_spec_decode_{name}", doc,
+                                         labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("cbatch_spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by their position in the draft",
+                                     labels=["model_name", "position"])
+        for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            family.add_metric([self.model_name, str(pos)], value)
+        yield family
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
