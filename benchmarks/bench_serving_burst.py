@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> Path:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                args.vllm_model, "--served-model-name", args.served_model_name, "--port",
                str(port), "--host", "127.0.0.1", "--dtype", args.dtype, "--max-num-seqs",
-               str(args.max_num_seqs), "--disable-log-requests"]
+               str(args.max_num_seqs)]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "4"}
         rows.append(run_server("vllm serve", cmd, port, env, args, prompts, sampling))

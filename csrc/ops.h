@@ -60,10 +60,13 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
 bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
-// activation: "none" or "gelu_tanh".  Returns a new dense [M, N].
+// activation: "none" or "gelu_tanh".  amx: a bf16 x of many rows may run on AMX tiles
+// (cpu/amx.h), whose sums run in another order (not for batch-invariant engines).  Returns a
+// new dense [M, N].
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& residual, const std::string& activation);
+                      const std::optional<at::Tensor>& residual, const std::string& activation,
+                      bool amx);
 
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
@@ -80,7 +83,7 @@ bool greedy_head_supported(at::ScalarType dtype);
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
                            double screen_norm, double error_norm,
-                           const std::optional<at::Tensor>& scales);
+                           const std::optional<at::Tensor>& scales, bool amx);
 
 // Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.
@@ -96,7 +99,8 @@ at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
 
 // What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
 // residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).
-at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      bool amx = false);
 at::Tensor argmax_rows_cpu(const at::Tensor& logits);
 
 // The CPU kernels' options, read on every call (cpu/cpu_options.cpp): isa "" (what the CPU

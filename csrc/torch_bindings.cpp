@@ -20,11 +20,11 @@ TORCH_LIBRARY(cbatch, m) {
   m.def("cpu_linear_supported(ScalarType dtype) -> bool", &cbatch::cpu_linear_supported);
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
-      "str activation) -> Tensor");
+      "str activation, bool amx=False) -> Tensor");
   m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
-      "float screen_norm, float error_norm, Tensor? scales=None) -> Tensor");  // greedy tokens
+      "float screen_norm, float error_norm, Tensor? scales=None, bool amx=False) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
   m.def(
       "sample(Tensor logits, Tensor rows, Tensor temperature, Tensor top_k, Tensor top_p, "

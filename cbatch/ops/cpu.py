@@ -114,20 +114,23 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int, gelu: str | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
     """``residual + gelu(x @ W.T + bias)`` on a packed weight, the GELU and the add inside
     the matmul where the route has them.
 
     x: ``[M, K]``; packed: from :func:`pack` of ``W [N = out_features, K]``; bias: ``[N]``
     or None; gelu: None or ``F.gelu``'s ``approximate`` (``"tanh"``, ``"none"``); residual:
     ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  On the ``"cbatch"`` layout a
-    row's result never depends on the other rows (the kernel sums each output in k order).
+    row's result never depends on the other rows (the kernel sums each output in k order),
+    unless ``amx``: then a bf16 x of many rows runs on AMX tiles where the CPU has them
+    (``csrc/cpu/amx.h``; several times faster, the sums in another order), so a row's last
+    bits follow the number of rows (not for batch-invariant engines).
     """
     if not packed.is_mkldnn:
         fused = gelu in (None, "tanh")
         y = torch.ops.cbatch.linear(x if x.stride(-1) == 1 else x.contiguous(), packed,
                                     out_features, bias, residual,
-                                    "gelu_tanh" if gelu and fused else "none")
+                                    "gelu_tanh" if gelu and fused else "none", amx)
         return y if fused else F.gelu(y, approximate=gelu)
     if residual is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
@@ -218,13 +221,14 @@ def pack_screen(weight: torch.Tensor, int8: bool | None = None) -> GreedyScreen:
 
 
 def greedy_head(x: torch.Tensor, packed: torch.Tensor, screen: GreedyScreen,
-                out_features: int) -> torch.Tensor:
-    """``argmax(packed_linear(x, packed, None, out_features), dim=-1)`` bit for bit, reading
-    ``screen`` instead of most of ``packed``.  x: ``[M, K]``, the dtype of ``packed`` (fp32
-    or bf16, :func:`pack`'s layout) → int64 ``[M]``."""
+                out_features: int, amx: bool = False) -> torch.Tensor:
+    """``argmax(packed_linear(x, packed, None, out_features, amx=amx), dim=-1)`` bit for bit,
+    reading ``screen`` instead of most of ``packed`` where that saves time.  x: ``[M, K]``,
+    the dtype of ``packed`` (fp32 or bf16, :func:`pack`'s layout) → int64 ``[M]``."""
     return torch.ops.cbatch.greedy_head(x if x.stride(-1) == 1 else x.contiguous(), packed,
                                         screen.weight, out_features, screen.w_norm,
-                                        screen.screen_norm, screen.error_norm, screen.scales)
+                                        screen.screen_norm, screen.error_norm, screen.scales,
+                                        amx)
 
 
 def has_amx() -> bool:
@@ -273,15 +277,20 @@ def kernel_paths() -> dict[str, int]:
 if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the meta device
 
     @torch.library.register_fake("cbatch::linear")
-    def _(x, packed, out_features, bias, residual, activation):
+    def _(x, packed, out_features, bias, residual, activation, amx=False):
         check_no_meta_mix("cbatch::linear", x=x, packed=packed, bias=bias, residual=residual)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")
-    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None):
+    def _(x, packed, screen, out_features, w_norm, screen_norm, error_norm, scales=None,
+          amx=False):
         check_no_meta_mix("cbatch::greedy_head", x=x, packed=packed, screen=screen, scales=scales)
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("cbatch::argmax")
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("cbatch::sample")
+    def _(logits, rows, temperature, top_k, top_p, min_p, uniform):
+        return rows.new_empty(rows.shape)

@@ -23,6 +23,7 @@ namespace {
 constexpr const char* kCpuPathNames[] = {
     "linear.avx512",
     "linear.avx2",
+    "linear.amx",
     "greedy_head.int8",
     "greedy_head.bf16.avx512",
     "greedy_head.bf16.avx2",

@@ -24,6 +24,7 @@ inline bool cpu_attention_generic() {
 enum class CpuPath : int {
   kLinearAvx512,
   kLinearAvx2,
+  kLinearAmx,
   kGreedyHeadInt8,
   kGreedyHeadBf16Avx512,
   kGreedyHeadBf16Avx2,

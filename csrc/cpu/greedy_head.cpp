@@ -397,7 +397,7 @@ bool greedy_head_supported(at::ScalarType dtype) {
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
                            double screen_norm, double error_norm,
-                           const std::optional<at::Tensor>& scales) {
+                           const std::optional<at::Tensor>& scales, bool amx) {
   const bool int8 = screen.scalar_type() == at::kChar, bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_TYPE(
       int8 ? (x.scalar_type() == at::kFloat || bf16) && packed.scalar_type() == x.scalar_type() &&
@@ -435,8 +435,8 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0) return tokens;
 #ifdef CBATCH_X86
   if (bf16 && M >= kPackFrom) {  // compute-bound: the int8 screen saves nothing (kMaxBlocks)
-    count_path(CpuPath::kGreedyHeadKernel);
-    return argmax_rows_cpu(logits_cpu(x, packed, N));
+    count_path(CpuPath::kGreedyHeadKernel);  // (on AMX tiles where amx allows them)
+    return argmax_rows_cpu(logits_cpu(x, packed, N, amx));
   }
   if (bf16) {
     greedy_int8<B16>(x, packed, screen, *scales, N, w_norm, screen_norm, error_norm,

@@ -6,6 +6,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "amx.h"
 #include "gemm.h"
 
 namespace cbatch {
@@ -22,11 +23,16 @@ bool cpu_linear_supported(at::ScalarType dtype) {
 
 namespace {
 
+// From this many rows a bf16 linear may run on AMX tiles (amx.h; below it the weights'
+// bytes, not the multiplies, bound the time, and the AVX-512 tiles read them as fast).
+constexpr int64_t kAmxFromRows = 8;
+
 // The linear op; counted: an op call (linear_cpu), not part of another op's (logits_cpu).
 template <bool kCounted>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual, const std::string& activation) {
+                  const std::optional<at::Tensor>& residual, const std::string& activation,
+                  bool amx = false) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   TORCH_CHECK_VALUE(x.stride(1) == 1, "x's rows must be dense");
   TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), "x is ", x.scalar_type(),
@@ -58,7 +64,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   if (M == 0 || N == 0) return out;
 #ifdef CBATCH_X86
   const bool avx512 = x.scalar_type() == at::kBFloat16 || cpu_has_avx512();
-  if (kCounted) count_path(avx512 ? CpuPath::kLinearAvx512 : CpuPath::kLinearAvx2);
+  const bool tiles = amx && x.scalar_type() == at::kBFloat16 && M >= kAmxFromRows &&
+                     K % amx::kTileK == 0 && amx::available();
+  if (kCounted) {
+    count_path(tiles ? CpuPath::kLinearAmx
+                     : avx512 ? CpuPath::kLinearAvx512 : CpuPath::kLinearAvx2);
+  }
   if (x.scalar_type() == at::kFloat) {
     const Args<float> args{x.data_ptr<float>(), x.stride(0), M, K, N, nullptr,
                            packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
@@ -72,11 +83,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
     }
   } else {
     using B16 = c10::BFloat16;
-    run_gemm<avx512::Gemm>(Args<B16>{
+    const Args<B16> args{
         x.data_ptr<B16>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<B16>(),
         bias ? bias->data_ptr<B16>() : nullptr, residual ? residual->data_ptr<B16>() : nullptr,
-        residual ? residual->stride(0) : 0, activation == "gelu_tanh", out.data_ptr<B16>()});
+        residual ? residual->stride(0) : 0, activation == "gelu_tanh", out.data_ptr<B16>()};
+    if (tiles) {
+      amx::run(args);
+    } else {
+      run_gemm<avx512::Gemm>(args);
+    }
   }
+#else
+  (void)amx;
 #endif
   return out;
 }
@@ -85,12 +103,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& residual, const std::string& activation) {
-  return linear<true>(x, packed, out_features, bias, residual, activation);
+                      const std::optional<at::Tensor>& residual, const std::string& activation,
+                      bool amx) {
+  return linear<true>(x, packed, out_features, bias, residual, activation, amx);
 }
 
-at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  return linear<false>(x, packed, out_features, std::nullopt, std::nullopt, "none");
+at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      bool amx) {
+  return linear<false>(x, packed, out_features, std::nullopt, std::nullopt, "none", amx);
 }
 
 }  // namespace cbatch

@@ -63,6 +63,72 @@ def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     assert (ours.double() - truth).abs().max().item() <= allowed
 
 
+AMX = pytest.mark.skipif(not (cpu.has_amx() and cpu.route_available("cbatch", torch.bfloat16)),
+                         reason="needs a CPU with AMX tiles and AVX512-BF16")
+
+
+def _amx_runs() -> int:
+    return cpu.kernel_paths().get("linear.amx", 0)
+
+
+@AMX
+@pytest.mark.parametrize("M", [8, 9, 16, 31, 33, 64, 100])
+@pytest.mark.parametrize("N,K", [(40, 64), (33, 96), (768, 3072), (2304, 768)])
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+def test_amx_tiles_match_the_float64_product(M, N, K, epilogue):
+    """bf16 rows from 8 on AMX tiles (csrc/cpu/amx.h), the packed layout read as it is:
+    within the error the AVX-512 tiles make (another order of the same pairs), bias, GELU and
+    residual included; rows and columns that do not fill a tile; the path counted."""
+    gen = torch.Generator().manual_seed(M * N + K)
+    w = (torch.randn(N, K, generator=gen) * 0.05).bfloat16()
+    b = (torch.randn(N, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    res = torch.randn(M, N, generator=gen).bfloat16() if epilogue == "residual" else None
+    gelu = "tanh" if epilogue == "gelu" else None
+    packed = cpu.pack(w, "cbatch")
+    before = _amx_runs()
+    ours = cpu.packed_linear(x, packed, b, N, gelu, res, amx=True)
+    assert _amx_runs() == before + 1
+    tiles = cpu.packed_linear(x, packed, b, N, gelu, res)  # the AVX-512 tiles
+    assert _amx_runs() == before + 1
+    truth = F.linear(x.double(), w.double(), b.double())
+    if gelu:
+        truth = F.gelu(truth, approximate="tanh")
+    if res is not None:
+        truth = truth + res.double()
+    err = (tiles.double() - truth).abs().max().item()
+    assert (ours.double() - truth).abs().max().item() <= 2 * err + 1e-2 * truth.abs().max()
+
+
+@AMX
+def test_amx_waits_for_enough_rows_and_whole_tiles_of_k():
+    """Below 8 rows, or with K not a multiple of 32, the AVX-512 tiles run (bit for bit the
+    same as without amx)."""
+    gen = torch.Generator().manual_seed(0)
+    for M, K in ((7, 64), (16, 48)):
+        w = torch.randn(40, K, generator=gen).bfloat16()
+        x = torch.randn(M, K, generator=gen).bfloat16()
+        packed = cpu.pack(w, "cbatch")
+        before = _amx_runs()
+        assert torch.equal(cpu.packed_linear(x, packed, None, 40, amx=True),
+                           cpu.packed_linear(x, packed, None, 40))
+        assert _amx_runs() == before
+
+
+@AMX
+def test_engines_run_amx_unless_batch_invariant():
+    """A bf16 engine's steps of 8 rows and more take the AMX tiles (its linears and the
+    lm_head's greedy rows from 16); a batch-invariant one never does, so a row's tokens
+    cannot depend on its batch-mates."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [[i + 1, 2, 3] for i in range(16)]
+    for invariant in (False, True):
+        llm = LLM("random:tiny", dtype="bfloat16", max_num_seqs=16, batch_invariant=invariant)
+        before = _amx_runs()
+        llm.generate(prompts, params, use_tqdm=False)
+        assert (_amx_runs() > before) == (not invariant)
+
+
 @pytest.mark.parametrize("route,dtype", CASES)
 @pytest.mark.parametrize("M", [7, 9, 10, 11, 40])
 def test_fused_epilogues(route, dtype, M):

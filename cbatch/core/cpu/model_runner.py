@@ -59,7 +59,8 @@ class CPUModelRunner(ModelRunner):
         """``[N, hidden]`` → int64 ``[N]``: the argmax of the lm_head's logits of each row, bit
         for bit, through its greedy screen (only where :attr:`greedy_screen`)."""
         head = self.model.lm_head
-        return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features)
+        return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features,
+                               amx=not self.model.batch_invariant)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
             prompt: PromptTargets | None = None, rows: torch.Tensor | None = None

@@ -27,7 +27,10 @@ from contextlib import contextmanager
 import torch
 
 SAMPLE_S = 0.25  # how often the load is read: long enough for jiffies, short enough to react
-FREE_SHARE = 0.7  # a core runs a thread of ours when others leave it at least this idle
+# a core runs a thread of ours when others leave it at least this idle: two threads beat one
+# while a competitor takes under ~45% of the second core, one wins above (benchmarks/NOTES.md,
+# "Serving at the engine's speed": 0.7 dropped a thread for a streaming client's 30%)
+FREE_SHARE = 0.55
 
 
 def allowed_cpus() -> list[int]:

@@ -45,6 +45,8 @@ def test_threads_follow_the_cores_others_leave_free(monkeypatch):
     assert policy.choose() == 1
     clock.advance(1.0, others_cores=0.1, my_cores=1.0)  # it stopped
     assert policy.choose() == 2
+    clock.advance(1.0, others_cores=0.3, my_cores=2.0)  # a light client beside: still two
+    assert policy.choose() == 2
     clock.advance(1.0, others_cores=0.5, my_cores=2.0)  # half a core taken: one thread
     assert policy.choose() == 1
     clock.advance(1.0, others_cores=3.0, my_cores=0.2)  # oversubscribed: still one thread

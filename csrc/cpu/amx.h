@@ -1,0 +1,148 @@
+// The bf16 linear on AMX tiles (Intel Sapphire Rapids and later): for many rows a linear layer
+// is compute-bound, and one tdpbf16ps multiplies 16 x 32 by 32 x 16 where vdpbf16ps does
+// 16 pairs (benchmarks/NOTES.md, "Serving at the engine's speed").  It reads the weight in
+// cbatch's packed bf16 layout as it is: a block of 16 columns, [K / 2][16][2], is a stack of
+// AMX B tiles (16 rows of 16 column pairs, 64 bytes apart).  The sums run in another order than
+// vdpbf16ps' (each pair's products added even first), so a row's result depends on whether
+// this path ran: batch-invariant engines never take it (cbatch/ops/cpu.py).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <memory>
+
+#include "gemm.h"
+
+#ifdef CBATCH_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define CBATCH_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16," \
+                         "avx512vnni")))
+
+namespace cbatch::amx {
+namespace {
+
+// Rows of x, columns of W and pairs of k per tile (tiles of 16 rows of 64 bytes).
+constexpr int64_t kTileRows = 16, kTileK = 32;
+
+// Whether the CPU has AMX-TILE and AMX-BF16 and Linux gave this process the tile state
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once), below the ISA cap.
+inline bool available() {
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return tiles && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted && cpu_has_avx512bf16();
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32 columns); 4-5: two row tiles of x; 6-7: two
+// column blocks of W; every tile 16 rows of 64 bytes.
+CBATCH_AMX inline void load_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Rows [m, m + 32) of x (padded to whole tiles) times the NB column blocks from `block`, into
+// sums [32][NB * 16] (fp32, 128 bytes a row).
+template <int NB>
+CBATCH_AMX void tile_sums(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t m,
+                          int64_t block, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const c10::BFloat16* xa = x + m * K;
+  const c10::BFloat16* xb = xa + kTileRows * K;
+  const c10::BFloat16* w0 = w + block * K * kBlock;
+  const c10::BFloat16* w1 = w0 + K * kBlock;
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(4, xa + k, K * 2);
+    _tile_loadd(5, xb + k, K * 2);
+    _tile_loadd(6, w0 + k * kBlock, 64);  // 16 pairs of k, 16 columns each
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, w1 + k * kBlock, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 128);
+  _tile_stored(2, sums + kTileRows * 32, 128);
+  if constexpr (NB == 2) {
+    _tile_stored(1, sums + kBlock, 128);
+    _tile_stored(3, sums + kTileRows * 32 + kBlock, 128);
+  }
+}
+
+// The epilogue of gemm.h's tiles on the sums of rows [m, min(m + 32, M)) and the NB blocks
+// from `block`: bias, GELU, residual, bf16 out.
+CBATCH_AMX void epilogue(const Args<c10::BFloat16>& a, const float* sums, int64_t m,
+                         int64_t block, int nb) {
+  using avx512::first_lanes, avx512::load, avx512::store;
+  const int64_t rows = std::min<int64_t>(2 * kTileRows, a.M - m);
+  for (int b = 0; b < nb; ++b) {
+    const int64_t col = (block + b) * kBlock;
+    const __mmask16 mask = first_lanes(a.N - col);
+    const __m512 bias = a.bias ? load(a.bias + col, mask) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + b * kBlock), bias);
+      if (a.gelu) v = avx512::gelu_tanh(v);
+      if (a.residual) v = _mm512_add_ps(load(a.residual + (m + r) * a.ldr + col, mask), v);
+      store(a.out + (m + r) * a.N + col, v, mask);
+    }
+  }
+}
+
+// Column-block pairs [begin, end) against every 32 rows of x (whole tiles), on this thread.
+CBATCH_AMX void run_pairs(const Args<c10::BFloat16>& a, const c10::BFloat16* x, int64_t begin,
+                          int64_t end) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  load_config();
+  alignas(64) float sums[2 * kTileRows * 32];
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t block = 2 * pair;
+    const int nb = block + 1 < blocks ? 2 : 1;
+    for (int64_t m = 0; m < a.M; m += 2 * kTileRows) {
+      if (nb == 2) {
+        tile_sums<2>(x, a.K, a.w, m, block, sums);
+      } else {
+        tile_sums<1>(x, a.K, a.w, m, block, sums);
+      }
+      epilogue(a, sums, m, block, nb);
+    }
+  }
+  _tile_release();
+}
+
+// The whole product: x's rows copied into whole tiles (zero rows past M), then pairs of
+// column blocks shared out among threads, each running every 32 rows against its blocks
+// (their weights stay in L2 meanwhile).  K must be a multiple of kTileK.
+inline void run(const Args<c10::BFloat16>& a) {
+  const int64_t rows = (a.M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  std::unique_ptr<c10::BFloat16[]> x(new c10::BFloat16[rows * a.K]);
+  for (int64_t m = 0; m < a.M; ++m) std::memcpy(&x[m * a.K], a.x + m * a.ldx, a.K * 2);
+  std::memset(static_cast<void*>(&x[a.M * a.K]), 0, (rows - a.M) * a.K * 2);
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    run_pairs(a, x.get(), begin, end);
+  });
+}
+
+}  // namespace
+}  // namespace cbatch::amx
+#endif  // CBATCH_X86
