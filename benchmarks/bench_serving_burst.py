@@ -38,7 +38,7 @@ from benchmarks.common import (base_parser, environment, publish, pyplot,  # noq
                                save_figure)
 
 COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "ttft_p50",
-           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "steps_by_threads"]
+           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "client_cores", "steps_by_threads"]
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -162,12 +162,15 @@ def run_server(name: str, cmd: list[str], port: int, env, args, prompts, samplin
         # a small warm-up burst, not timed (vLLM compiles its graphs on first use)
         asyncio.run(burst(url, args.served_model_name, prompts[:2], 4, sampling))
         before = cpu_steps(url)
+        cpu0 = time.process_time()
         results, duration = asyncio.run(burst(url, args.served_model_name, prompts,
                                               args.output_len, sampling))
+        client_cpu = time.process_time() - cpu0
         after = cpu_steps(url)
     finally:
         stop(proc)
     row = summarize(name, results, duration)
+    row["client_cores"] = client_cpu / duration  # what the client itself took of the CPU
     if after:  # a CPU cbatch engine: the thread counts its steps ran on during the burst
         row["steps_by_threads"] = {n: after[n] - before.get(n, 0) for n in after}
     if not args.no_progress:

@@ -96,6 +96,14 @@ at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
                       const at::Tensor& temperature, const at::Tensor& top_k,
                       const at::Tensor& top_p, const at::Tensor& min_p,
                       const at::Tensor& uniform);
+// The penalties of rows [P] (int64) of logits [S, V] (fp32, in place), from their requests'
+// slots [P] of counts (int32 [slots, V]: output tokens) and prompt (bool [slots, V]):
+// repetition (divide positive logits, multiply negative ones, where seen in prompt or output),
+// then frequency * count + presence where in the output.  cpu/sample.cpp.
+at::Tensor& apply_penalties_cpu(at::Tensor& logits, const at::Tensor& rows,
+                                const at::Tensor& slots, const at::Tensor& counts,
+                                const at::Tensor& prompt, const at::Tensor& presence,
+                                const at::Tensor& frequency, const at::Tensor& repetition);
 
 // What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
 // residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).

@@ -29,6 +29,9 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "sample(Tensor logits, Tensor rows, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p, Tensor uniform) -> Tensor");  // the sampled rows' draw (CPU only)
+  m.def(
+      "apply_penalties(Tensor(a!) logits, Tensor rows, Tensor slots, Tensor counts, "
+      "Tensor prompt, Tensor presence, Tensor frequency, Tensor repetition) -> Tensor(a!)");
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
   m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
@@ -45,6 +48,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("greedy_head", &cbatch::greedy_head_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
   m.impl("sample", &cbatch::sample_cpu);
+  m.impl("apply_penalties", &cbatch::apply_penalties_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

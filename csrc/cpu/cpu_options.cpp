@@ -40,6 +40,7 @@ constexpr const char* kCpuPathNames[] = {
     "sample.avx512",
     "sample.avx2",
     "sample.generic",
+    "penalties.cpu",
     "write_kv_cache.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),

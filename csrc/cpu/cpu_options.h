@@ -41,6 +41,7 @@ enum class CpuPath : int {
   kSampleAvx512,
   kSampleAvx2,
   kSampleGeneric,
+  kPenaltiesCpu,
   kWriteKvCacheCpu,
   kCount,
 };

@@ -306,4 +306,61 @@ at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
   return out;
 }
 
+at::Tensor& apply_penalties_cpu(at::Tensor& logits, const at::Tensor& rows,
+                                const at::Tensor& slots, const at::Tensor& counts,
+                                const at::Tensor& prompt, const at::Tensor& presence,
+                                const at::Tensor& frequency, const at::Tensor& repetition) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.stride(1) == 1 &&
+                        logits.scalar_type() == at::kFloat,
+                    "logits must be float32 [S, V] with dense rows");
+  const int64_t V = logits.size(1), P = rows.numel();
+  TORCH_CHECK_VALUE(counts.dim() == 2 && counts.size(1) == V && counts.is_contiguous() &&
+                        counts.scalar_type() == at::kInt,
+                    "counts must be a dense int32 [slots, ", V, "]");
+  TORCH_CHECK_VALUE(prompt.sizes() == counts.sizes() && prompt.is_contiguous() &&
+                        prompt.scalar_type() == at::kBool,
+                    "prompt must be a dense bool of counts' shape");
+  for (const at::Tensor* t : {&rows, &slots, &presence, &frequency, &repetition}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() &&
+                          t->device().is_cpu(),
+                      "rows, slots and the penalties must be dense 1-D, one per row (", P, ")");
+  }
+  TORCH_CHECK_TYPE(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                       presence.scalar_type() == at::kFloat &&
+                       frequency.scalar_type() == at::kFloat &&
+                       repetition.scalar_type() == at::kFloat,
+                   "rows and slots must be int64, the penalties float32");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK_INDEX(row[p] >= 0 && row[p] < logits.size(0) && slot[p] >= 0 &&
+                          slot[p] < counts.size(0),
+                      "row ", row[p], " or slot ", slot[p], " out of range");
+  }
+  float* data = logits.data_ptr<float>();
+  const int32_t* count = counts.data_ptr<int32_t>();
+  const bool* in_prompt = prompt.data_ptr<bool>();
+  const float *pres = presence.data_ptr<float>(), *freq = frequency.data_ptr<float>(),
+              *rep = repetition.data_ptr<float>();
+  // one pass per row: the repetition penalty where the token was seen (prompt or output),
+  // then frequency and presence by its output count (vLLM's and transformers' rules)
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* x = data + row[p] * logits.stride(0);
+      const int32_t* c = count + slot[p] * V;
+      const bool* seen = in_prompt + slot[p] * V;
+      const float r = rep[p], f = freq[p], e = pres[p];
+      for (int64_t v = 0; v < V; ++v) {
+        const int32_t n = c[v];
+        float y = x[v];
+        if (n > 0 || seen[v]) y = y > 0 ? y / r : y * r;
+        if (n > 0) y -= f * static_cast<float>(n) + e;
+        x[v] = y;
+      }
+    }
+  });
+  count_path(CpuPath::kPenaltiesCpu);
+  return logits;
+}
+
 }  // namespace cbatch

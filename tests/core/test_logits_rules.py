@@ -299,3 +299,33 @@ def test_prompt_logprobs_are_transformers_log_softmax_at_every_position(tiny_hf_
             for t, v in zip(top.indices.tolist(), top.values.tolist()):
                 assert entry[t] == pytest.approx(v, abs=1e-4)
     assert llm.generate([[3]], params, use_tqdm=False)[0].prompt_logprobs == [None]
+
+
+@needs_kernel
+def test_penalty_kernel_is_the_torch_rule_and_runs(monkeypatch):
+    """torch.ops.cbatch.apply_penalties (one pass per row) against the torch formula the
+    sampler uses elsewhere, on random counts, prompts and penalties, rows in any order."""
+    gen = torch.Generator().manual_seed(5)
+    V, S = 1000, 6
+    logits = torch.randn(S, V, generator=gen) * 4
+    counts = TokenCounts(V, torch.device("cpu"))
+    seqs = []
+    for i in range(4):
+        prompt = torch.randint(0, V, (30,), generator=gen).tolist()
+        out = torch.randint(0, V, (20,), generator=gen).tolist()
+        seqs.append(_seq(prompt, out, str(i), presence_penalty=0.3 * i - 0.5,
+                         frequency_penalty=0.2 * i, repetition_penalty=0.8 + 0.3 * i))
+    rows = [4, 0, 5, 2]
+    placed = [_seq([1], [], f"plain{r}") for r in range(S)]
+    for r, seq in zip(rows, seqs):
+        placed[r] = seq
+    rules = logits_rules(placed, [True] * S, frozenset({EOS}), counts)
+    before = cpu.kernel_paths()["penalties.cpu"]
+    fast = logits.clone()
+    apply_rules(fast, rules, None)
+    assert cpu.kernel_paths()["penalties.cpu"] == before + 1
+    monkeypatch.setattr(ops.compiled, "compiled_backends", lambda: [])
+    slow = logits.clone()
+    apply_rules(slow, rules, None)
+    torch.testing.assert_close(fast, slow)
+    assert torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
