@@ -38,7 +38,8 @@ from benchmarks.common import (base_parser, environment, publish, pyplot,  # noq
                                save_figure)
 
 COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "ttft_p50",
-           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "client_cores", "steps_by_threads"]
+           "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "client_cores",
+           "steps_by_threads"]
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
