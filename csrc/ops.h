@@ -96,6 +96,10 @@ at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
                       const at::Tensor& temperature, const at::Tensor& top_k,
                       const at::Tensor& top_p, const at::Tensor& min_p,
                       const at::Tensor& uniform);
+// A grammar's token bitmask on logits [S, V] (fp32, in place): -inf where bit t % 32 of word
+// t // 32 of bitmask [S, W] (int32) is clear, and past 32 W in rows that forbid any token.
+// cpu/sample.cpp.
+at::Tensor& apply_bitmask_cpu(at::Tensor& logits, const at::Tensor& bitmask);
 // The penalties of rows [P] (int64) of logits [S, V] (fp32, in place), from their requests'
 // slots [P] of counts (int32 [slots, V]: output tokens) and prompt (bool [slots, V]):
 // repetition (divide positive logits, multiply negative ones, where seen in prompt or output),

@@ -29,6 +29,7 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "sample(Tensor logits, Tensor rows, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor min_p, Tensor uniform) -> Tensor");  // the sampled rows' draw (CPU only)
+  m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask) -> Tensor(a!)");  // grammars (CPU)
   m.def(
       "apply_penalties(Tensor(a!) logits, Tensor rows, Tensor slots, Tensor counts, "
       "Tensor prompt, Tensor presence, Tensor frequency, Tensor repetition) -> Tensor(a!)");
@@ -49,6 +50,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("argmax", &cbatch::argmax_cpu);
   m.impl("sample", &cbatch::sample_cpu);
   m.impl("apply_penalties", &cbatch::apply_penalties_cpu);
+  m.impl("apply_bitmask", &cbatch::apply_bitmask_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cbatch.ops import compiled
+
 from cbatch.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -306,6 +308,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     and left alone in all-ones rows."""
     S, V = logits.shape
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.stride(-1) == 1 and "cpu" in compiled.compiled_backends()):
+        torch.ops.cbatch.apply_bitmask(logits, bitmask.contiguous())  # one pass, in C++
+        return
     bits = _BITS.get(logits.device)
     if bits is None:
         bits = _BITS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)

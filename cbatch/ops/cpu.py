@@ -291,6 +291,10 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
+    @torch.library.register_fake("cbatch::apply_bitmask")
+    def _(logits, bitmask):
+        return logits
+
     @torch.library.register_fake("cbatch::apply_penalties")
     def _(logits, rows, slots, counts, prompt, presence, frequency, repetition):
         return logits

@@ -41,6 +41,7 @@ constexpr const char* kCpuPathNames[] = {
     "sample.avx2",
     "sample.generic",
     "penalties.cpu",
+    "bitmask.cpu",
     "write_kv_cache.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),

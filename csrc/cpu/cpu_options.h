@@ -42,6 +42,7 @@ enum class CpuPath : int {
   kSampleAvx2,
   kSampleGeneric,
   kPenaltiesCpu,
+  kBitmaskCpu,
   kWriteKvCacheCpu,
   kCount,
 };

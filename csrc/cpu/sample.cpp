@@ -306,6 +306,37 @@ at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& rows,
   return out;
 }
 
+at::Tensor& apply_bitmask_cpu(at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.stride(1) == 1 &&
+                        logits.scalar_type() == at::kFloat,
+                    "logits must be float32 [S, V] with dense rows");
+  TORCH_CHECK_VALUE(bitmask.dim() == 2 && bitmask.size(0) == logits.size(0) &&
+                        bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
+                        bitmask.device().is_cpu(),
+                    "bitmask must be a dense int32 [", logits.size(0), ", W] on the CPU");
+  const int64_t V = logits.size(1), W = bitmask.size(1), n = std::min(V, 32 * W);
+  float* data = logits.data_ptr<float>();
+  const int32_t* words = bitmask.data_ptr<int32_t>();
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float* x = data + s * logits.stride(0);
+      const int32_t* w = words + s * W;
+      bool constrained = false;
+      for (int64_t i = 0; i < W; ++i) {
+        if (w[i] == -1) continue;  // 32 allowed tokens: the common case, one compare
+        constrained = true;
+        const uint32_t allowed = static_cast<uint32_t>(w[i]);
+        for (int64_t b = 0, t = 32 * i; b < 32 && t < n; ++b, ++t) {
+          if (!((allowed >> b) & 1u)) x[t] = kNegInf;
+        }
+      }
+      if (constrained) std::fill(x + n, x + V, kNegInf);  // ids past the mask: a grammar's
+    }
+  });
+  count_path(CpuPath::kBitmaskCpu);
+  return logits;
+}
+
 at::Tensor& apply_penalties_cpu(at::Tensor& logits, const at::Tensor& rows,
                                 const at::Tensor& slots, const at::Tensor& counts,
                                 const at::Tensor& prompt, const at::Tensor& presence,

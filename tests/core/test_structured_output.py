@@ -199,9 +199,15 @@ def test_apply_bitmask_forbids_exactly_the_cleared_bits(dtype, vocab):
             allowed = t < 64 and (int(bitmask[s, t // 32]) >> (t % 32)) & 1
             if not allowed and not (s == 1 and t >= 64):
                 want[s, t] = float("-inf")
+    from cbatch.ops import compiled, cpu
+
+    before = cpu.kernel_paths().get("bitmask.cpu", 0)
     apply_bitmask(logits, bitmask)
     torch.testing.assert_close(logits, want)
     assert torch.isfinite(logits[1]).all()
+    # fp32 on the CPU: cbatch's one-pass kernel (the torch rule otherwise)
+    kernel = dtype == torch.float32 and "cpu" in compiled.compiled_backends()
+    assert cpu.kernel_paths().get("bitmask.cpu", 0) - before == int(kernel)
 
 
 @pytest.fixture(scope="module")
