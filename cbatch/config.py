@@ -120,12 +120,20 @@ class SpeculativeConfig:
     ``prompt_lookup_min`` long, that occurred earlier in its prompt or output, and proposing
     what followed it (:mod:`cbatch.core.spec_decode`).  As vLLM: with neither lookup bound
     given both are 5; with one, the other equals it.
+
+    ``adaptive`` (cbatch's own key; vLLM has no such rule): each request's draft length
+    follows its recent acceptance (:class:`cbatch.core.spec_decode.AdaptiveDraftLength`):
+    it drafts k tokens while a moving average of its accepted/drafted stays above a
+    threshold, none below it (probing again every few steps), so a request whose drafts the
+    target keeps rejecting decodes as it would without speculation.  Default on; ``false``
+    always drafts k (what the proposer finds).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -135,6 +143,10 @@ class SpeculativeConfig:
         if not _is_int(k) or k < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be an int >= 1 "
                              f"(the drafts a request verifies per step), got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError("speculative_config: adaptive must be true or false (each "
+                             f"request's draft length from its acceptance), got "
+                             f"{self.adaptive!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if value is not None and (not _is_int(value) or value < 1):

@@ -73,3 +73,18 @@ def sharedprefix(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> 
     params = SamplingParams(max_tokens=min(64, max_len), ignore_eos=True)
     return Workload("sharedprefix", [prompts[i] for i in order], [params] * len(prompts),
                     batch_size=64)
+
+
+def repeat(vocab: int = 50257, scale: float = 1.0, max_len: int = 512) -> Workload:
+    """64 requests whose prompts repeat a passage (a random passage of 16 to 64 tokens, 2 to
+    4 times: a document quoted again, what prompt lookup finds), 128 output tokens each,
+    greedy, ignore_eos; batch size 8 (speculative decoding's n-gram workload).  Random-weight
+    models' greedy outputs also fall into loops, which the lookup over the output catches.
+    ``max_len`` caps the prompt and output lengths."""
+    rng = np.random.default_rng(0)
+    n = max(1, int(64 * scale))
+    passages = _random_prompts(rng, rng.integers(16, 65, n), vocab)
+    reps = rng.integers(2, 5, n)
+    prompts = [(p * int(r))[:max_len] for p, r in zip(passages, reps)]
+    params = SamplingParams(max_tokens=min(128, max_len), ignore_eos=True)
+    return Workload("repeat", prompts, [params] * n, batch_size=8)

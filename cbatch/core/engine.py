@@ -40,7 +40,8 @@ from cbatch.core.model_runner import ModelRunner, SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
-from cbatch.core.spec_decode import NgramProposer, SpecDecodeCounters, accepted_tokens, speculates
+from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, SpecDecodeCounters,
+                                     accepted_tokens, speculates)
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import StructuredOutputs
@@ -148,7 +149,11 @@ class Engine:
                                             model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         spec = config.speculative_config
+        # the drafter (None: no speculation): any object with NgramProposer.propose's
+        # signature; a benchmark may replace it after construction (bench_spec_decode.py)
         self.proposer = None if spec is None else NgramProposer(spec)
+        self._draft_length = None if spec is None else AdaptiveDraftLength(
+            spec.num_speculative_tokens, spec.adaptive)
         self._spec = SpecDecodeCounters(0 if spec is None else spec.num_speculative_tokens)
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
@@ -355,8 +360,9 @@ class Engine:
         none); the scheduler decides how many of them its step verifies."""
         start = time.perf_counter()
         for seq in self.scheduler.running:
-            seq.spec_token_ids = (self.proposer.propose(seq.token_ids)
-                                  if seq.is_decoding and speculates(seq.params) else [])
+            k = (self._draft_length.draft_length(seq)
+                 if seq.is_decoding and speculates(seq.params) else 0)
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:k] if k else []
         self._spec.draft_s += time.perf_counter() - start
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
@@ -381,6 +387,7 @@ class Engine:
             if item.draft_token_ids:
                 new = accepted_tokens(item.draft_token_ids, tokens[first:offsets[i + 1]])
                 self._spec.count(len(item.draft_token_ids), len(new) - 1)
+                self._draft_length.observe(seq, len(item.draft_token_ids), len(new) - 1)
             seq.num_inflight -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now

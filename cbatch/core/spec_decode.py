@@ -2,12 +2,15 @@
 step's samples accept.  No torch here (numpy for the lookup).
 
 A decoding request that speculates (:func:`speculates`) gets drafts before each step
-(:class:`NgramProposer`: prompt lookup).  The scheduler gives its last token and up to k of
-its drafts one run of the step's flat batch, as it gives a prefill chunk several tokens, and
-the model runner samples the target at every one of those positions, each draw at the
-request's own uniform for that output position (:func:`cbatch.core.sampler.uniforms`).
-:func:`accepted_tokens` keeps the drafts while they equal those draws, then the first draw
-that differs (or the one after the last draft): 1 to k + 1 tokens per step.
+(:class:`NgramProposer`: prompt lookup; ``Engine.proposer`` is any object with
+:meth:`NgramProposer.propose`'s signature, which a benchmark may replace), as many as
+:class:`AdaptiveDraftLength` grants it from its recent acceptance.  The scheduler gives its
+last token and up to k of its drafts one run of the step's flat batch, as it gives a prefill
+chunk several tokens, and the model runner samples the target at every one of those
+positions, each draw at the request's own uniform for that output position
+(:func:`cbatch.core.sampler.uniforms`).  :func:`accepted_tokens` keeps the drafts while they
+equal those draws, then the first draw that differs (or the one after the last draft): 1 to
+k + 1 tokens per step.
 
 Why this is exact.  For greedy rows the draw is the argmax: the longest prefix of drafts that
 the target itself would have chosen, plus its own next token.  For sampled rows it is
@@ -72,6 +75,44 @@ class NgramProposer:
             return []
         return ngram_lookup(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n,
                             self.k).tolist()
+
+
+class AdaptiveDraftLength:
+    """Each request's draft length from its recent acceptance (``adaptive``, on by default).
+
+    A request keeps ``Sequence.spec_acceptance``, an exponential moving average (weight
+    :attr:`WEIGHT` on the newest) of accepted / drafted over its verifications, starting at
+    1.  While it is at least :attr:`THRESHOLD` the request drafts k tokens; below, it drafts
+    none (decoding exactly as without speculation, at no drafting cost) but for one probe of
+    k drafts every :attr:`PROBE_EVERY` steps, whose acceptance may lift it back.  Drafts
+    that never match therefore stop after 5 verifications (1 -> 0.7 -> ... -> 0.17) and
+    then cost one verification in 16 steps; drafts that always match keep k.  With
+    ``adaptive`` off every request drafts k (what the proposer finds).
+    """
+
+    WEIGHT = 0.3
+    THRESHOLD = 0.2
+    PROBE_EVERY = 16
+
+    def __init__(self, k: int, adaptive: bool = True):
+        self.k, self.adaptive = k, adaptive
+
+    def draft_length(self, seq) -> int:
+        """How many drafts ``seq`` (a decoding :class:`~cbatch.core.sequence.Sequence` that
+        speculates) asks for before this step: k, or 0 while paused; a paused request's
+        every call counts towards its next probe."""
+        if not self.adaptive or seq.spec_acceptance >= self.THRESHOLD:
+            return self.k
+        seq.spec_steps_paused += 1
+        if seq.spec_steps_paused < self.PROBE_EVERY:
+            return 0
+        seq.spec_steps_paused = 0
+        return self.k
+
+    def observe(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """``seq`` verified ``num_drafts`` (>= 1) drafts and the first ``num_accepted``
+        held."""
+        seq.spec_acceptance += self.WEIGHT * (num_accepted / num_drafts - seq.spec_acceptance)
 
 
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:

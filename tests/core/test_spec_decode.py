@@ -13,7 +13,7 @@ from cbatch.core.block_manager import BlockManager
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence
 from cbatch.core.sampler import SamplingBatch, sample
-from cbatch.core.spec_decode import accepted_tokens, ngram_lookup
+from cbatch.core.spec_decode import AdaptiveDraftLength, accepted_tokens, ngram_lookup
 from tests.helpers import STRESS_CONFIGS, Arrival, run_arrivals
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -85,6 +85,74 @@ def test_the_scheduler_gives_drafts_what_is_left_and_never_preempts_for_them():
     assert not out.preempted
     assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("0", 8), ("1", 1)]
     assert bm.num_free_blocks == 0
+
+
+def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_again():
+    rule, seq = AdaptiveDraftLength(k=4), Sequence("0", [1, 2], SamplingParams(), 0)
+    granted = []
+    for _ in range(40):  # drafts that never match: k for 5 verifications, then probes
+        granted.append(rule.draft_length(seq))
+        if granted[-1]:
+            rule.observe(seq, granted[-1], 0)
+    assert granted[:5] == [4] * 5 and granted[5:] == ([0] * 15 + [4]) * 2 + [0] * 3
+    # a probe whose drafts all hold lifts it back to k (0.17 -> 0.42 >= 0.2)
+    while not rule.draft_length(seq):
+        pass
+    rule.observe(seq, 4, 4)
+    assert [rule.draft_length(seq) for _ in range(3)] == [4] * 3
+    # drafts that hold keep k; half of them holding, too; adaptive off: always k
+    kept = Sequence("1", [1, 2], SamplingParams(), 1)
+    for accepted in [4, 2] * 20:
+        assert rule.draft_length(kept) == 4
+        rule.observe(kept, 4, accepted)
+    off, stubborn = AdaptiveDraftLength(k=3, adaptive=False), Sequence("2", [1], None, 2)
+    for _ in range(30):
+        assert off.draft_length(stubborn) == 3
+        off.observe(stubborn, 3, 0)
+
+
+class _Replay:
+    """Drafts from a recorded output (the target's own greedy tokens: always right)."""
+
+    def __init__(self, prompt: list[int], output: list[int], k: int):
+        self.full, self.k = prompt + output, k
+
+    def propose(self, token_ids):
+        return self.full[len(token_ids):len(token_ids) + self.k]
+
+
+class _Wrong:
+    """Drafts that never hold: always the same ``drafts``, tokens the target's output never
+    holds."""
+
+    def __init__(self, drafts: list[int]):
+        self.drafts = drafts
+
+    def propose(self, token_ids):
+        return self.drafts
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_engine_stops_drafting_for_a_request_whose_drafts_never_hold(adaptive):
+    prompt, params = [5, 9, 13, 2], SamplingParams(max_tokens=60, ignore_eos=True)
+    plain = LLM("random:tiny").generate([prompt], params, use_tqdm=False)[0].token_ids
+    never = [t for t in range(512) if t not in plain][:4]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": adaptive}
+    for proposer, name in [(_Wrong(never), "wrong"), (_Replay(prompt, plain, 4), "replay")]:
+        llm = LLM("random:tiny", speculative_config=spec)
+        llm.engine.proposer = proposer
+        assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == plain
+        st = llm.engine.stats()
+        if name == "replay":  # always right: k drafts a step (fewer near max_tokens only)
+            assert st.spec_decode_acceptance_rate == 1.0
+            assert st.spec_decode_num_accepted_tokens_per_pos[3] >= st.spec_decode_num_drafts - 2
+            assert st.spec_decode_num_drafts <= 60 // 5 + 1
+        elif adaptive:  # 5 verifications, then one probe in 16 steps: 3 in the 55 left
+            assert st.spec_decode_num_accepted_tokens == 0
+            assert st.spec_decode_num_drafts == 8, st
+        else:  # every step but the first (prefill) and the last (max_tokens leaves no room)
+            assert st.spec_decode_num_accepted_tokens == 0
+            assert st.spec_decode_num_drafts >= 55, st
 
 
 def _survival_chi2(observed: np.ndarray, expected: np.ndarray) -> float:

@@ -21,6 +21,7 @@ def test_speculative_config_checks_name_the_key():
     assert EngineConfig(speculative_config='{"num_speculative_tokens": 2}') \
         .speculative_config.num_speculative_tokens == 2
     assert EngineConfig().speculative_config is None
+    assert c.speculative_config.adaptive  # cbatch's own key, on by default
     for bad, match in [({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({}, "num_speculative_tokens"),
                        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
@@ -29,6 +30,7 @@ def test_speculative_config_checks_name_the_key():
                        ({"num_speculative_tokens": 2, "prompt_lookup_max": 0},
                         "prompt_lookup_max"),
                        ({"num_speculative_tokens": 2, "draft": 1}, "unknown keys"),
+                       ({"num_speculative_tokens": 2, "adaptive": "no"}, "adaptive"),
                        ("{oops", "not JSON"), ([2], "must be a dict")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(speculative_config=bad)

@@ -185,3 +185,27 @@ def test_serving_burst_quick(tmp_path):
     served, offline = rows
     assert served["failed"] == 0 and served["requests"] == 4 and served["vs_offline"] > 0
     assert served["output_tok_per_s"] > 0 and offline["output_tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_spec_decode_quick(tmp_path):
+    """Every method's greedy outputs equal the plain engine's; the replay ceiling's drafts
+    all hold, drafts that never agree none, and prompt lookup some on the repeat workload."""
+    from benchmarks import bench_spec_decode
+
+    rows = _rows(bench_spec_decode.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                         "--device", "cpu"]), "spec_decode")
+    assert [(r["method"], r["batch"]) for r in rows] == [
+        (m, b) for b in (1, 4) for m in bench_spec_decode.METHODS]
+    by = {(r["method"], r["batch"]): r for r in rows}
+    for r in rows:
+        assert r["outputs_equal_plain"] == 1.0 and r["decode_tok_per_s"] > 0, r
+        if r["method"] != "plain":
+            assert r["verify_s"] > 0, r
+    for b in (1, 4):
+        assert by["replay", b]["acceptance_rate"] == 1.0
+        assert by["replay", b]["mean_accepted_length"] > 4.0  # k = 4: 5 a step but the end
+        assert by["ngram", b]["acceptance_rate"] > 0
+        assert by["never", b]["acceptance_rate"] < 0.05
+        # the adaptive rule stops the never-agreeing drafts: far fewer verified
+        assert by["never-adaptive", b]["drafts"] < by["never", b]["drafts"] / 2
