@@ -11,8 +11,9 @@ A step's ``[S, vocab]`` logits go through, in vLLM's order:
 2. greedy rows: the argmax of what step 1 left;
 3. sampled rows: temperature, ``min_p``, ``top_k``, ``top_p`` and the draw, per row and
    without sorting the vocabulary, in cbatch's C++ kernel on the CPU
-   (``torch.ops.cbatch.sample``, ``csrc/cpu/sample.cpp``), else in :func:`reference_sample`,
-   which sorts and draws by the same rule.
+   (``torch.ops.cbatch.sample``, ``csrc/cpu/sample.cpp``), in Triton on CUDA
+   (``kernels/sample.py``), else in :func:`reference_sample`, which sorts and draws by the
+   same rule.
 
 A row's draw is the first token, in vocabulary order, whose running probability passes a
 uniform ``u`` in [0, 1) that comes from the request's seed and output position alone
@@ -22,6 +23,7 @@ Steps where no row asks for a rule of step 1 run none of it (no copy of the logi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -264,7 +266,18 @@ def _draw(logits: torch.Tensor, rows: list[int], batch: SamplingBatch) -> torch.
     idx = to_device(rows, dev)
     if dev.type == "cpu" and logits.stride(-1) == 1 and "cpu" in compiled.compiled_backends():
         return torch.ops.cbatch.sample(logits, idx, *args)
+    if dev.type == "cuda" and _triton_available():  # the same rule in Triton (kernels/)
+        from cbatch.kernels import sample as triton_sample
+
+        return triton_sample.sample(logits, idx, *args)
     return reference_sample(logits[idx], *args)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    from cbatch.ops.backends import available_backends
+
+    return available_backends()["triton"].available
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -329,3 +329,43 @@ def test_penalty_kernel_is_the_torch_rule_and_runs(monkeypatch):
     apply_rules(slow, rules, None)
     torch.testing.assert_close(fast, slow)
     assert torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
+
+
+@pytest.mark.slow
+def test_triton_kernel_draws_what_the_reference_draws():
+    """kernels/sample.py (the CUDA path; here under Triton's interpreter): the reference's
+    token on random rows with banned tokens, ragged V, shuffled rows and random rules, and the
+    distributions of transformers' warpers at a grid of uniforms."""
+    from tests.helpers import triton_device, triton_skip_reason
+
+    device = triton_device()
+    if device is None:
+        pytest.skip(triton_skip_reason())
+    from cbatch.kernels import sample as triton_sample
+
+    gen = torch.Generator().manual_seed(6)
+    for V in (1, 17, 65):
+        S, R = 6, 5
+        logits = torch.randn(S, V, generator=gen) * 3
+        logits[0, : V // 2] = float("-inf")
+        rows = torch.randperm(S, generator=gen)[:R]
+        temperature = torch.rand(R, generator=gen) + 0.3
+        top_k = torch.randint(0, min(V, 40) + 1, (R,), generator=gen)
+        top_p = torch.where(torch.rand(R, generator=gen) < 0.5, 1.0,
+                            torch.rand(R, generator=gen)).clamp(min=0.05)
+        min_p = torch.where(torch.rand(R, generator=gen) < 0.5, 0.0,
+                            0.1 * torch.rand(R, generator=gen))
+        u = torch.tensor(uniforms(list(range(R)), [V] * R), dtype=torch.float64)
+        want = reference_sample(logits[rows], temperature, top_k, top_p, min_p, u)
+        args = [t.to(device) for t in (logits, rows, temperature, top_k, top_p, min_p, u)]
+        assert torch.equal(triton_sample.sample(*args).cpu(), want)
+    logits = torch.randn(1, 37, generator=gen) * 2
+    n = 200
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for rule in ((0.8, 8, 0.8, 0.02),):
+        t, k, p, mp = rule
+        args = (logits.expand(n, -1).contiguous(), torch.arange(n), torch.full((n,), t),
+                torch.full((n,), k), torch.full((n,), p), torch.full((n,), mp), u)
+        tokens = triton_sample.sample(*[a.to(device) for a in args]).cpu()
+        got = torch.bincount(tokens, minlength=37).double() / n
+        assert (got - _transformers_probs(logits, *rule)).abs().max() < 1.5 / n
