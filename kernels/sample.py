@@ -41,6 +41,27 @@ def _above(base, V, m, t, threshold, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _largest_threshold(base, V, m, t, floor, goal, BY_MASS: tl.constexpr,
+                       ONE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest threshold in [floor, 1] whose mass (BY_MASS) or count of w at or above it
+    reaches ``goal``, by bisection on a positive float's bits (they order as the floats do)."""
+    lo = floor.to(tl.int32, bitcast=True)
+    hi = ONE_BITS
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        mass, count = _above(base, V, m, t, mid.to(tl.float32, bitcast=True), BLOCK)
+        if BY_MASS:
+            reached = mass >= goal
+        else:
+            reached = count.to(tl.float32) >= goal
+        if reached:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, rows_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                    u_ptr, out_ptr, stride, V, ONE_BITS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
@@ -57,29 +78,11 @@ def _sample_kernel(logits_ptr, rows_ptr, temperature_ptr, top_k_ptr, top_p_ptr, 
     # min-p, and never a banned token (w = 0): the smallest positive float at least
     floor = tl.maximum(tl.load(min_p_ptr + r), 1.401298464324817e-45)
     if (k > 0) & (k < V):  # the k-th largest w
-        lo = floor.to(tl.int32, bitcast=True)
-        hi = ONE_BITS
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            _, count = _above(base, V, m, t, mid.to(tl.float32, bitcast=True), BLOCK)
-            if count >= k:
-                lo = mid
-            else:
-                hi = mid - 1
-        floor = lo.to(tl.float32, bitcast=True)
+        floor = _largest_threshold(base, V, m, t, floor, k.to(tl.float32), False, ONE_BITS,
+                                   BLOCK)
     if top_p < 1.0:  # the least likely of the most likely tokens holding top_p
         kept, _ = _above(base, V, m, t, floor, BLOCK)
-        target = top_p * kept
-        lo = floor.to(tl.int32, bitcast=True)
-        hi = ONE_BITS
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            mass, _ = _above(base, V, m, t, mid.to(tl.float32, bitcast=True), BLOCK)
-            if mass >= target:
-                lo = mid
-            else:
-                hi = mid - 1
-        floor = lo.to(tl.float32, bitcast=True)
+        floor = _largest_threshold(base, V, m, t, floor, top_p * kept, True, ONE_BITS, BLOCK)
     total, _ = _above(base, V, m, t, floor, BLOCK)
     target = u * total
     run = 0.0
