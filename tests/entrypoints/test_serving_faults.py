@@ -240,6 +240,13 @@ def test_a_request_that_fails_alone_is_a_500_for_its_client_only(server, monkeyp
     (["--header-timeout", "0"], "--header-timeout"),
     (["--attention-backend", "bogus"], "backend"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    # settings that would refuse everyone (issue 41, finding 9), or never free a slot
+    (["--allowed-hosts", ","], "names no host"),
+    (["--allowed-hosts", " , "], "names no host"),
+    (["--allowed-hosts", "example.com,a/b"], "'a/b' is not a host name"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--queue-timeout", "0"], "--queue-timeout"),
+    (["--write-timeout", "nan"], "--write-timeout"),
 ])
 def test_bad_serve_flags_are_one_line_errors_before_serving(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -19,13 +19,12 @@ import pytest
 
 from cbatch.core import model_runner
 from cbatch.core.async_engine import AsyncEngine, QueueFullError
-from cbatch.entrypoints.cli.main import main as cli_main
 from cbatch.entrypoints.openai.guard import (MAX_BODY_CONTAINERS, MAX_BODY_VALUES,
                                              ConcurrencyLimit, default_allowed_hosts,
                                              parse_host)
 from cbatch.entrypoints.openai.limits import MAX_PROMPTS
 from cbatch.sampling_params import SamplingParams
-from tests.serving_utils import free_port, running_server
+from tests.serving_utils import running_server
 
 KW = dict(max_num_seqs=8, seed=0)
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -119,21 +118,7 @@ def test_malformed_host_and_origin_are_400s_before_the_api_key():
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--allowed-hosts", ","], "names no host"),
-    (["--allowed-hosts", " , "], "names no host"),
-    (["--allowed-hosts", "example.com,a/b"], "'a/b' is not a host name"),
-    (["--max-queued-requests", "-1"], "--max-queued-requests"),
-    (["--queue-timeout", "0"], "--queue-timeout"),
-    (["--write-timeout", "nan"], "--write-timeout"),
-])
-def test_settings_that_would_refuse_everyone_are_refused_at_start_up(argv, match, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["serve", "--model", "random:tiny", "--device", "cpu",
-                  "--port", str(free_port()), *argv])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("cbatch: error:") and match in err
+# (settings that would refuse everyone: test_serving_faults.py's test of bad serve flags)
 
 
 def test_an_empty_allow_list_is_refused_by_the_app_too():
