@@ -72,7 +72,8 @@ def _amx_runs() -> int:
 
 
 @AMX
-@pytest.mark.parametrize("M", [8, 9, 16, 31, 33, 64, 100])
+# (200 rows of K = 3072 are two of amx.h's chunks of rows: 160 and 40)
+@pytest.mark.parametrize("M", [8, 9, 16, 31, 33, 64, 100, 200])
 @pytest.mark.parametrize("N,K", [(40, 64), (33, 96), (768, 3072), (2304, 768)])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
 def test_amx_tiles_match_the_float64_product(M, N, K, epilogue):
