@@ -107,6 +107,7 @@ class AsyncEngine:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = Engine(model, **engine_kwargs)
+        self.engine.kv_cache.touch()  # a server's first burst does not fault in its pool
         self.tokenizer = self.engine.tokenizer
         self.max_waiting = max_waiting
         self.on_finished = on_finished

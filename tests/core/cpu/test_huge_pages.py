@@ -122,3 +122,28 @@ def test_the_engine_streams_weights_and_kv_cache_from_huge_pages(tiny_hf_dir, mo
     llm = LLM(str(tiny_hf_dir), **kw)
     assert llm.engine.runner.describe()["huge pages"] == "off"
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == tokens
+
+
+def test_touch_faults_in_the_pool_and_a_server_touches_at_start_up():
+    """KVCache.touch: the lazily zeroed pool is resident afterwards, and still zeros; the
+    AsyncEngine (every server's engine) touches its pool before it serves."""
+    from cbatch.core.async_engine import AsyncEngine
+    from cbatch.layers.kv_cache import KVCache
+    from cbatch.config import GPT2Config
+
+    def resident_kb(t):
+        return int(_mapping_of(t).get("Rss", "0"))
+
+    config = GPT2Config.named("tiny")
+    kv = KVCache(config, 256, 16, torch.float32, zeros=huge_page_zeros)  # 4 MB
+    nbytes_kb = kv.data.numel() * kv.data.element_size() // 1024
+    if huge_pages_available():  # (else torch.zeros wrote every page already)
+        assert resident_kb(kv.data) < nbytes_kb
+    kv.touch()
+    assert resident_kb(kv.data) >= nbytes_kb and not kv.data.any()
+    engine = AsyncEngine("random:tiny", max_num_seqs=2, kv_cache_memory=4 << 20)
+    try:
+        pool = engine.engine.kv_cache.data
+        assert resident_kb(pool) >= pool.numel() * pool.element_size() // 1024
+    finally:
+        engine.shutdown()
