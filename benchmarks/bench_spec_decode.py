@@ -1,6 +1,7 @@
 """Speculative decoding's decode speed (issue 40, item 5): the same greedy requests of the
 `repeat` workload (cbatch.workloads: prompts that repeat a passage) through one engine per
-method, at batch 1 and batch 8, in rounds (A B A B ...; the median round is reported).
+method, at batch 1 and batch 8, in rounds (A B A B ...; tokens/s: the median round; the ratio to
+plain: the median of each round's ratio to plain's in that round).
 
 Methods, k = --k drafts per step:
   plain             no speculation (the baseline every other row is divided by)
@@ -11,13 +12,20 @@ Methods, k = --k drafts per step:
                     with the adaptive draft length (its default)
   never             drafts that never agree (RandomProposer: uniform random tokens), with
                     the adaptive draft length off: the full cost of wasted verification
-  never-adaptive    the same drafts with the adaptive draft length on (issue 40's target:
-                    within 5% of plain)
+  never-adaptive    the same drafts with the adaptive draft length on
+  draft             speculative_config {"method": "draft_model", "model": --draft-model}
+                    (default random:distilgpt2: random weights, so its drafts do not agree
+                    with random:gpt2's), adaptive off: wasted verification and drafting
+  draft-adaptive    the same draft model with the adaptive draft length on (issue 40's
+                    target: within 5% of plain)
 
 The benchmark-only proposers enter through the engine's documented hook: an engine built
-with a speculative_config gets its ``Engine.proposer`` replaced by any object with
-``propose(token_ids: list[int]) -> list[int]`` (up to k drafts to follow a request's prompt +
-output; the engine keeps as many as the adaptive rule grants).
+with a speculative_config gets its ``Engine.proposer`` replaced by any
+:class:`cbatch.core.spec_decode.Proposer` (here with ``propose(token_ids) -> list[int]``: up to
+k drafts to follow a request's prompt + output; the engine keeps as many as the adaptive rule
+grants).  The engines live through every round, so the adaptive rule's engine-wide prior
+(spec_decode.AdaptiveDraftLength) is learnt in the first: ``vs_plain_first_round`` reports
+that round alone.
 
 Each row: decode tokens/s (output tokens after every request has its first token, over the
 time they took), its ratio to plain's at that batch, the acceptance rate and mean accepted
@@ -44,18 +52,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (base_parser, environment, publish, pyplot,  # noqa: E402
                                save_figure)
 from cbatch import Engine, SamplingParams, workloads  # noqa: E402
+from cbatch.core.spec_decode import Proposer  # noqa: E402
 from cbatch.core.stats import EngineStats  # noqa: E402
 
 COLUMNS = ["method", "batch", "k", "adaptive", "decode_tok_per_s", "vs_plain",
+           "vs_plain_first_round",
            "acceptance_rate", "mean_accepted_length", "drafts", "draft_s", "verify_s",
            "outputs_equal_plain", "rounds"]
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                  "spec_decode_num_accepted_tokens", "spec_decode_draft_s",
                  "spec_decode_verify_s")
-METHODS = ["plain", "replay", "ngram", "never", "never-adaptive"]
+METHODS = ["plain", "replay", "ngram", "never", "never-adaptive", "draft", "draft-adaptive"]
 
 
-class ReplayProposer:
+class ReplayProposer(Proposer):
     """Drafts replayed from recorded greedy runs: for a request whose prompt is one of
     ``recorded``'s, the next up to ``k`` tokens of that recording after the request's own
     (free to draft and, while the engine's greedy tokens equal the recording's, always
@@ -78,7 +88,7 @@ class ReplayProposer:
         return []
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     """``k`` uniform random tokens of a ``vocab``-token vocabulary: drafts that (but by
     chance) never agree with the target."""
 
@@ -112,8 +122,10 @@ def build_engines(args, vocab: int, num_blocks: int) -> dict[str, Engine]:
                   seed=0)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
+    draft = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     spec = {"plain": None, "replay": ngram, "ngram": ngram,
-            "never": {**ngram, "adaptive": False}, "never-adaptive": ngram}
+            "never": {**ngram, "adaptive": False}, "never-adaptive": ngram,
+            "draft": {**draft, "adaptive": False}, "draft-adaptive": draft}
     engines = {m: Engine(args.model, speculative_config=spec[m], **common) for m in METHODS}
     engines["never"].proposer = RandomProposer(vocab, args.k, seed=1)
     engines["never-adaptive"].proposer = RandomProposer(vocab, args.k, seed=1)
@@ -144,21 +156,27 @@ def measure(args, engines: dict[str, Engine], batch: int, wl) -> list[dict]:
             stats[method] = since(before, engine.stats())
             equal[method] = sum(a == b for a, b in zip(out, plain_out)) / len(out)
     rows = []
-    base = statistics.median(timings["plain"])
+    first = timings["plain"][0]
     for method in METHODS:
         st, tps = stats[method], statistics.median(timings[method])
+        # each round against plain's of the same round (this host's speed drifts by 10%
+        # over minutes): the median of those ratios
+        ratio = statistics.median(t / p for t, p in zip(timings[method], timings["plain"]))
         spec = engines[method].config.speculative_config
         rows.append({"method": method, "batch": batch, "k": 0 if spec is None else args.k,
                      "adaptive": None if spec is None else spec.adaptive,
-                     "decode_tok_per_s": tps, "vs_plain": tps / base,
+                     "decode_tok_per_s": tps, "vs_plain": ratio,
+                     "vs_plain_first_round": timings[method][0] / first,
                      "acceptance_rate": st.spec_decode_acceptance_rate,
                      "mean_accepted_length": st.spec_decode_mean_accepted_length,
                      "drafts": st.spec_decode_num_drafts, "draft_s": st.spec_decode_draft_s,
                      "verify_s": st.spec_decode_verify_s,
                      "outputs_equal_plain": equal[method], "rounds": args.reps})
-        print(f"batch {batch:2d} {method:15s} {tps:8.1f} tok/s  x{tps / base:.2f}  "
+        print(f"batch {batch:2d} {method:15s} {tps:8.1f} tok/s  x{ratio:.2f}  "
               f"acceptance {st.spec_decode_acceptance_rate:.2f}  "
-              f"equal {equal[method]:.2f}", flush=True)
+              f"equal {equal[method]:.2f}  rounds "
+              f"{' '.join(f'{t / p:.2f}' for t, p in zip(timings[method], timings['plain']))}",
+              flush=True)
     return rows
 
 
@@ -184,15 +202,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-model", default="random:distilgpt2",
+                        help="the draft_model rows' draft")
     parser.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")],
                         default=[1, 8])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-prompt-len", type=int, default=256,
                         help="the repeat workload's prompts cut to this length")
-    parser.set_defaults(reps=3)
+    parser.set_defaults(reps=5)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.dtype, args.output_len, args.reps = "random:tiny", "float32", 24, 1
+        args.draft_model = "random:tiny"
         args.batch_sizes, args.max_prompt_len = [1, 4], 96
     device = torch.device(args.device)
     vocab = 512 if args.model == "random:tiny" else 50257

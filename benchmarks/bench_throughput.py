@@ -61,7 +61,8 @@ COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_
            "same_tokens_as_continuous", "host_overhead", "prefix_cache_hit_rate",
            "decode_batch", "decode_step_ms", "floor_ms", "step_over_floor", "paired_floor_ms",
            "step_over_paired_floor", "compute_floor_ms", "gemm_share",
-           "status"]
+           "spec_acceptance_rate", "spec_mean_accepted_length", "spec_draft_s",
+           "spec_verify_s", "status"]
 
 
 def _pct(values, q):
@@ -96,6 +97,7 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
               wl.batch_size, batch_invariant=batch_invariant)
     if policy != "static":
         kw["enable_prefix_caching"] = prefix_caching
+        kw["speculative_config"] = args.speculative_config
     llm = LLM(args.model, scheduling_policy=policy, **kw)
     llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
     if policy != "static":
@@ -115,6 +117,16 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
         queried = stats.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
         hits = stats.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
         summary["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
+        if args.speculative_config is not None:  # what speculation did in the timed run
+            drafts = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+            accepted = (stats.spec_decode_num_accepted_tokens
+                        - before.spec_decode_num_accepted_tokens)
+            verifications = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+            summary["spec_acceptance_rate"] = accepted / drafts if drafts else 0.0
+            summary["spec_mean_accepted_length"] = (
+                1 + accepted / verifications if verifications else 1.0)
+            summary["spec_draft_s"] = stats.spec_decode_draft_s - before.spec_decode_draft_s
+            summary["spec_verify_s"] = stats.spec_decode_verify_s - before.spec_decode_verify_s
     if clock is not None:
         probe = read_bandwidth(torch.device(args.device), (64 << 20) if args.quick else None)
         args.floor_bytes_per_s = max(args.floor_bytes_per_s, probe)
@@ -587,6 +599,11 @@ def main(argv=None):
                         help="with --temperature: nucleus sampling (1 = off)")
     parser.add_argument("--seed", type=int, default=0,
                         help="with --temperature: request i is seeded with SEED + i")
+    parser.add_argument("--speculative-config", default=None,
+                        help="JSON, as `cbatch serve --speculative-config`: the cbatch "
+                             "engines (not static) speculate, and the rows report "
+                             "spec_acceptance_rate, spec_mean_accepted_length, spec_draft_s "
+                             "and spec_verify_s")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also run cbatch-invariant (batch_invariant=True) after "
                              "cbatch-continuous")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,12 @@ class SpeculativeConfig:
     what followed it (:mod:`cbatch.core.spec_decode`).  As vLLM: with neither lookup bound
     given both are 5; with one, the other equals it.
 
+    ``draft_model``: ``model`` (``random:<name>``, a checkpoint directory or a hub id; its
+    vocabulary must be the target's) drafts ``num_speculative_tokens`` greedy tokens per
+    request on a KV cache of its own (:mod:`cbatch.core.draft_model`), e.g.
+    ``{"method": "draft_model", "model": "random:distilgpt2", "num_speculative_tokens": 4}``
+    for ``random:gpt2``.
+
     ``adaptive`` (cbatch's own key; vLLM has no such rule): each request's draft length
     follows its recent acceptance (:class:`cbatch.core.spec_decode.AdaptiveDraftLength`):
     it drafts k tokens while a moving average of its accepted/drafted stays above a
@@ -134,6 +140,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     adaptive: bool = True
+    model: str | None = None  # draft_model's draft
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -143,6 +150,13 @@ class SpeculativeConfig:
         if not _is_int(k) or k < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be an int >= 1 "
                              f"(the drafts a request verifies per step), got {k!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: method draft_model needs \"model\": the "
+                             "draft model (random:<name>, a checkpoint directory or a hub id) "
+                             "with the target's tokenizer")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config: \"model\" is the draft model of method "
+                             f"draft_model, not of {self.method!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError("speculative_config: adaptive must be true or false (each "
                              f"request's draft length from its acceptance), got "

@@ -40,8 +40,8 @@ from cbatch.core.model_runner import ModelRunner, SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
-from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, SpecDecodeCounters,
-                                     accepted_tokens, speculates)
+from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, Proposer,
+                                     SpecDecodeCounters, accepted_tokens, speculates)
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import StructuredOutputs
@@ -149,12 +149,19 @@ class Engine:
                                             model.config.eos_token_id)
         self.async_scheduling = config.use_async_scheduling
         spec = config.speculative_config
-        # the drafter (None: no speculation): any object with NgramProposer.propose's
-        # signature; a benchmark may replace it after construction (bench_spec_decode.py)
-        self.proposer = None if spec is None else NgramProposer(spec)
+        # the drafter (None: no speculation): any Proposer; a benchmark may replace it after
+        # construction (bench_spec_decode.py)
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec is not None:  # draft_model
+            from cbatch.core.draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(spec, config, model.config.vocab_size,
+                                               self.max_model_len)
         self._draft_length = None if spec is None else AdaptiveDraftLength(
             spec.num_speculative_tokens, spec.adaptive)
         self._spec = SpecDecodeCounters(0 if spec is None else spec.num_speculative_tokens)
+        self._drafting = (0.0, 0)  # the last drafting's seconds and most drafts of a request
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
@@ -272,6 +279,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.runner.release(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.num_inflight = 0  # a later step's sample for it is dropped
         seq.finish_reason = reason
@@ -359,11 +368,19 @@ class Engine:
         """Draft for every running request that decodes and speculates (the others get
         none); the scheduler decides how many of them its step verifies."""
         start = time.perf_counter()
+        seqs = []
         for seq in self.scheduler.running:
-            k = (self._draft_length.draft_length(seq)
-                 if seq.is_decoding and speculates(seq.params) else 0)
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids)[:k] if k else []
-        self._spec.draft_s += time.perf_counter() - start
+            seq.spec_token_ids = []
+            if seq.is_decoding and speculates(seq.params):
+                seqs.append(seq)
+        ks = [self._draft_length.draft_length(seq) for seq in seqs]
+        if any(ks):
+            for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks)):
+                seq.spec_token_ids = drafts[:self._draft_length.k]
+        seconds = time.perf_counter() - start
+        self._spec.draft_s += seconds
+        # for the adaptive rule's cost: drafting's seconds but a long catch-up's, positions
+        self._drafting = (seconds - self.proposer.catch_up_s, max(ks, default=0))
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
@@ -375,6 +392,7 @@ class Engine:
         offsets = step.tokens.offsets  # None: row i's token is tokens[i]
         if offsets is not None:
             self._spec.verify_s += now - step.launched_at
+            self._draft_length.observe_cost(*self._drafting, now - step.launched_at)
         changed = []
         for i, item in enumerate(step.scheduled):
             seq = item.seq

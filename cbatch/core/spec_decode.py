@@ -2,8 +2,9 @@
 step's samples accept.  No torch here (numpy for the lookup).
 
 A decoding request that speculates (:func:`speculates`) gets drafts before each step
-(:class:`NgramProposer`: prompt lookup; ``Engine.proposer`` is any object with
-:meth:`NgramProposer.propose`'s signature, which a benchmark may replace), as many as
+(:class:`NgramProposer`: prompt lookup; :class:`cbatch.core.draft_model.DraftModelProposer`: a
+smaller model; ``Engine.proposer`` is any :class:`Proposer`, which a benchmark may replace), as
+many as
 :class:`AdaptiveDraftLength` grants it from its recent acceptance.  The scheduler gives its
 last token and up to k of its drafts one run of the step's flat batch, as it gives a prefill
 chunk several tokens, and the model runner samples the target at every one of those
@@ -62,7 +63,31 @@ def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.nd
     return token_ids[:0]
 
 
-class NgramProposer:
+class Proposer:
+    """Who drafts: :meth:`propose_batch` gives each decoding request that speculates its
+    drafts before a step.  A subclass implements it, or :meth:`propose` (one request at a
+    time, from its tokens alone); ``Engine.proposer`` may be replaced by any subclass (a
+    benchmark does, bench_spec_decode.py)."""
+
+    # seconds the last propose_batch spent catching a request's draft state up beyond its
+    # last k + 1 tokens (a whole prompt, the tokens of a pause): not what drafting costs a
+    # step, so the adaptive rule's cost leaves it out
+    catch_up_s: float = 0.0
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        """Up to k drafts to follow ``token_ids`` (a request's prompt and output)."""
+        raise NotImplementedError
+
+    def propose_batch(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        """For each of ``seqs`` (decoding :class:`~cbatch.core.sequence.Sequence`), up to
+        ``ks[i]`` drafts to follow its tokens (none where ``ks[i]`` is 0)."""
+        return [self.propose(seq.token_ids)[:k] if k else [] for seq, k in zip(seqs, ks)]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (what a proposer keeps per request)."""
+
+
+class NgramProposer(Proposer):
     """Drafts of the ``ngram`` method (:func:`ngram_lookup` over prompt + output)."""
 
     def __init__(self, config: SpeculativeConfig):
@@ -70,7 +95,6 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, token_ids: list[int]) -> list[int]:
-        """Up to k draft tokens to follow ``token_ids`` (a request's prompt and output)."""
         if len(token_ids) <= self.min_n:
             return []
         return ngram_lookup(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n,
@@ -78,41 +102,105 @@ class NgramProposer:
 
 
 class AdaptiveDraftLength:
-    """Each request's draft length from its recent acceptance (``adaptive``, on by default).
+    """Each request's draft length from its recent acceptance and what drafting costs
+    (``adaptive``, on by default).
 
     A request keeps ``Sequence.spec_acceptance``, an exponential moving average (weight
-    :attr:`WEIGHT` on the newest) of accepted / drafted over its verifications, starting at
-    1.  While it is at least :attr:`THRESHOLD` the request drafts k tokens; below, it drafts
-    none (decoding exactly as without speculation, at no drafting cost) but for one probe of
-    k drafts every :attr:`PROBE_EVERY` steps, whose acceptance may lift it back.  Drafts
-    that never match therefore stop after 5 verifications (1 -> 0.7 -> ... -> 0.17) and
-    then cost one verification in 16 steps; drafts that always match keep k.  With
-    ``adaptive`` off every request drafts k (what the proposer finds).
+    :attr:`WEIGHT` on the newest) of accepted / drafted over its verifications.  It starts at
+    the engine's own average over recent verifications of all requests (:attr:`prior`,
+    weight :attr:`PRIOR_WEIGHT`, 1 at first).  While a request's average is at least
+    :attr:`threshold` it drafts k tokens; below, it drafts none (decoding exactly as without
+    speculation, at no drafting cost) but for a probe of one draft after
+    :attr:`PROBE_EVERY` steps, then twice as many after each probe that fails, up to
+    :attr:`MAX_PROBE_EVERY`.  A request that starts paused (the prior is below the
+    threshold: this engine's drafts have been failing) probes only if it is one in
+    :attr:`PROBING_SHARE` of such requests, after :attr:`FIRST_PROBE_PAUSED` steps: its first
+    probe costs a draft model the catch-up of its whole prompt, and what the few learn
+    (through the prior) the others need not pay for.
+
+    The threshold is where drafting stops paying.  With acceptance a per draft, a step that
+    verifies k drafts gains 1 + a + ... + a^k tokens, and costs 1 + k (c + v) steps: c is
+    :attr:`cost`, the engine's measured drafting seconds per draft position over the
+    verifying step's seconds (about 0 for prompt lookup, about half for a draft model half the
+    target's size), and v = :attr:`VERIFY_COST` what a verified draft adds to a step.  The
+    threshold is the a where the two are equal, and never below :attr:`THRESHOLD`.
+
+    So drafts that never match cost a new engine's first requests a few verifications each,
+    and later ones a probe or two; drafts that always match keep k.  With ``adaptive`` off
+    every request drafts k (what the proposer finds).
     """
 
     WEIGHT = 0.3
+    PRIOR_WEIGHT = 0.05
     THRESHOLD = 0.2
     PROBE_EVERY = 16
+    MAX_PROBE_EVERY = 128
+    FIRST_PROBE_PAUSED = 64
+    PROBING_SHARE = 8
+    NEVER = 1 << 62  # (steps before the probe of a request that starts paused and never probes)
+    COST_WEIGHT = 0.2
+    # a verified draft's share of a step: the verifier's ceiling on random:gpt2 (every draft
+    # right, k = 4) gives 5 tokens for 1.35 (batch 1) to 1.7 (batch 8) steps' time
+    VERIFY_COST = 0.1
 
     def __init__(self, k: int, adaptive: bool = True):
         self.k, self.adaptive = k, adaptive
+        self.prior = 1.0
+        self.cost = 0.0
+        self._paused_starts = 0  # requests that started paused so far
+        self.threshold = self._threshold()
+
+    def _threshold(self) -> float:
+        target = 1 + self.k * (self.cost + self.VERIFY_COST)
+        lo, hi = 0.0, 1.0  # (1 + a + ... + a^k) grows with a: bisect for it = target
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            if sum(mid ** i for i in range(self.k + 1)) < target:
+                lo = mid
+            else:
+                hi = mid
+        return max(self.THRESHOLD, hi)
 
     def draft_length(self, seq) -> int:
         """How many drafts ``seq`` (a decoding :class:`~cbatch.core.sequence.Sequence` that
-        speculates) asks for before this step: k, or 0 while paused; a paused request's
-        every call counts towards its next probe."""
-        if not self.adaptive or seq.spec_acceptance >= self.THRESHOLD:
+        speculates) asks for before this step: k, 1 for a probe, or 0 while paused; a paused
+        request's every call counts towards its next probe."""
+        if not self.adaptive:
+            return self.k
+        if seq.spec_acceptance is None:  # its first decoding step
+            seq.spec_acceptance = self.prior
+            seq.spec_probe_every = self.PROBE_EVERY
+            if self.prior < self.threshold:
+                self._paused_starts += 1
+                seq.spec_probe_every = (self.FIRST_PROBE_PAUSED if
+                                        self._paused_starts % self.PROBING_SHARE == 1
+                                        else self.NEVER)
+        if seq.spec_acceptance >= self.threshold:
             return self.k
         seq.spec_steps_paused += 1
-        if seq.spec_steps_paused < self.PROBE_EVERY:
+        if seq.spec_steps_paused < seq.spec_probe_every:
             return 0
         seq.spec_steps_paused = 0
-        return self.k
+        seq.spec_probe_every = min(2 * seq.spec_probe_every, self.MAX_PROBE_EVERY)
+        return 1
 
     def observe(self, seq, num_drafts: int, num_accepted: int) -> None:
         """``seq`` verified ``num_drafts`` (>= 1) drafts and the first ``num_accepted``
         held."""
-        seq.spec_acceptance += self.WEIGHT * (num_accepted / num_drafts - seq.spec_acceptance)
+        rate = num_accepted / num_drafts
+        self.prior += self.PRIOR_WEIGHT * (rate - self.prior)
+        if seq.spec_acceptance is None:  # (adaptive off: no state of its own)
+            return
+        seq.spec_acceptance += self.WEIGHT * (rate - seq.spec_acceptance)
+        if seq.spec_acceptance >= self.threshold:
+            seq.spec_probe_every = self.PROBE_EVERY
+
+    def observe_cost(self, draft_s: float, num_positions: int, step_s: float) -> None:
+        """A step verified drafts of up to ``num_positions`` positions, drafted in
+        ``draft_s`` seconds, and took ``step_s`` seconds itself."""
+        if num_positions > 0 and step_s > 0:
+            self.cost += self.COST_WEIGHT * (draft_s / num_positions / step_s - self.cost)
+            self.threshold = self._threshold()
 
 
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:

@@ -1,8 +1,8 @@
-"""Speculative decoding (ngram) inside continuous batching: the lookup, the acceptance rule
-and its distribution, and the engine end to end against the same engine without it, on tiny
-random GPT-2 and Llama checkpoints (their greedy outputs loop, which prompt lookup
-catches; each test asserts that drafts were accepted, so it fails if speculation stops
-running)."""
+"""Speculative decoding (ngram, draft_model) inside continuous batching: the lookup, the
+acceptance rule and its distribution, and the engine end to end against the same engine
+without it, on tiny random GPT-2 and Llama checkpoints (their greedy outputs loop, which
+prompt lookup catches; a checkpoint drafting for itself is right but for near-ties; each
+test asserts that drafts were accepted, so it fails if speculation stops running)."""
 
 import numpy as np
 import pytest
@@ -10,10 +10,12 @@ import torch
 
 from cbatch import LLM, Engine, SamplingParams
 from cbatch.core.block_manager import BlockManager
+from cbatch.core.draft_model import DraftModelProposer
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence
 from cbatch.core.sampler import SamplingBatch, sample
-from cbatch.core.spec_decode import AdaptiveDraftLength, accepted_tokens, ngram_lookup
+from cbatch.core.spec_decode import (AdaptiveDraftLength, Proposer, accepted_tokens,
+                                     ngram_lookup)
 from tests.helpers import STRESS_CONFIGS, Arrival, run_arrivals
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -89,16 +91,31 @@ def test_the_scheduler_gives_drafts_what_is_left_and_never_preempts_for_them():
 
 def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_again():
     rule, seq = AdaptiveDraftLength(k=4), Sequence("0", [1, 2], SamplingParams(), 0)
+    # free drafts (cost 0): drafting 4 pays above a = 0.287 (1 + a + .. + a^4 = 1 + 4 * 0.1)
+    assert rule.threshold == pytest.approx(0.2871, abs=1e-3)
     granted = []
-    for _ in range(40):  # drafts that never match: k for 5 verifications, then probes
+    for _ in range(60):  # drafts that never match: k for 4 verifications, then probes
         granted.append(rule.draft_length(seq))
         if granted[-1]:
             rule.observe(seq, granted[-1], 0)
-    assert granted[:5] == [4] * 5 and granted[5:] == ([0] * 15 + [4]) * 2 + [0] * 3
-    # a probe whose drafts all hold lifts it back to k (0.17 -> 0.42 >= 0.2)
+    # (1 -> 0.7 -> 0.49 -> 0.34 -> 0.24); probes of one draft after 16 steps, then 32 (each
+    # failed probe doubles the wait, up to 128)
+    assert granted[:4] == [4] * 4 and granted[4:] == [0] * 15 + [1] + [0] * 31 + [1] + [0] * 8
+    # the engine's prior falls with every failed verification (of any request); once it is
+    # below the threshold a new request starts paused: one in 8 of them probes, after 64
+    # steps, the rest never
+    assert rule.prior == pytest.approx(0.95 ** 6)
+    weary = AdaptiveDraftLength(k=4)
+    for _ in range(40):
+        weary.observe(Sequence("x", [1], SamplingParams(), 9), 4, 0)
+    late = [Sequence(str(i), [1, 2], SamplingParams(), i) for i in range(9)]
+    granted = [[weary.draft_length(seq) for _ in range(300)] for seq in late]
+    assert [sum(g) for g in granted] == [2] + [0] * 7 + [2]  # probes at 64 and 192
+    assert granted[0][:64] == [0] * 63 + [1]
+    # a probe whose draft holds lifts it back to k (0.12 -> 0.38 >= 0.287)
     while not rule.draft_length(seq):
         pass
-    rule.observe(seq, 4, 4)
+    rule.observe(seq, 1, 1)
     assert [rule.draft_length(seq) for _ in range(3)] == [4] * 3
     # drafts that hold keep k; half of them holding, too; adaptive off: always k
     kept = Sequence("1", [1, 2], SamplingParams(), 1)
@@ -111,7 +128,26 @@ def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_aga
         off.observe(stubborn, 3, 0)
 
 
-class _Replay:
+def test_adaptive_draft_length_weighs_what_drafting_costs():
+    rule = AdaptiveDraftLength(k=4)
+    for _ in range(60):  # drafting takes half a step per draft position (a draft model)
+        rule.observe_cost(draft_s=0.02, num_positions=4, step_s=0.01)
+    assert rule.cost == pytest.approx(0.5, rel=1e-3)
+    # 1 + a + ... + a^4 = 1 + 4 * 0.6 at a = 0.806: drafts held 60% of the time do not pay
+    assert rule.threshold == pytest.approx(0.806, abs=2e-3)
+    seq = Sequence("0", [1, 2], SamplingParams(), 0)
+    granted = []
+    for accepted in [3, 2, 3, 2, 3]:
+        granted.append(rule.draft_length(seq))
+        rule.observe(seq, 4, accepted)
+    assert granted == [4, 4, 0, 0, 0]  # (1 -> 0.925 -> 0.80: below)
+    # too costly to pay even when every draft holds: probes only
+    for _ in range(60):
+        rule.observe_cost(draft_s=0.08, num_positions=4, step_s=0.01)
+    assert rule.threshold == 1.0
+
+
+class _Replay(Proposer):
     """Drafts from a recorded output (the target's own greedy tokens: always right)."""
 
     def __init__(self, prompt: list[int], output: list[int], k: int):
@@ -121,7 +157,7 @@ class _Replay:
         return self.full[len(token_ids):len(token_ids) + self.k]
 
 
-class _Wrong:
+class _Wrong(Proposer):
     """Drafts that never hold: always the same ``drafts``, tokens the target's output never
     holds."""
 
@@ -147,9 +183,9 @@ def test_engine_stops_drafting_for_a_request_whose_drafts_never_hold(adaptive):
             assert st.spec_decode_acceptance_rate == 1.0
             assert st.spec_decode_num_accepted_tokens_per_pos[3] >= st.spec_decode_num_drafts - 2
             assert st.spec_decode_num_drafts <= 60 // 5 + 1
-        elif adaptive:  # 5 verifications, then one probe in 16 steps: 3 in the 55 left
+        elif adaptive:  # 4 verifications, then probes after 16 and 32 more steps
             assert st.spec_decode_num_accepted_tokens == 0
-            assert st.spec_decode_num_drafts == 8, st
+            assert st.spec_decode_num_drafts == 6, st
         else:  # every step but the first (prefill) and the last (max_tokens leaves no room)
             assert st.spec_decode_num_accepted_tokens == 0
             assert st.spec_decode_num_drafts >= 55, st
@@ -290,6 +326,61 @@ def test_greedy_outputs_equal_without_speculation(checkpoint, prompts, plain_gre
     engine.block_manager.check_whole()
 
 
+def _draft(model) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+
+
+def _assert_drafted_by_model(engine: Engine) -> None:
+    """The draft model ran, and its KV pool is whole (every request has finished)."""
+    proposer = engine.proposer
+    assert isinstance(proposer, DraftModelProposer) and proposer.num_passes > 0
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+    proposer.blocks.check_whole()
+
+
+@pytest.mark.parametrize("config", ["roomy", "chunked-prefill", "preempting", "few-seqs"])
+def test_draft_model_greedy_outputs_equal_without_speculation(checkpoint, prompts, plain_greedy,
+                                                             config):
+    # the target drafting for itself: right but for near-ties, so long runs are accepted
+    llm = LLM(checkpoint, speculative_config=_draft(checkpoint), **STRESS_CONFIGS[config])
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_greedy
+    _assert_speculated(llm.engine, partly=False)
+    assert llm.engine.stats().spec_decode_acceptance_rate > 0.5
+    if config == "preempting":
+        assert llm.engine.stats().num_preemptions > 0
+    llm.engine.block_manager.check_whole()
+    _assert_drafted_by_model(llm.engine)
+
+
+def test_a_draft_model_that_disagrees_changes_no_token(checkpoint, prompts, plain_greedy):
+    # another random model with the same vocabulary: some of its drafts are rejected
+    llm = LLM(checkpoint, speculative_config={**_draft("random:tiny"), "adaptive": False},
+              **STRESS_CONFIGS["roomy"])
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_greedy
+    st = llm.engine.stats()
+    assert 0 < st.spec_decode_num_drafts and st.spec_decode_acceptance_rate < 1.0, st
+    _assert_drafted_by_model(llm.engine)
+
+
+def test_seeded_sampling_with_a_draft_model_equals_without(tiny_hf_dir, prompts):
+    # (the drafts are the draft's greedy tokens: a low temperature makes draws agree with them)
+    params = [SamplingParams(max_tokens=m, temperature=0.1, top_p=0.9, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    plain = LLM(str(tiny_hf_dir)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_hf_dir), speculative_config=_draft(tiny_hf_dir))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    _assert_drafted_by_model(llm.engine)
+
+
+def test_a_draft_model_must_share_the_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary of 50257 tokens, the target 512"):
+        Engine("random:tiny", speculative_config=_draft("random:distilgpt2"))
+
+
 def test_batch_invariant_speculation_equals_plain(tiny_llama_dir, prompts):
     plain = LLM(str(tiny_llama_dir), batch_invariant=True)
     spec = LLM(str(tiny_llama_dir), batch_invariant=True, speculative_config=NGRAM)
@@ -370,8 +461,10 @@ def test_requests_with_logits_rules_or_logprobs_decode_one_token_per_step(tiny_h
     _assert_speculated(llm.engine, partly=False)
 
 
-def test_the_kv_pool_is_whole_after_aborts_mid_speculation(tiny_llama_dir, prompts):
-    engine = Engine(str(tiny_llama_dir), speculative_config=NGRAM, block_size=4,
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_the_kv_pool_is_whole_after_aborts_mid_speculation(tiny_llama_dir, prompts, method):
+    spec = NGRAM if method == "ngram" else _draft(tiny_llama_dir)
+    engine = Engine(str(tiny_llama_dir), speculative_config=spec, block_size=4,
                     num_blocks=40, max_num_seqs=4)
     arrivals = [Arrival(p, SamplingParams(max_tokens=40, ignore_eos=True), step=i,
                         abort_after=3 + 2 * i if i % 2 == 0 else None)
@@ -388,3 +481,5 @@ def test_the_kv_pool_is_whole_after_aborts_mid_speculation(tiny_llama_dir, promp
     assert [finished[i].finish_reason for i in range(0, len(prompts), 2)] == ["abort"] * 3
     _assert_speculated(engine, partly=False)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if method == "draft_model":
+        _assert_drafted_by_model(engine)

@@ -31,6 +31,8 @@ def test_speculative_config_checks_name_the_key():
                         "prompt_lookup_max"),
                        ({"num_speculative_tokens": 2, "draft": 1}, "unknown keys"),
                        ({"num_speculative_tokens": 2, "adaptive": "no"}, "adaptive"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "needs"),
+                       ({"num_speculative_tokens": 2, "model": "random:tiny"}, "draft_model"),
                        ("{oops", "not JSON"), ([2], "must be a dict")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(speculative_config=bad)
