@@ -39,7 +39,7 @@ from benchmarks.common import (base_parser, environment, publish, pyplot,  # noq
 
 COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "ttft_p50",
            "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "vs_offline", "client_cores",
-           "steps_by_threads"]
+           "steps_by_threads", "tpot_vs_alone"]
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -72,16 +72,49 @@ async def one_stream(client, url: str, model: str, prompt: list[int], output_len
             "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
+async def slow_stream(url: str, model: str, prompt: list[int], output_len: int,
+                      sampling: dict, pause: float) -> None:
+    """A streaming request whose client reads nothing for ``pause`` seconds, through a 4 KB
+    receive buffer (so the server's writes to it back up within a few chunks), then reads
+    the rest: the slow reader of issue 42's last target."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len,
+                       "stream": True, "ignore_eos": True, "logprobs": 5,
+                       **sampling}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nConnection: close\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    await asyncio.sleep(pause)
+    while await reader.read(1 << 16):
+        pass
+    writer.close()
+
+
 async def burst(url: str, model: str, prompts: list[list[int]], output_len: int,
-                sampling: dict) -> tuple[list[dict], float]:
+                sampling: dict, slow_readers: int = 0, slow_pause: float = 0.0
+                ) -> tuple[list[dict], float]:
+    """Every prompt streamed at once (and ``slow_readers`` more, each a :func:`slow_stream`
+    whose results are not counted); returns each counted stream's result and the seconds
+    until all of them ended."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        slow = [asyncio.create_task(slow_stream(url, model, prompts[i % len(prompts)],
+                                                output_len, sampling, slow_pause))
+                for i in range(slow_readers)]
         start = time.perf_counter()
         results = await asyncio.gather(*[one_stream(client, url, model, p, output_len, sampling)
                                          for p in prompts])
-        return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        await asyncio.gather(*slow, return_exceptions=True)
+        return results, duration
 
 
 def summarize(name: str, results: list[dict], duration: float) -> dict:
@@ -168,9 +201,19 @@ def run_server(name: str, cmd: list[str], port: int, env, args, prompts, samplin
                                               args.output_len, sampling))
         client_cpu = time.process_time() - cpu0
         after = cpu_steps(url)
+        slow_row = None
+        if args.slow_readers:  # the same burst again, beside clients that read slowly
+            slow, slow_duration = asyncio.run(burst(
+                url, args.served_model_name, prompts, args.output_len, sampling,
+                args.slow_readers, args.slow_pause))
+            slow_row = summarize(f"{name} + {args.slow_readers} slow readers", slow,
+                                 slow_duration)
     finally:
         stop(proc)
     row = summarize(name, results, duration)
+    if slow_row is not None:
+        slow_row["tpot_vs_alone"] = slow_row["tpot_p50"] / row["tpot_p50"]
+        row["with_slow_readers"] = slow_row
     row["client_cores"] = client_cpu / duration  # what the client itself took of the CPU
     if after:  # a CPU cbatch engine: the thread counts its steps ran on during the burst
         row["steps_by_threads"] = {n: after[n] - before.get(n, 0) for n in after}
@@ -184,6 +227,7 @@ def run_offline(args, prompts, sampling) -> dict:
     from cbatch import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    llm.engine.kv_cache.touch()  # as the server does at start-up (AsyncEngine)
     params = [SamplingParams(max_tokens=args.output_len, ignore_eos=True,
                              temperature=sampling.get("temperature", 0.0),
                              top_p=sampling.get("top_p", 1.0),
@@ -243,6 +287,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
     parser.add_argument("--cbatch-args", default="", help="more `cbatch serve` flags")
+    parser.add_argument("--slow-readers", type=int, default=0,
+                        help="run the burst again beside this many streams (logprobs=5) "
+                             "whose clients read nothing for --slow-pause seconds")
+    parser.add_argument("--slow-pause", type=float, default=5.0)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.num_prompts, args.input_len, args.output_len = "random:tiny", 4, 8, 8
@@ -259,6 +307,8 @@ def main(argv: list[str] | None = None) -> Path:
            "--max-num-seqs", str(args.max_num_seqs), "--served-model-name",
            args.served_model_name, *args.cbatch_args.split()]
     rows.append(run_server("cbatch serve", cmd, port, None, args, prompts, sampling))
+    if "with_slow_readers" in rows[0]:
+        rows.append(rows[0].pop("with_slow_readers"))
     if not args.no_offline:
         offline = run_offline(args, prompts, sampling)
         rows[0]["vs_offline"] = rows[0]["output_tok_per_s"] / offline["output_tok_per_s"]
