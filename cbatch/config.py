@@ -247,7 +247,8 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = _knob(
         None, "speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
-        "(default: off)")
+        "or {\"method\": \"draft_model\", \"model\": \"random:distilgpt2\", "
+        "\"num_speculative_tokens\": 4} (default: off)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):

@@ -161,7 +161,7 @@ class Engine:
         self._draft_length = None if spec is None else AdaptiveDraftLength(
             spec.num_speculative_tokens, spec.adaptive)
         self._spec = SpecDecodeCounters(0 if spec is None else spec.num_speculative_tokens)
-        self._drafting = (0.0, 0)  # the last drafting's seconds and most drafts of a request
+        self._drafting = (0.0, 0, 1.0)  # the last drafting (see _propose)
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
@@ -379,8 +379,11 @@ class Engine:
                 seq.spec_token_ids = drafts[:self._draft_length.k]
         seconds = time.perf_counter() - start
         self._spec.draft_s += seconds
-        # for the adaptive rule's cost: drafting's seconds but a long catch-up's, positions
-        self._drafting = (seconds - self.proposer.catch_up_s, max(ks, default=0))
+        # for the adaptive rule's cost: drafting's seconds but a long catch-up's, positions,
+        # and the rows it holds up for each row that drafted
+        drafting = sum(k > 0 for k in ks)
+        self._drafting = (seconds - self.proposer.catch_up_s, max(ks, default=0),
+                          len(self.scheduler.running) / max(1, drafting))
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,

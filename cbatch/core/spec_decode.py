@@ -121,9 +121,10 @@ class AdaptiveDraftLength:
     The threshold is where drafting stops paying.  With acceptance a per draft, a step that
     verifies k drafts gains 1 + a + ... + a^k tokens, and costs 1 + k (c + v) steps: c is
     :attr:`cost`, the engine's measured drafting seconds per draft position over the
-    verifying step's seconds (about 0 for prompt lookup, about half for a draft model half the
-    target's size), and v = :attr:`VERIFY_COST` what a verified draft adds to a step.  The
-    threshold is the a where the two are equal, and never below :attr:`THRESHOLD`.
+    verifying step's seconds, times the step's rows per row that drafted (drafting holds up
+    the whole step; about 0 for prompt lookup, about 0.4 for a random distilgpt2 drafting for
+    every row of gpt2's), and v = :attr:`VERIFY_COST` what a verified draft adds to a step.
+    The threshold is the a where the two are equal, and never below :attr:`THRESHOLD`.
 
     So drafts that never match cost a new engine's first requests a few verifications each,
     and later ones a probe or two; drafts that always match keep k.  With ``adaptive`` off
@@ -195,11 +196,16 @@ class AdaptiveDraftLength:
         if seq.spec_acceptance >= self.threshold:
             seq.spec_probe_every = self.PROBE_EVERY
 
-    def observe_cost(self, draft_s: float, num_positions: int, step_s: float) -> None:
+    def observe_cost(self, draft_s: float, num_positions: int, rows_per_drafter: float,
+                     step_s: float) -> None:
         """A step verified drafts of up to ``num_positions`` positions, drafted in
-        ``draft_s`` seconds, and took ``step_s`` seconds itself."""
-        if num_positions > 0 and step_s > 0:
-            self.cost += self.COST_WEIGHT * (draft_s / num_positions / step_s - self.cost)
+        ``draft_s`` seconds, and took ``step_s`` seconds itself; it ran
+        ``rows_per_drafter`` rows for each row that drafted (drafting holds every row of
+        the step up, and gains only for those that drafted).  Steps of probes alone (one
+        draft) are not counted: what drafting costs is what drafting k costs."""
+        if num_positions == self.k and step_s > 0:
+            c = draft_s / num_positions / step_s * rows_per_drafter
+            self.cost += self.COST_WEIGHT * (c - self.cost)
             self.threshold = self._threshold()
 
 

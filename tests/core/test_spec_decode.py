@@ -131,7 +131,7 @@ def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_aga
 def test_adaptive_draft_length_weighs_what_drafting_costs():
     rule = AdaptiveDraftLength(k=4)
     for _ in range(60):  # drafting takes half a step per draft position (a draft model)
-        rule.observe_cost(draft_s=0.02, num_positions=4, step_s=0.01)
+        rule.observe_cost(draft_s=0.02, num_positions=4, rows_per_drafter=1, step_s=0.01)
     assert rule.cost == pytest.approx(0.5, rel=1e-3)
     # 1 + a + ... + a^4 = 1 + 4 * 0.6 at a = 0.806: drafts held 60% of the time do not pay
     assert rule.threshold == pytest.approx(0.806, abs=2e-3)
@@ -141,9 +141,10 @@ def test_adaptive_draft_length_weighs_what_drafting_costs():
         granted.append(rule.draft_length(seq))
         rule.observe(seq, 4, accepted)
     assert granted == [4, 4, 0, 0, 0]  # (1 -> 0.925 -> 0.80: below)
-    # too costly to pay even when every draft holds: probes only
+    # the same drafting for one row of eight: it holds up the other seven, and would not
+    # pay even if every draft held: probes only
     for _ in range(60):
-        rule.observe_cost(draft_s=0.08, num_positions=4, step_s=0.01)
+        rule.observe_cost(draft_s=0.02, num_positions=4, rows_per_drafter=8, step_s=0.01)
     assert rule.threshold == 1.0
 
 
