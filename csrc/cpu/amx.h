@@ -69,17 +69,19 @@ CBATCH_AMX void tile_sums(const c10::BFloat16* x, int64_t K, const c10::BFloat16
   const c10::BFloat16* xb = xa + kTileRows * K;
   const c10::BFloat16* w0 = w + block * K * kBlock;
   const c10::BFloat16* w1 = w0 + K * kBlock;
+  // Each tile is loaded just before its first product and its last reader comes early, so
+  // the next step's load into it (tiles are not renamed) waits as little as possible.
   for (int64_t k = 0; k < K; k += kTileK) {
     _tile_loadd(4, xa + k, K * 2);
-    _tile_loadd(5, xb + k, K * 2);
     _tile_loadd(6, w0 + k * kBlock, 64);  // 16 pairs of k, 16 columns each
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
     if constexpr (NB == 2) {
       _tile_loadd(7, w1 + k * kBlock, 64);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
     }
+    _tile_loadd(5, xb + k, K * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, sums, 128);
   _tile_stored(2, sums + kTileRows * 32, 128);
