@@ -106,21 +106,30 @@ class AsyncEngine:
                  on_dead: Callable[[BaseException], None] | None = None, **engine_kwargs):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self.engine = Engine(model, **engine_kwargs)
-        self.engine.kv_cache.touch()  # a server's first burst does not fault in its pool
-        self.tokenizer = self.engine.tokenizer
         self.max_waiting = max_waiting
         self.on_finished = on_finished
         self.on_dead = on_dead
-        self.stats: EngineStats = self.engine.stats()  # a snapshot after the latest step
         self._commands: collections.deque = collections.deque()  # appended from any thread
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._deadline = float("inf")  # shutdown aborts what is still running after this
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="cbatch-engine", daemon=True)
+        # The engine is built on the thread that steps it, and every torch call of the engine
+        # runs there: OpenMP gives each thread that opens a parallel region a team of its own,
+        # and with two teams on two cores its workers stop spinning between regions, which
+        # cost each step 17% (benchmarks/NOTES.md, "The first burst").
+        built: list = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._build_and_loop, name="cbatch-engine",
+                                        args=(model, engine_kwargs, built, ready), daemon=True)
         self._thread.start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            self._thread.join()
+            raise built[0]
+        self.engine: Engine = built[0]
+        self.tokenizer = self.engine.tokenizer
 
     # -------------------------------------------------------------- callers' side
 
@@ -229,6 +238,21 @@ class AsyncEngine:
         self._wakeup.set()
 
     # -------------------------------------------------------------- the engine thread
+
+    def _build_and_loop(self, model: str, engine_kwargs: dict, built: list,
+                        ready: threading.Event) -> None:
+        try:
+            engine = Engine(model, **engine_kwargs)
+            engine.kv_cache.touch()  # a server's first burst does not fault in its pool
+            self.stats: EngineStats = engine.stats()  # a snapshot after the latest step
+        except BaseException as exc:  # AsyncEngine() raises it
+            built.append(exc)
+            ready.set()
+            return
+        self.engine = engine
+        built.append(engine)
+        ready.set()
+        self._loop()
 
     def _loop(self) -> None:
         engine = self.engine

@@ -144,3 +144,38 @@ def test_shutdown_with_time_lets_running_requests_finish():
 
     out = asyncio.run(main())
     assert out.finish_reason == "length" and len(out.token_ids) == 20
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(monkeypatch):
+    """Every torch call of a served engine runs on the engine thread, construction included
+    (OpenMP would give a second thread a team of its own; NOTES, "The first burst"), and an
+    engine that cannot be built raises from AsyncEngine() itself."""
+    import threading
+
+    from cbatch.core import async_engine
+
+    seen = {}
+
+    class Recording(async_engine.Engine):
+        def __init__(self, *args, **kwargs):
+            seen.setdefault("built", set()).add(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            seen.setdefault("stepped", set()).add(threading.get_ident())
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "Engine", Recording)
+    engine = AsyncEngine("random:tiny", **KW)
+
+    async def main():
+        async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+            pass
+        return out
+
+    assert asyncio.run(main()).finished
+    engine.shutdown()
+    assert seen["built"] == seen["stepped"] == {engine._thread.ident}
+    assert engine._thread.ident != threading.get_ident()
+    with pytest.raises(ValueError, match="unknown model size"):
+        AsyncEngine("random:nope", **KW)
