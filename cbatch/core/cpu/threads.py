@@ -8,7 +8,8 @@ thread fewer then loses only that core's share.  So before each step :class:`Thr
 sets torch's thread count to the cores that are free: it reads, every
 :data:`SAMPLE_S` seconds, how busy the allowed cores were (``/proc/stat``) less what this
 process used itself (``time.process_time``), and runs a core's thread only while others
-left at least :data:`FREE_SHARE` of that core idle.
+left at least :data:`FREE_SHARE` of that core idle.  After more than :data:`STALE_S` seconds
+between the end of a step and the start of the next, it starts again from every core.
 
 ``threads`` fixed (``EngineConfig.threads``) or batch-invariant mode (a row's sums must not
 depend on the machine's load) turn the adaptation off.  The ceiling is torch's own thread
@@ -31,6 +32,12 @@ SAMPLE_S = 0.25  # how often the load is read: long enough for jiffies, short en
 # while a competitor takes under ~45% of the second core, one wins above (benchmarks/NOTES.md,
 # "Serving at the engine's speed": 0.7 dropped a thread for a streaming client's 30%)
 FREE_SHARE = 0.55
+# after the engine sat idle this long, what others did meanwhile says little of what they do
+# beside its next steps: a benchmark client busy making the burst it is
+# about to send held a core until it sent it, and the burst's first 2048-token prefill then ran
+# on one thread (723-773 ms against 335-414; benchmarks/NOTES.md, "The first burst").  After
+# such a pause the policy starts again from every core and measures afresh.
+STALE_S = 1.0
 
 
 def allowed_cpus() -> list[int]:
@@ -67,6 +74,7 @@ class ThreadPolicy:
         self.adaptive = adaptive and threads is None and _busy_seconds(self.cpus) is not None
         self.free_cores = float(len(self.cpus))  # estimate from the last completed sample
         self._last = (time.monotonic(), _busy_seconds(self.cpus) or 0.0, time.process_time())
+        self._last_step_end = float("inf")  # (monotonic; none yet: never stale)
         self.steps_by_threads: collections.Counter[int] = collections.Counter()
 
     def _sample(self) -> None:
@@ -76,6 +84,10 @@ class ThreadPolicy:
             return
         busy, mine = _busy_seconds(self.cpus), time.process_time()
         if busy is None:
+            return
+        if now - self._last_step_end > STALE_S:  # the engine sat idle: every core again
+            self.free_cores = float(len(self.cpus))
+            self._last = (now, busy, mine)
             return
         others = max(0.0, (busy - busy0) - (mine - mine0)) / (now - t0)  # cores' worth
         self.free_cores = max(0.0, len(self.cpus) - others)
@@ -115,5 +127,6 @@ class ThreadPolicy:
         try:
             yield n
         finally:
+            self._last_step_end = time.monotonic()
             if n != before:
                 torch.set_num_threads(before)
