@@ -74,7 +74,7 @@ class ThreadPolicy:
         self.adaptive = adaptive and threads is None and _busy_seconds(self.cpus) is not None
         self.free_cores = float(len(self.cpus))  # estimate from the last completed sample
         self._last = (time.monotonic(), _busy_seconds(self.cpus) or 0.0, time.process_time())
-        self._last_step_end = float("inf")  # (monotonic; none yet: never stale)
+        self._last_step_end = self._last[0]  # (monotonic; made: idle since)
         self.steps_by_threads: collections.Counter[int] = collections.Counter()
 
     def _sample(self) -> None:

@@ -38,27 +38,22 @@ class FakeClock:
 def test_threads_follow_the_cores_others_leave_free(monkeypatch):
     clock = FakeClock(monkeypatch)
     policy = ThreadPolicy()
-    assert policy.adaptive and policy.choose() == 2  # nothing measured yet: every core
-    clock.advance(0.5, others_cores=1.0, my_cores=2.0)  # a busy loop holds one core
-    assert policy.choose() == 1
-    clock.advance(0.1, others_cores=0.0, my_cores=1.0)  # too soon to sample again
-    assert policy.choose() == 1
-    clock.advance(0.5, others_cores=0.1, my_cores=1.0)  # it stopped
-    assert policy.choose() == 2
-    clock.advance(0.5, others_cores=0.3, my_cores=2.0)  # a light client beside: still two
-    assert policy.choose() == 2
-    clock.advance(0.5, others_cores=0.5, my_cores=2.0)  # half a core taken: one thread
-    assert policy.choose() == 1
-    clock.advance(0.5, others_cores=3.0, my_cores=0.2)  # oversubscribed: still one thread
-    assert policy.choose() == 1
-    # a step of 2 s beside that load is not a pause: still measured
-    with policy.step():
-        clock.advance(2.0, others_cores=1.0, my_cores=1.0)
-    assert policy.choose() == 1
+    assert policy.adaptive
+    # (each step's count is chosen at its start, from the load measured before it)
+    for threads, seconds, others, why in [
+            (2, 0.5, 1.0, "nothing measured yet: every core; a busy loop holds one core"),
+            (1, 0.1, 0.0, "it stopped, but too soon to sample again"),
+            (1, 0.5, 0.1, "it stopped"),
+            (2, 0.5, 0.3, "a light client beside"),
+            (2, 0.5, 0.5, "half a core taken"),
+            (1, 0.5, 3.0, "oversubscribed"),
+            (1, 2.0, 1.0, "a step of 2 s beside a busy loop"),
+            (1, 0.1, 1.0, "is not a pause: still measured")]:
+        with policy.step() as n:
+            assert n == threads, why
+            clock.advance(seconds, others_cores=others, my_cores=threads)
     # the engine idles 5 s while a client prepares its next burst on one core: that says
     # little of the load beside the burst, so every core again, then measured afresh
-    with policy.step():
-        pass
     clock.advance(5.0, others_cores=1.0, my_cores=0.0)
     with policy.step() as n:
         assert n == 2
