@@ -69,7 +69,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig,
                  vocab_size: int, max_model_len: int):
-        from cbatch.core.engine import model_runner_class  # (engine imports this module)
+        from cbatch.core.engine import make_runner, model_runner_class  # (engine imports us)
 
         cfg = engine_config
         self.k = config.num_speculative_tokens
@@ -81,16 +81,13 @@ class DraftModelProposer(Proposer):
                              f"{vocab_size}; a draft model must share the target's tokenizer")
         self.model.set_batch_invariant(cfg.batch_invariant)
         self.max_model_len = min(max_model_len, self.model.config.max_model_len)
-        runner_class = model_runner_class(cfg.device)
         num_blocks = num_kv_blocks(cfg, self.model.config)
         self.kv_cache = KVCache(self.model.config, num_blocks, cfg.block_size, cfg.torch_dtype,
-                                cfg.device, zeros=runner_class.kv_cache_zeros)
+                                cfg.device, zeros=model_runner_class(cfg.device).kv_cache_zeros)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # one pass holds every request's catch-up of up to k + 1 tokens
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
-        cpu_only = dict(threads=cfg.threads) if runner_class.__name__ == "CPUModelRunner" else {}
-        self.runner = runner_class(self.model, self.kv_cache, cfg.max_num_seqs, self.max_tokens,
-                                   False, **cpu_only)
+        self.runner = make_runner(self.model, self.kv_cache, cfg, self.max_tokens, False)
         self._drafted: dict[str, _Drafted] = {}
         self.num_passes = 0  # forward passes of the draft model so far
 
@@ -127,9 +124,8 @@ class DraftModelProposer(Proposer):
         runs = [(feed[-tail:], cached + max(0, len(feed) - tail), d.block_table)
                 for _, d, feed, cached, _ in rows]
         nexts = self._greedy(runs)
-        for (i, d, feed, cached, k), token in zip(rows, nexts):
-            tokens = seqs[i].token_ids
-            d.verified, d.tail = len(tokens), []
+        for (i, d, *_), token in zip(rows, nexts):
+            d.verified, d.tail = len(seqs[i].token_ids), []
             drafts[i].append(token)
         for j in range(1, max(k for *_, k in rows)):  # passes 2..k: one token per row
             live = [(i, d) for i, d, _, _, k in rows if k > j]

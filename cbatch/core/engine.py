@@ -85,6 +85,16 @@ def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
     return CPUModelRunner if torch.device(device).type == "cpu" else ModelRunner
 
 
+def make_runner(model: nn.Module, kv_cache: KVCache, config: EngineConfig, max_tokens: int,
+                cuda_graphs: bool) -> ModelRunner:
+    """The runner of ``config.device`` for ``model`` on ``kv_cache`` (the CPU's also takes
+    ``config.threads``), for ``config.max_num_seqs`` rows and ``max_tokens`` tokens a step."""
+    runner_class = model_runner_class(config.device)
+    cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
+    return runner_class(model, kv_cache, config.max_num_seqs, max_tokens, cuda_graphs,
+                        **cpu_only)
+
+
 @dataclass
 class LaunchedStep:
     """A step sent to the device whose sampled tokens the host has not read yet."""
@@ -141,9 +151,8 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
-        self.runner = runner_class(model, self.kv_cache, config.max_num_seqs, max_tokens,
-                                   config.use_cuda_graphs, **cpu_only)
+        self.runner = make_runner(model, self.kv_cache, config, max_tokens,
+                                  config.use_cuda_graphs)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id)
@@ -374,15 +383,17 @@ class Engine:
             if seq.is_decoding and speculates(seq.params):
                 seqs.append(seq)
         ks = [self._draft_length.draft_length(seq) for seq in seqs]
+        catch_up_s = 0.0
         if any(ks):
-            for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks)):
-                seq.spec_token_ids = drafts[:self._draft_length.k]
+            for seq, k, drafts in zip(seqs, ks, self.proposer.propose_batch(seqs, ks)):
+                seq.spec_token_ids = drafts[:k]
+            catch_up_s = self.proposer.catch_up_s
         seconds = time.perf_counter() - start
         self._spec.draft_s += seconds
         # for the adaptive rule's cost: drafting's seconds but a long catch-up's, positions,
         # and the rows it holds up for each row that drafted
         drafting = sum(k > 0 for k in ks)
-        self._drafting = (seconds - self.proposer.catch_up_s, max(ks, default=0),
+        self._drafting = (seconds - catch_up_s, max(ks, default=0),
                           len(self.scheduler.running) / max(1, drafting))
 
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
