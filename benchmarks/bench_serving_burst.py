@@ -6,12 +6,17 @@ token-id prompts of --input-len, exactly --output-len tokens each, ``ignore_eos`
 Per server: output tokens/s, duration, TTFT p50/p99, TPOT p50/p99 and ITL p50 (the gaps
 between a stream's chunks), as vLLM's serving benchmark reports them; offline: output
 tokens/s, and the served/offline ratio.  The client is this script's own (httpx, one stream
-per request, the requests vLLM's ``--dataset-name random --ignore-eos`` sends); vLLM's own
-client gives the same numbers within noise (benchmarks/peers/README.md has its command).
+per request, the requests vLLM's ``--dataset-name random --ignore-eos`` sends), or with
+``--client vllm`` vLLM's own (``vllm bench serve``'s random dataset, from vLLM's venv, as
+issue 42 measured; cbatch's served/offline ratio was 0.87 under this script's client and
+0.91-0.93 under vLLM's: NOTES, "The first burst").  ``client_cores``
+is the CPU the client took over the burst's duration, in cores (vLLM's client: its whole
+process, start-up and dataset included).
 
     python benchmarks/bench_serving_burst.py --dtype bfloat16                 # cbatch alone
     python benchmarks/bench_serving_burst.py --dtype bfloat16 \\
-        --vllm-python /tmp/peers/vllm/bin/python --vllm-model /tmp/peers/gpt2-random
+        --vllm-python /tmp/peers/vllm/bin/python --vllm-model /tmp/peers/gpt2-random \\
+        [--client vllm] [--slow-readers 1]
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import json
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,6 +124,38 @@ async def burst(url: str, model: str, prompts: list[list[int]], output_len: int,
         return results, duration
 
 
+def vllm_client_burst(args, url: str, sampling: dict) -> tuple[list[dict], float]:
+    """The burst sent by vLLM's own client (``vllm bench serve``, run from ``--vllm-python``'s
+    venv by benchmarks/peers/vllm_bench_serve.py): its random dataset of the same shape, all
+    at once; each request's ttft, e2e, tokens, tpot and itl as :func:`one_stream` gives them,
+    from the client's saved result, and the duration it measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [args.vllm_python, str(Path(__file__).parent / "peers" / "vllm_bench_serve.py"),
+               "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+               "--model", args.served_model_name, "--tokenizer", args.vllm_model,
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts",
+               str(args.num_prompts), "--ignore-eos", "--seed", "0",
+               "--temperature", str(sampling.get("temperature", 0.0)),
+               "--save-result", "--save-detailed", "--result-dir", tmp,
+               "--result-filename", "burst.json"]
+        if "top_p" in sampling:
+            cmd += ["--top-p", str(sampling["top_p"])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM's client failed ({done.returncode}): "
+                               f"{done.stderr[-2000:]}")
+        result = json.loads((Path(tmp) / "burst.json").read_text())
+    per = []
+    for ttft, itl, e2e, tokens, error in zip(result["ttfts"], result["itls"],
+                                             result["latencies"], result["output_lens"],
+                                             result["errors"]):
+        per.append({"error": error} if error else {
+            "ttft": ttft, "e2e": e2e, "tokens": tokens, "itl": itl,
+            "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0})
+    return per, result["duration"]
+
+
 def summarize(name: str, results: list[dict], duration: float) -> dict:
     ok = [r for r in results if "error" not in r]
     row = {"server": name, "requests": len(results), "failed": len(results) - len(ok),
@@ -197,9 +236,15 @@ def run_server(name: str, cmd: list[str], port: int, env, args, prompts, samplin
         asyncio.run(burst(url, args.served_model_name, prompts[:2], 4, sampling))
         before = cpu_steps(url)
         cpu0 = time.process_time()
-        results, duration = asyncio.run(burst(url, args.served_model_name, prompts,
-                                              args.output_len, sampling))
-        client_cpu = time.process_time() - cpu0
+        children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if args.client == "vllm":
+            results, duration = vllm_client_burst(args, url, sampling)
+        else:
+            results, duration = asyncio.run(burst(url, args.served_model_name, prompts,
+                                                  args.output_len, sampling))
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        client_cpu = (time.process_time() - cpu0 + children.ru_utime - children0.ru_utime
+                      + children.ru_stime - children0.ru_stime)
         after = cpu_steps(url)
         slow_row = None
         if args.slow_readers:
@@ -292,12 +337,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
     parser.add_argument("--cbatch-args", default="", help="more `cbatch serve` flags")
+    parser.add_argument("--client", choices=["own", "vllm"], default="own",
+                        help="who sends the burst: this script (token-id prompts of "
+                             "--seed 0) or vLLM's own client (its random dataset; needs "
+                             "--vllm-python and --vllm-model for its tokenizer)")
     parser.add_argument("--slow-readers", type=int, default=0,
                         help="then a burst of new prompts alone and one beside this many "
                              "streams (logprobs=5) whose clients read nothing for "
                              "--slow-pause seconds: tpot_vs_alone compares their TPOT p50")
     parser.add_argument("--slow-pause", type=float, default=5.0)
     args = parser.parse_args(argv)
+    if args.client == "vllm" and not (args.vllm_python and args.vllm_model):
+        parser.error("--client vllm needs --vllm-python and --vllm-model")
     if args.quick:
         args.model, args.num_prompts, args.input_len, args.output_len = "random:tiny", 4, 8, 8
     vocab = 512 if args.model == "random:tiny" else 50257
@@ -332,7 +383,7 @@ def main(argv: list[str] | None = None) -> Path:
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "num_prompts": args.num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
-            "sampling": sampling}
+            "sampling": sampling, "client": args.client}
     return publish("serving_burst", device, rows, meta, COLUMNS, args.out, plot)
 
 
