@@ -119,16 +119,16 @@ class AsyncEngine:
         # runs there: OpenMP gives each thread that opens a parallel region a team of its own,
         # and with two teams on two cores its workers stop spinning between regions, which
         # cost each step 17% (benchmarks/NOTES.md, "The first burst").
-        built: list = []
+        self.engine: Engine  # set by the engine thread before `ready`
+        failed: list[BaseException] = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._build_and_loop, name="cbatch-engine",
-                                        args=(model, engine_kwargs, built, ready), daemon=True)
+                                        args=(model, engine_kwargs, failed, ready), daemon=True)
         self._thread.start()
         ready.wait()
-        if isinstance(built[0], BaseException):
+        if failed:
             self._thread.join()
-            raise built[0]
-        self.engine: Engine = built[0]
+            raise failed[0]
         self.tokenizer = self.engine.tokenizer
 
     # -------------------------------------------------------------- callers' side
@@ -239,18 +239,16 @@ class AsyncEngine:
 
     # -------------------------------------------------------------- the engine thread
 
-    def _build_and_loop(self, model: str, engine_kwargs: dict, built: list,
+    def _build_and_loop(self, model: str, engine_kwargs: dict, failed: list,
                         ready: threading.Event) -> None:
         try:
-            engine = Engine(model, **engine_kwargs)
-            engine.kv_cache.touch()  # a server's first burst does not fault in its pool
-            self.stats: EngineStats = engine.stats()  # a snapshot after the latest step
+            self.engine = Engine(model, **engine_kwargs)
+            self.engine.kv_cache.touch()  # a server's first burst does not fault in its pool
+            self.stats: EngineStats = self.engine.stats()  # a snapshot after the latest step
         except BaseException as exc:  # AsyncEngine() raises it
-            built.append(exc)
+            failed.append(exc)
             ready.set()
             return
-        self.engine = engine
-        built.append(engine)
         ready.set()
         self._loop()
 

@@ -321,6 +321,21 @@ def _post_in_background(url: str, bodies: list[dict]) -> list:
 LONG = {"prompt": [1, 2], "max_tokens": 250, "ignore_eos": True}
 
 
+def _stream_in_background(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
+    """A thread streaming ``body`` from ``url`` (started), and the list its SSE data lines
+    fill, ``[DONE]`` last."""
+    events: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    return reader, events
+
+
 @pytest.mark.slow
 def test_a_failed_engine_makes_the_process_exit_1_without_telling_clients_why():
     proc, url = _start(["--max-num-seqs", "2"], [sys.executable, "-c", FAULTY_STEP, "serve",
@@ -349,15 +364,7 @@ def test_sigterm_aborts_what_is_left_after_the_shutdown_timeout_and_exits():
         port = int(url.rsplit(":", 1)[1])
         half = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                           b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-        events: list[str] = []
-
-        def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
-                              timeout=60) as r:
-                events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
-
-        reader = threading.Thread(target=stream, daemon=True)
-        reader.start()
+        reader, events = _stream_in_background(url, LONG)
         time.sleep(1.0)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -411,19 +411,12 @@ def test_the_serve_flag_for_content_without_special_tokens():
 
 @pytest.mark.slow
 def test_sighup_shuts_down_as_sigterm_does():
-    from tests.entrypoints.test_serving_faults import LONG, SLOW_SERVE, _start
+    from tests.entrypoints.test_serving_faults import (LONG, SLOW_SERVE, _start,
+                                                       _stream_in_background)
 
     proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"], SLOW_SERVE)
     try:
-        events: list[str] = []
-
-        def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
-                              timeout=60) as r:
-                events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
-
-        reader = threading.Thread(target=stream, daemon=True)
-        reader.start()
+        reader, events = _stream_in_background(url, LONG)
         time.sleep(1.0)
         proc.send_signal(signal.SIGHUP)
         proc.wait(timeout=30)
