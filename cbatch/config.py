@@ -232,8 +232,8 @@ class EngineConfig:
     seed: int = _knob(0, "seed of random weights and of requests without their own seed")
     tokenizer: str | None = _knob(None, "a tokenizer directory or hub id (default: the "
                                   "model's own)", cli=False)
-    cuda_graphs: bool | None = _knob(None, "decode steps replay CUDA graphs (default: on for "
-                                     "CUDA)")
+    cuda_graphs: bool | None = _knob(None, "decode steps, and steps verifying drafts, replay "
+                                     "CUDA graphs (default: on for CUDA)")
     async_scheduling: bool | None = _knob(None, "schedule and launch step n+1 before step "
                                           "n's tokens are read (default: on for CUDA)")
     enable_prefix_caching: bool = _knob(True, "requests share the KV blocks of common "

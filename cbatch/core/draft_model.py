@@ -87,7 +87,8 @@ class DraftModelProposer(Proposer):
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # one pass holds every request's catch-up of up to k + 1 tokens
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
-        self.runner = make_runner(self.model, self.kv_cache, cfg, self.max_tokens, False)
+        # (its passes of one token a row, and its first of up to k + 1, in CUDA graphs)
+        self.runner = make_runner(self.model, self.kv_cache, cfg, self.max_tokens)
         self._drafted: dict[str, _Drafted] = {}
         self.num_passes = 0  # forward passes of the draft model so far
 
@@ -159,7 +160,7 @@ class DraftModelProposer(Proposer):
         """One forward pass of the draft model over ``runs`` (``(new tokens, cached,
         block_table)`` each); the greedy token after each run's last."""
         n = len(runs)
-        batch = self.runner.builder.build(runs)
+        batch = self.runner.build(runs)
         sampling = SamplingBatch(temperatures=[0.0] * n, top_ks=[0] * n, top_ps=[1.0] * n,
                                  seeds=[0] * n, positions=[0] * n)
         tokens, _, _ = self.runner.run(batch, sampling, [None] * n)

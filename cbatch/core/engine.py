@@ -85,13 +85,17 @@ def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
     return CPUModelRunner if torch.device(device).type == "cpu" else ModelRunner
 
 
-def make_runner(model: nn.Module, kv_cache: KVCache, config: EngineConfig, max_tokens: int,
-                cuda_graphs: bool) -> ModelRunner:
+def make_runner(model: nn.Module, kv_cache: KVCache, config: EngineConfig, max_tokens: int
+                ) -> ModelRunner:
     """The runner of ``config.device`` for ``model`` on ``kv_cache`` (the CPU's also takes
-    ``config.threads``), for ``config.max_num_seqs`` rows and ``max_tokens`` tokens a step."""
+    ``config.threads``), for ``config.max_num_seqs`` rows and ``max_tokens`` tokens a step,
+    with CUDA graphs as ``config`` says, for steps of up to k + 1 tokens a row too when it
+    speculates k."""
     runner_class = model_runner_class(config.device)
     cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
-    return runner_class(model, kv_cache, config.max_num_seqs, max_tokens, cuda_graphs,
+    spec = config.speculative_config
+    return runner_class(model, kv_cache, config.max_num_seqs, max_tokens,
+                        config.use_cuda_graphs, spec.num_speculative_tokens if spec else 0,
                         **cpu_only)
 
 
@@ -151,8 +155,7 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        self.runner = make_runner(model, self.kv_cache, config, max_tokens,
-                                  config.use_cuda_graphs)
+        self.runner = make_runner(model, self.kv_cache, config, max_tokens)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id)

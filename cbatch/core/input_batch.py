@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from cbatch.layers.step_batch import StepBatch
 
-_PAD_TABLE = [0]  # a padded row's context: one token in block 0
+_PAD_TABLE = [0]  # a padding row's context: its tokens in block 0
 
 
 class StepBatchBuilder:
@@ -63,28 +64,43 @@ class StepBatchBuilder:
                 held[r] = list(table)
 
     def build(self, runs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
-              pad_to: int | None = None, full_width: bool = False,
-              deferred: Sequence[tuple[int, int]] = (), sampled: torch.Tensor | None = None
+              pad_to: int | None = None, full_width: bool = False, query_len: int | None = None,
+              deferred: Sequence[tuple[int, int, int]] = (), sampled: torch.Tensor | None = None
               ) -> StepBatch:
         """``runs[s] = (new_tokens, num_cached, block_table)`` of each sequence, in batch order.
 
         ``pad_to`` adds rows up to that many sequences (a batch-size bucket); ``full_width``
         lays the block tables out ``max_blocks_per_seq`` wide instead of as wide as this step
-        needs (both fix the shapes a CUDA graph was captured with).  The caller guarantees
-        that every table covers its sequence (:func:`make_step_batch` checks it).
+        needs.  ``query_len`` pads every run at its front to that many tokens with filler
+        tokens that recompute positions already cached (so a run of n tokens after c cached
+        needs ``c >= query_len - n``): id 0, slot -1 (they write nothing), their context all
+        written, so the run's own tokens, its last and the causal offset ``seq_len -
+        query_len`` are what they are unpadded; padding rows then hold ``query_len`` tokens
+        each.  With ``full_width`` and ``query_len`` the batch has a CUDA graph's fixed shape
+        (:attr:`StepBatch.graph_shape`).  The caller guarantees that every table covers its
+        sequence (:func:`make_step_batch` checks it).
 
-        ``deferred`` lists ``(index in the step's tokens, row of sampled)`` for new tokens
+        ``deferred`` lists ``(run, index in the run's tokens, row of sampled)`` for new tokens
         whose ids are still on the device (async scheduling): ``sampled: int64 [S']`` holds the
         previous step's sampled tokens, and they are copied into ``input_ids`` there, in
         stream order, without a trip through the host.
         """
         bs = self.block_size
+        q = query_len or 1
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu, lens = [0], []
         for tokens, start, table in runs:
             end = start + len(tokens)
+            if query_len:  # fillers first: they recompute cached positions, writing nothing
+                fill = query_len - len(tokens)
+                if not 0 <= fill <= start:
+                    raise ValueError(f"a run of {len(tokens)} tokens after {start} cached "
+                                     f"cannot be padded to {query_len}")
+                ids += [0] * fill
+                positions += range(start - fill, start)
+                slots += [-1] * fill
             ids += tokens
             if end - start == 1:  # a decode row: the common case, kept cheap
                 positions.append(start)
@@ -97,7 +113,7 @@ class StepBatchBuilder:
         S, T_real = len(runs), len(ids)
         n = max(S, pad_to or 0)
         pad = n - S
-        T = T_real + pad
+        T = T_real + pad * q
         width = self.max_blocks_per_seq if full_width else max(len(r[2]) for r in runs)
         if n > self.max_num_seqs or T > self.max_num_tokens or width > self.max_blocks_per_seq:
             raise ValueError(f"step of {n} sequences, {T} tokens and {width} blocks per "
@@ -106,19 +122,20 @@ class StepBatchBuilder:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffers
         o64, o32, h64, h32 = self._i64, self._i32, self._np64, self._np32
-        rows_of_pads = range(T_real, T)
-        h64[o64["ids"]:o64["ids"] + T] = ids + [0] * pad
-        h64[o64["pos"]:o64["pos"] + T] = positions + [0] * pad
-        h64[o64["slots"]:o64["slots"] + T] = slots + [-1] * pad
-        h64[o64["rows"]:o64["rows"] + n] = [c - 1 for c in cu[1:]] + list(rows_of_pads)
-        h32[o32["cu"]:o32["cu"] + n + 1] = cu + [r + 1 for r in rows_of_pads]
-        h32[o32["lens"]:o32["lens"] + n] = lens + [1] * pad
+        pad_ends = range(T_real + q, T + 1, q)  # each padding row's end in the tokens
+        h64[o64["ids"]:o64["ids"] + T] = ids + [0] * (T - T_real)
+        h64[o64["pos"]:o64["pos"] + T] = positions + [0] * (T - T_real)
+        h64[o64["slots"]:o64["slots"] + T] = slots + [-1] * (T - T_real)
+        h64[o64["rows"]:o64["rows"] + n] = [c - 1 for c in cu[1:]] + [e - 1 for e in pad_ends]
+        h32[o32["cu"]:o32["cu"] + n + 1] = cu + list(pad_ends)
+        h32[o32["lens"]:o32["lens"] + n] = lens + [q] * pad
         self._write_tables(h32[o32["tables"]:o32["tables"] + n * width].reshape(n, width),
                            [r[2] for r in runs] + [_PAD_TABLE] * pad)
         k = len(deferred)
         if k:
-            h64[o64["dst"]:o64["dst"] + k] = [i for i, _ in deferred]
-            h64[o64["src"]:o64["src"] + k] = [r for _, r in deferred]
+            h64[o64["dst"]:o64["dst"] + k] = [cu[s + 1] - len(runs[s][0]) + i
+                                              for s, i, _ in deferred]
+            h64[o64["src"]:o64["src"] + k] = [r for _, _, r in deferred]
         if self._copied is not None:
             for dev, host in zip(self._dev, self._host):
                 dev.copy_(host, non_blocking=True)
@@ -138,9 +155,19 @@ class StepBatchBuilder:
             seq_lens=d32[o32["lens"]:o32["lens"] + n],
             block_tables=d32[o32["tables"]:o32["tables"] + n * width].view(n, width),
             is_decode=T == n,
-            max_query_len=max((len(r[0]) for r in runs), default=1),
+            max_query_len=query_len or max((len(r[0]) for r in runs), default=1),
             num_padded_seqs=pad,
+            graph_shape=(n, query_len) if full_width and query_len else None,
         )
+
+
+def run_starts(lengths: Sequence[int], query_len: int | None = None) -> list[int]:
+    """Where each run's own tokens begin in a step's flat tokens (``lengths[s]`` tokens in
+    run s), unpadded or padded at the front to ``query_len`` tokens
+    (:meth:`StepBatchBuilder.build`)."""
+    if query_len:
+        return [(s + 1) * query_len - n for s, n in enumerate(lengths)]
+    return list(itertools.accumulate(lengths[:-1], initial=0))
 
 
 def make_step_batch(

@@ -1,11 +1,18 @@
 """Turns a schedule into the step batch, runs the model, samples.
 
 One path for every step: :class:`~cbatch.core.input_batch.StepBatchBuilder` fills persistent
-buffers, the model runs eagerly, or, for a decode step on CUDA, the CUDA graph captured for the
-smallest batch-size bucket that holds it replays.  Graph steps are padded to their bucket
-with rows that write nothing (slot -1) and read a one-token context; with
-``cuda_graphs=True`` on the CPU the same padded batches run eagerly, so the padding logic is
-exercised without a GPU.
+buffers, the model runs eagerly, or, on CUDA, a CUDA graph captured at start-up replays:
+
+- a decode step (one token per row) replays the graph of the smallest batch-size bucket that
+  holds it, padded with rows that write nothing (slot -1);
+- with speculative decoding (``num_speculative_tokens`` k), a step whose every row brings at
+  most k + 1 tokens (verifying rows: its last token and its drafts; decoding rows beside them)
+  replays the graph of its bucket at k + 1 tokens a row: each run is padded at its front with
+  fillers that recompute cached positions and write nothing, so its own tokens compute
+  exactly what they would unpadded (:meth:`StepBatchBuilder.build`).
+
+With ``cuda_graphs=True`` on the CPU the same padded batches run eagerly, so the padding logic
+is exercised without a GPU.
 
 :meth:`ModelRunner.execute` only launches: it returns :class:`SampledTokens`, whose copy to
 the host is under way, so the engine can schedule and launch the next step before it reads
@@ -19,6 +26,7 @@ later, the runner warns and runs every step eagerly from then on.
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from collections.abc import Callable
@@ -30,7 +38,7 @@ from torch import nn
 
 from cbatch import ops
 from cbatch.core import structured_output
-from cbatch.core.input_batch import StepBatchBuilder
+from cbatch.core.input_batch import StepBatchBuilder, run_starts
 from cbatch.core.sampler import (SamplingBatch, TokenCounts, logits_rules, logprobs_lists,
                                  logprobs_tensors, sample)
 from cbatch.core.scheduler import ScheduledSequence
@@ -63,11 +71,13 @@ class PromptTargets:
     counts: list[int]
 
     @classmethod
-    def of(cls, scheduled: list[ScheduledSequence]) -> PromptTargets | None:
+    def of(cls, scheduled: list[ScheduledSequence], starts: list[int]
+           ) -> PromptTargets | None:
         """Those of a step's sequences that ask, for the positions this step computes (a
-        position p scores prompt token p + 1); None when none asks."""
-        out, offset = cls([], [], [], []), 0
-        for item in scheduled:
+        position p scores prompt token p + 1; row s's tokens begin at ``starts[s]`` in the
+        step's, :func:`~cbatch.core.input_batch.run_starts`); None when none asks."""
+        out = cls([], [], [], [])
+        for item, offset in zip(scheduled, starts):
             seq, n = item.seq, item.num_new_tokens
             k = seq.params.prompt_logprobs
             start = seq.num_computed_tokens
@@ -80,7 +90,6 @@ class PromptTargets:
                 out.targets += seq.prompt_token_ids[first + 1:end + 1]
                 out.num_logprobs += [k] * count
             out.counts.append(count)
-            offset += n
         return out if out.targets else None
 
 
@@ -97,14 +106,16 @@ class DraftPositions:
     offsets: list[int]
 
     @classmethod
-    def of(cls, scheduled: list[ScheduledSequence]) -> DraftPositions | None:
-        """Those of a step; None when no row verifies drafts (each samples its last)."""
+    def of(cls, scheduled: list[ScheduledSequence], starts: list[int]
+           ) -> DraftPositions | None:
+        """Those of a step whose row s's tokens begin at ``starts[s]``; None when no row
+        verifies drafts (each samples its last)."""
         if not any(item.draft_token_ids for item in scheduled):
             return None
-        out, end = cls([], [], [0]), 0
-        for item in scheduled:
+        out = cls([], [], [0])
+        for item, start in zip(scheduled, starts):
             count = 1 + len(item.draft_token_ids)
-            end += item.num_new_tokens
+            end = start + item.num_new_tokens
             out.token_indices += range(end - count, end)
             out.counts.append(count)
             out.offsets.append(out.offsets[-1] + count)
@@ -169,15 +180,22 @@ class ModelRunner:
     kv_cache_zeros: Callable | None = None
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: bool = False):
+                 max_num_batched_tokens: int, cuda_graphs: bool = False,
+                 num_speculative_tokens: int = 0):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
         max_blocks = -(-model.config.max_model_len // kv_cache.block_size)
         self.builder = StepBatchBuilder(max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
                                         max_blocks, kv_cache.block_size, self.device)
+        # the graph shapes (rows, tokens per row): decode steps at each bucket; with drafts of
+        # up to k tokens, steps of at most k + 1 tokens a row at each bucket that fits
         self.buckets = graph_buckets(max_num_seqs) if cuda_graphs else []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.query_len = 1 + num_speculative_tokens if num_speculative_tokens else 0
+        self.verify_buckets = [size for size in self.buckets if self.query_len
+                               and size * self.query_len <= self.builder.max_num_tokens]
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.steps_by_shape: collections.Counter[tuple[int, int]] = collections.Counter()
         self.graph_capture_s = 0.0
         self.graph_memory_bytes = 0
         # the last executed step's sampled tokens [S] on the device, and the row of each
@@ -198,36 +216,61 @@ class ModelRunner:
 
     # -------------------------------------------------------------- batches
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest graph bucket holding ``num_seqs`` decode rows (None: run eagerly)."""
-        for size in self.buckets:
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens per row) a step is padded to, most tokens first: the graphs
+        captured on CUDA."""
+        shapes = [(size, 1) for size in self.buckets]
+        shapes += [(size, self.query_len) for size in self.verify_buckets]
+        return sorted(shapes, key=lambda shape: (-shape[0] * shape[1], shape))
+
+    def bucket(self, num_seqs: int, buckets: list[int] | None = None) -> int | None:
+        """The smallest of ``buckets`` (default: the decode buckets) holding ``num_seqs`` rows
+        (None: run eagerly)."""
+        for size in self.buckets if buckets is None else buckets:
             if size >= num_seqs:
                 return size
         return None
 
     def prepare(self, scheduled: list[ScheduledSequence], pad_to: int | None = None
                 ) -> StepBatch:
-        """The step batch of ``scheduled`` in persistent buffers; a decode step is padded to
-        its graph bucket, and to at least ``pad_to`` rows (the static-batching policy keeps
-        the rows of finished requests computing, as a padded batch does).  A sequence's
-        in-flight token (async scheduling) is read on the device from the last step's
-        samples."""
-        runs, deferred, num_tokens = [], [], 0
-        for item in scheduled:
+        """The step batch of ``scheduled`` in persistent buffers (:meth:`build`).  A
+        sequence's in-flight token (async scheduling) is read on the device from the last
+        step's samples."""
+        runs, deferred = [], []
+        for s, item in enumerate(scheduled):
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             known = n - len(item.draft_token_ids)  # then the drafts it verifies
             tokens = seq.token_ids[start:start + known]
             if len(tokens) < known:  # its last token was sampled by the step still running
-                deferred.append((num_tokens + len(tokens), self._sampled_rows[id(seq)]))
+                deferred.append((s, len(tokens), self._sampled_rows[id(seq)]))
                 tokens.append(0)
             runs.append((tokens + item.draft_token_ids, start, seq.block_table))
-            num_tokens += n
+        return self.build(runs, deferred, pad_to)
+
+    def build(self, runs: list[tuple[list[int], int, list[int]]],
+              deferred: list[tuple[int, int, int]] = (), pad_to: int | None = None
+              ) -> StepBatch:
+        """The step batch of ``runs`` (``(new tokens, cached, block table)`` each,
+        :meth:`StepBatchBuilder.build`) in a graph's shape where one holds it: a decode step
+        padded to its bucket, a step of at most k + 1 tokens a row (k drafts) to its bucket at
+        k + 1 tokens a row; and to at least ``pad_to`` rows (the static-batching policy keeps
+        the rows of finished requests computing, as a padded batch does)."""
+        rows = max(len(runs), pad_to or 0)
         shape = {}
-        if all(item.num_new_tokens == 1 for item in scheduled):
-            rows = max(len(scheduled), pad_to or 0)
+        if all(len(tokens) == 1 for tokens, _, _ in runs):
             bucket = self.bucket(rows)
-            shape = dict(pad_to=bucket, full_width=True) if bucket else dict(pad_to=rows)
-        return self.builder.build(runs, deferred=deferred, sampled=self._sampled, **shape)
+            shape = dict(pad_to=bucket, full_width=True, query_len=1) if bucket else \
+                dict(pad_to=rows)
+        elif self.verify_buckets:
+            q, bucket = self.query_len, self.bucket(rows, self.verify_buckets)
+            capacity = self.builder.max_blocks_per_seq * self.builder.block_size
+            if bucket and all(len(tokens) <= q <= start + len(tokens) <= capacity
+                              for tokens, start, _ in runs):
+                shape = dict(pad_to=bucket, full_width=True, query_len=q)
+        batch = self.builder.build(runs, deferred=deferred, sampled=self._sampled, **shape)
+        if batch.graph_shape is not None:
+            self.steps_by_shape[batch.graph_shape] += 1
+        return batch
 
     # -------------------------------------------------------------- running
 
@@ -239,18 +282,24 @@ class ModelRunner:
         batch = self.builder.build([], pad_to=1, full_width=True)
         self.model.compute_logits(self.model(batch, self.kv_cache))
 
-    def logits(self, batch: StepBatch) -> torch.Tensor:
-        """``[S, vocab]`` logits of each real sequence's last new token (a graph replay when
-        one was captured for this batch)."""
-        graph = self._graphs.get(batch.num_seqs) if batch.is_decode else None
+    def logits(self, batch: StepBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, vocab]`` logits at ``rows`` (int64 ``[N]``, indices into the step's flat
+        tokens), or (None) of each real sequence's last new token; a graph replay when one
+        was captured for this batch's shape."""
+        graph = self._graphs.get(batch.graph_shape)
         if graph is not None:
             try:
                 graph[0].replay()
-                return graph[1][:batch.num_seqs - batch.num_padded_seqs]
             except Exception as exc:  # the same padded batch runs eagerly instead
-                self.disable_graphs(f"replaying the CUDA graph of {batch.num_seqs} rows "
-                                    f"failed ({type(exc).__name__}: {exc})")
-        return self.model.compute_logits(self.last_hidden(batch))
+                self.disable_graphs(f"replaying the CUDA graph of {batch.graph_shape} (rows, "
+                                    f"tokens a row) failed ({type(exc).__name__}: {exc})")
+            else:
+                if rows is not None:
+                    return graph[1][rows]
+                if batch.is_decode:  # the logits of every row, the real ones first
+                    return graph[1][:batch.num_seqs - batch.num_padded_seqs]
+                return graph[1][batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]]
+        return self.model.compute_logits(self.last_hidden(batch, rows))
 
     def last_hidden(self, batch: StepBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, hidden]``: the final hidden state at the positions a step samples: ``rows``
@@ -269,7 +318,9 @@ class ModelRunner:
         seqs = [item.seq for item in scheduled]
         samples = row_samples = [item.samples for item in scheduled]
         positions = [seq.num_output_tokens for seq in seqs]  # the output index each draws
-        drafts, rows = DraftPositions.of(scheduled), None
+        starts = run_starts([item.num_new_tokens for item in scheduled],
+                            batch.graph_shape and batch.graph_shape[1])
+        drafts, rows = DraftPositions.of(scheduled, starts), None
         draw_of = list(range(len(scheduled)))  # each row's (first) draw
         if drafts is not None:  # a row per position sampled: 1 + drafts of a verifying row
             seqs, samples = drafts.repeat(seqs), drafts.repeat(row_samples)
@@ -288,7 +339,7 @@ class ModelRunner:
             bitmask=structured_output.bitmask(scheduled),
         )
         num_logprobs = [p.logprobs for p in params]
-        prompt = PromptTargets.of(scheduled)
+        prompt = PromptTargets.of(scheduled, starts)
         tokens, logprobs, prompt_logprobs = self.run(batch, sampling, num_logprobs, prompt,
                                                      rows)
         self._sampled = tokens
@@ -306,9 +357,9 @@ class ModelRunner:
         the logprobs tensors (:func:`~cbatch.core.sampler.logprobs_tensors`; None when no
         row asked) and those of the prompt tokens ``prompt`` names (None when it is
         None)."""
-        if prompt is None and rows is None:
-            logits, prompt_logprobs = self.logits(batch), None
-        else:  # logits at more positions than each sequence's last: the eager forward
+        if prompt is None:  # (a graph replay where one has the batch's shape)
+            logits, prompt_logprobs = self.logits(batch, rows), None
+        else:  # logits at the prompt's positions too: the eager forward
             hidden = self.model(batch, self.kv_cache)
             if rows is None:
                 rows = batch.logits_indices[:batch.num_seqs - batch.num_padded_seqs]
@@ -338,8 +389,8 @@ class ModelRunner:
     # -------------------------------------------------------------- CUDA graphs
 
     def setup_graphs(self) -> None:
-        """Capture the decode graphs and check them against the eager forward; on any
-        failure, warn and run eagerly."""
+        """Capture the graphs of :meth:`graph_shapes` and check them against the eager
+        forward; on any failure, warn and run eagerly."""
         try:
             self.capture_graphs()
             self.check_graphs()
@@ -353,34 +404,36 @@ class ModelRunner:
         the eager forward of the same batch; RuntimeError if they differ beyond the dtype's
         :data:`GRAPH_TOLERANCE`."""
         tol = GRAPH_TOLERANCE.get(self.model.dtype, 1e-2)
-        for size, (graph, logits) in self._graphs.items():
-            batch = self.builder.build([], pad_to=size, full_width=True)
+        for (size, query_len), (graph, logits) in self._graphs.items():
+            batch = self.builder.build([], pad_to=size, full_width=True, query_len=query_len)
             graph.replay()
             replayed = logits.clone()
             eager = self.model.compute_logits(self.model(batch, self.kv_cache))
             if not torch.allclose(replayed, eager, rtol=tol, atol=tol, equal_nan=True):
                 diff = (replayed.float() - eager.float()).abs().nan_to_num(float("inf")).max()
-                raise RuntimeError(f"the graph of {size} rows replays logits up to {diff:.3g} "
-                                   f"away from the eager forward's (tolerance {tol})")
+                raise RuntimeError(f"the graph of {size} rows of {query_len} tokens replays "
+                                   f"logits up to {diff:.3g} away from the eager forward's "
+                                   f"(tolerance {tol})")
 
     def disable_graphs(self, why: str) -> None:
         """Drop every graph and bucket: from now on every step runs eagerly, unpadded."""
-        warnings.warn(f"{why}; decode steps run eagerly from now on", RuntimeWarning,
+        warnings.warn(f"{why}; every step runs eagerly from now on", RuntimeWarning,
                       stacklevel=2)
         self._graphs.clear()
-        self.buckets = []
+        self.buckets, self.verify_buckets = [], []
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """One graph per bucket, largest first, all in one memory pool: embeddings, every
-        layer, the final norm and the logits of all rows of a padded decode batch.  Each
-        bucket runs once eagerly first, so kernels are compiled outside the capture."""
+        """One graph per shape of :meth:`graph_shapes`, most tokens first, all in one memory
+        pool: embeddings, every layer, the final norm and the logits of every token of a
+        padded batch.  Each shape runs once eagerly first, so kernels are compiled outside
+        the capture."""
         torch.cuda.synchronize(self.device)
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = None
-        for size in reversed(self.buckets):
-            # size rows of padding only: slot -1 everywhere, nothing is written
-            batch = self.builder.build([], pad_to=size, full_width=True)
+        for size, query_len in self.graph_shapes():
+            # rows of padding only: slot -1 everywhere, nothing is written
+            batch = self.builder.build([], pad_to=size, full_width=True, query_len=query_len)
 
             def forward(batch=batch):
                 hidden = self.model(batch, self.kv_cache)
@@ -392,7 +445,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward()
             pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size, query_len] = (graph, logits)
         torch.cuda.synchronize(self.device)
         self.graph_capture_s = time.perf_counter() - start
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - before

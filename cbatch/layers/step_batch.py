@@ -21,8 +21,12 @@ class StepBatch:
     logits_indices int64 [S]  the row of each sequence's last new token (the one to sample from)
     is_decode     every sequence has exactly one new token (host-side flag: picks the kernel)
     max_query_len the longest run of new tokens (host int: sizes the prefill kernel's grid)
-    num_padded_seqs  trailing rows that only fill a batch-size bucket: one token each at
-                  position 0, slot -1 (they write nothing), a one-token context in block 0
+    num_padded_seqs  trailing rows that only fill a batch-size bucket: one token each (or
+                  the runs' padded length) at position 0, slot -1 (they write nothing), their
+                  context in block 0
+    graph_shape   (rows, tokens per row) when the batch has the fixed shape of a CUDA graph:
+                  rows padded to a bucket, every run padded at its front to the same length
+                  with fillers that write nothing, block tables full width; else None
     """
 
     input_ids: torch.Tensor
@@ -35,6 +39,7 @@ class StepBatch:
     is_decode: bool
     max_query_len: int
     num_padded_seqs: int = 0
+    graph_shape: tuple[int, int] | None = None
 
     @property
     def num_seqs(self) -> int:

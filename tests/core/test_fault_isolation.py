@@ -271,27 +271,29 @@ def test_graphs_whose_replay_disagrees_with_eager_are_dropped_at_start_up(monkey
     runner = engine.runner
     vocab = engine.model.config.vocab_size
 
-    def capture():  # one graph per bucket, the largest replaying garbage
-        for size in runner.buckets:
-            batch = runner.builder.build([], pad_to=size, full_width=True)
+    def capture():  # one graph per shape, the largest replaying garbage
+        for size, q in runner.graph_shapes():
+            batch = runner.builder.build([], pad_to=size, full_width=True, query_len=q)
             logits = engine.model.compute_logits(engine.model(batch, engine.kv_cache))
             if size == runner.buckets[-1]:
                 logits = logits + 1.0
-            runner._graphs[size] = (_FakeGraph(logits), logits)
+            runner._graphs[size, q] = (_FakeGraph(logits), logits)
 
     monkeypatch.setattr(runner, "capture_graphs", capture)
     with pytest.warns(RuntimeWarning, match="away from the eager forward"):
         runner.setup_graphs()
-    assert runner._graphs == {} and runner.buckets == []
-    # graphs that agree are kept
-    engine2 = Engine("random:tiny", cuda_graphs=True, **KW)
+    assert runner._graphs == {} and runner.buckets == [] == runner.verify_buckets
+    # graphs that agree are kept, those of steps verifying 2 drafts too
+    engine2 = Engine("random:tiny", cuda_graphs=True, **KW, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
     runner = engine2.runner
     monkeypatch.setattr(runner, "capture_graphs", lambda: [
-        runner._graphs.__setitem__(s, (_FakeGraph(None), engine2.model.compute_logits(
-            engine2.model(runner.builder.build([], pad_to=s, full_width=True),
-                          engine2.kv_cache)))) for s in runner.buckets])
+        runner._graphs.__setitem__((s, q), (_FakeGraph(None), engine2.model.compute_logits(
+            engine2.model(runner.builder.build([], pad_to=s, full_width=True, query_len=q),
+                          engine2.kv_cache)))) for s, q in runner.graph_shapes()])
     runner.setup_graphs()
-    assert sorted(runner._graphs) == runner.buckets and vocab > 0
+    assert sorted(runner._graphs) == sorted(runner.graph_shapes()) and vocab > 0
+    assert {q for _, q in runner._graphs} == {1, 3}
 
 
 @pytest.mark.slow
@@ -301,8 +303,8 @@ def test_a_graph_replay_that_raises_mid_serving_falls_back_to_eager(monkeypatch)
     eager = _greedy(LLM("random:tiny", cuda_graphs=False, **KW))
     llm = LLM("random:tiny", cuda_graphs=True, **KW)
     runner = llm.engine.runner
-    for size in runner.buckets:
-        runner._graphs[size] = (_FakeGraph(None, fail=True), None)
+    for shape in runner.graph_shapes():
+        runner._graphs[shape] = (_FakeGraph(None, fail=True), None)
     with pytest.warns(RuntimeWarning, match="replay failed.*eagerly"):
         got = _greedy(llm)
     assert got == eager and runner._graphs == {} and runner.buckets == []

@@ -6,10 +6,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbatch import LLM, Engine, SamplingParams
+from cbatch.core.input_batch import run_starts
 from cbatch.core.model_runner import graph_buckets
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.core.sequence import Sequence
-from tests.helpers import STRESS_CONFIGS
+from tests.helpers import STRESS_CONFIGS, triton_device, triton_skip_reason
 
 POLICIES = ["fcfs", "priority", "sjf", "static"]
 CONFIGS = {k: v for k, v in STRESS_CONFIGS.items() if k != "few-seqs"}
@@ -198,6 +199,80 @@ def test_block_tables_rewritten_only_where_they_changed_and_always_right():
     assert batch.block_tables[:, 0].tolist() == [5, 0, 0]
 
 
+def test_runs_padded_at_the_front_to_a_query_length():
+    from cbatch.core.input_batch import StepBatchBuilder, run_starts
+
+    builder = StepBatchBuilder(4, 16, 3, 4)
+    # a run verifying 2 drafts after 5 cached tokens, a decode row after 3, 2 padding rows
+    runs = [([7, 8, 9], 5, [2, 6]), ([4], 3, [1])]
+    batch = builder.build(runs, pad_to=4, full_width=True, query_len=3)
+    assert batch.graph_shape == (4, 3) and batch.num_padded_seqs == 2
+    assert not batch.is_decode and batch.max_query_len == 3
+    assert batch.input_ids.tolist() == [7, 8, 9, 0, 0, 4] + [0] * 6
+    # fillers recompute cached positions and write nothing
+    assert batch.positions.tolist() == [5, 6, 7, 1, 2, 3] + [0] * 6
+    assert batch.slot_mapping.tolist() == [25, 26, 27, -1, -1, 7] + [-1] * 6
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 6, 9, 12]
+    assert batch.seq_lens.tolist() == [8, 4, 3, 3]  # the causal offset is the unpadded one
+    assert batch.logits_indices.tolist() == [2, 5, 8, 11]
+    assert run_starts([3, 1], 3) == [0, 5] and run_starts([3, 1]) == [0, 3]
+    with pytest.raises(ValueError, match="a run of 1 tokens after 1 cached cannot be padded"):
+        builder.build([([4], 1, [1])], query_len=3)  # too few cached positions to recompute
+    assert builder.build(runs).graph_shape is None  # unpadded: no graph's shape
+    # in-flight tokens land at their place in a padded run
+    sampled = torch.tensor([11, 22])
+    batch = builder.build(runs, pad_to=2, full_width=True, query_len=3,
+                          deferred=[(0, 0, 1), (1, 0, 0)], sampled=sampled)
+    assert batch.input_ids.tolist() == [22, 8, 9, 0, 0, 11]
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_a_verify_step_padded_to_its_graph_shape_computes_what_it_would_unpadded(backend):
+    """Rows of one token and rows verifying drafts, padded to k + 1 tokens a row and a
+    bucket: the logits at every sampled position are the unpadded step's, fillers read only
+    written slots (every other slot holds NaN), and they and padding rows write no slot.
+    ``triton``: the kernel a GPU runs, in Triton's interpreter."""
+    if backend == "triton" and triton_device() != "cpu":
+        pytest.skip(triton_skip_reason() if triton_device() is None else "a CPU test")
+    engine = Engine("random:tiny", max_num_seqs=10, cuda_graphs=True, num_blocks=64,
+                    attention_backend=backend,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    runner, bs = engine.runner, engine.block_manager.block_size
+    items = _decode_items(engine, 5)
+    unwritten = torch.ones(64 * bs, dtype=torch.bool)  # by slot
+    for item, drafts in zip(items, [[5, 6, 7], [], [9], [1, 2], []]):
+        seq = item.seq
+        engine.block_manager.grow(seq.block_table, seq.num_tokens + len(drafts))
+        item.num_new_tokens, item.draft_token_ids = 1 + len(drafts), drafts
+        for pos in range(seq.num_tokens - 1):  # its cached context: written (zeros)
+            unwritten[seq.block_table[pos // bs] * bs + pos % bs] = False
+    pool = engine.kv_cache.data
+    pool.view(*pool.shape[:2], 64 * bs, -1)[:, :, unwritten] = float("nan")
+    with torch.inference_mode():
+        runs = [(item.seq.token_ids[-1:] + item.draft_token_ids, item.seq.num_computed_tokens,
+                 item.seq.block_table) for item in items]
+        unpadded = engine.runner.builder.build(runs)
+        assert unpadded.graph_shape is None
+        want = engine.model.compute_logits(engine.model(unpadded, engine.kv_cache))
+        written = pool.isnan().logical_not()
+        batch = runner.prepare(items)
+        assert batch.graph_shape == (8, 4) and batch.num_tokens == 32
+        assert runner.steps_by_shape == {(8, 4): 1}
+        starts = run_starts([item.num_new_tokens for item in items], 4)
+        rows = [start + j for start, item in zip(starts, items)
+                for j in range(item.num_new_tokens)]
+        got = runner.logits(batch, torch.tensor(rows))
+    assert want.isfinite().all()
+    torch.testing.assert_close(got, want)
+    if backend:  # the kernel named ran
+        assert engine.model.kernels(engine.model.device).backends[
+            "paged_prefill_attention"] == backend
+    assert torch.equal(pool.isnan().logical_not(), written)  # no slot written by the padding
+    # a row that cannot be padded (fewer cached positions than fillers) runs unpadded
+    items[1].seq.num_computed_tokens = 1  # its one token would need 3 fillers
+    assert runner.prepare(items[:2]).graph_shape is None
+
+
 class _AllocationCounter(TorchDispatchMode):
     """Records every op whose output does not live in one of the given storages."""
 
@@ -281,3 +356,109 @@ def test_cuda_graph_capture_and_replay_match_eager(dtype):
         hidden = engine.model(batch, engine.kv_cache)
         eager = engine.model.compute_logits(hidden[:5])
     torch.testing.assert_close(replayed, eager)
+
+
+class _EagerGraph:
+    """A CUDA graph's contract on the CPU: "captured" with a batch of padding only, whose
+    tensors are views of the step buffers, ``replay()`` recomputes that batch's forward into
+    the same output tensor.  It gives a step's logits only if the step was laid out at the
+    captured addresses and shapes, as a real graph's replay does."""
+
+    def __init__(self, runner, shape):
+        size, query_len = shape
+        self.runner, self.replays = runner, 0
+        self.batch = runner.builder.build([], pad_to=size, full_width=True, query_len=query_len)
+        self.logits = self.forward()
+
+    def forward(self):
+        return self.runner.model.compute_logits(self.runner.model(self.batch,
+                                                                  self.runner.kv_cache))
+
+    def replay(self):
+        self.logits.copy_(self.forward())
+        self.replays += 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_steps_replay_graphs_captured_at_k_plus_1_tokens_a_row(monkeypatch, method):
+    """With graphs that behave as CUDA graphs do (:class:`_EagerGraph`), verifying steps (and
+    the draft model's first pass) replay the graph of k + 1 tokens a row of their bucket and
+    take the logits of their sampled positions from it: the tokens are the eager engine's."""
+    monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")  # greedy steps read the logits
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (2, 3, 5, 7)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3} if method == "ngram" else
+            {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3})
+    plain = LLM("random:tiny", max_num_seqs=10).generate(prompts, params, use_tqdm=False)
+    llm = LLM("random:tiny", max_num_seqs=10, cuda_graphs=True, speculative_config=spec)
+    engine = llm.engine
+    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    for runner in runners:
+        monkeypatch.setattr(runner, "capture_graphs", lambda runner=runner: runner._graphs.update(
+            (shape, (g, g.logits)) for shape in runner.graph_shapes()
+            for g in [_EagerGraph(runner, shape)]))
+        runner.setup_graphs()  # (it replays each graph once against the eager forward)
+        assert sorted(runner._graphs) == sorted(runner.graph_shapes())
+        for g, _ in runner._graphs.values():
+            g.replays = 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+    engine.block_manager.check_whole()
+    for runner in runners:
+        replays = {shape: g.replays for shape, (g, _) in runner._graphs.items() if g.replays}
+        assert any(q == 4 for _, q in replays), replays
+        assert replays == dict(runner.steps_by_shape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_steps_replay_cuda_graphs_of_k_plus_1_tokens_a_row(method):
+    """Speculative decoding on CUDA with graphs against the eager engine: the same tokens,
+    verify steps (and the draft model's first pass) replaying graphs of k + 1 tokens a row,
+    and a replay computing what the eager forward of the same padded batch computes."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (2, 3, 5, 7)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3} if method == "ngram" else
+            {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3})
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM("random:tiny", device="cuda", dtype="float32", cuda_graphs=graphs,
+                  max_num_seqs=10, speculative_config=spec)
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.block_manager.check_whole()
+    engine = llm.engine
+    assert outs[True] == outs[False]
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    for runner in runners:
+        assert sorted(runner._graphs) == sorted(runner.graph_shapes())
+        assert any(q == 4 for _, q in runner.steps_by_shape), runner.steps_by_shape
+    runner = engine.runner
+    items = _decode_items(engine, 3)
+    for item, drafts in zip(items, [[5, 6, 7], [], [9]]):
+        engine.block_manager.grow(item.seq.block_table, item.seq.num_tokens + len(drafts))
+        item.num_new_tokens, item.draft_token_ids = 1 + len(drafts), drafts
+    batch = runner.prepare(items)
+    assert batch.graph_shape == (4, 4)
+    rows = torch.arange(16, device="cuda")
+    with torch.inference_mode():
+        replayed = runner.logits(batch, rows).clone()
+        eager = engine.model.compute_logits(engine.model(batch, engine.kv_cache))
+    torch.testing.assert_close(replayed, eager)
+
+
+def test_graph_shapes_are_decode_buckets_and_with_drafts_those_at_k_plus_1_tokens():
+    plain = Engine("random:tiny", max_num_seqs=10, cuda_graphs=True).runner
+    assert plain.graph_shapes() == [(s, 1) for s in (10, 8, 4, 2, 1)]
+    # 64 tokens a step: buckets of up to 16 rows hold 4 tokens a row
+    spec = Engine("random:tiny", max_num_seqs=20, cuda_graphs=True, max_num_batched_tokens=64,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3}).runner
+    assert spec.verify_buckets == [1, 2, 4, 8, 16]
+    assert spec.graph_shapes()[:3] == [(16, 4), (8, 4), (20, 1)]
+    assert Engine("random:tiny", cuda_graphs=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}).runner.graph_shapes() == []

@@ -484,3 +484,44 @@ def test_the_kv_pool_is_whole_after_aborts_mid_speculation(tiny_llama_dir, promp
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     if method == "draft_model":
         _assert_drafted_by_model(engine)
+
+
+# -------------------------------------------------------------- CUDA graphs' shapes
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("config", ["roomy", "chunked-prefill", "preempting"])
+def test_steps_padded_to_the_verify_graph_shape_change_no_token(checkpoint, prompts,
+                                                                plain_greedy, method, config):
+    """With cuda_graphs=True on the CPU the steps a GPU replays as graphs run eagerly in the
+    graphs' padded shapes: verifying steps at k + 1 tokens a row (the target's, and the draft
+    model's first pass), one-token steps at their bucket; the tokens are those of the plain
+    engine."""
+    spec = NGRAM if method == "ngram" else _draft(checkpoint)
+    llm = LLM(checkpoint, speculative_config=spec, cuda_graphs=True, **STRESS_CONFIGS[config])
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_greedy
+    engine = llm.engine
+    _assert_speculated(engine, partly=method == "ngram")
+    engine.block_manager.check_whole()
+    q = 1 + spec["num_speculative_tokens"]
+    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    for runner in runners:
+        shapes = runner.steps_by_shape
+        assert runner.query_len == q and any(k == q for _, k in shapes), shapes
+        assert all((rows, k) in runner.graph_shapes() for rows, k in shapes)
+    if method == "draft_model":
+        _assert_drafted_by_model(engine)
+        assert any(k == 1 for _, k in engine.proposer.runner.steps_by_shape)
+
+
+def test_seeded_sampling_in_the_verify_graph_shape_equals_without_speculation(tiny_hf_dir,
+                                                                             prompts):
+    params = SamplingParams(max_tokens=24, temperature=0.05, top_p=0.95, seed=5, n=2,
+                            ignore_eos=True)
+    plain = LLM(str(tiny_hf_dir)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_hf_dir), speculative_config=NGRAM, cuda_graphs=True)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
+    _assert_speculated(llm.engine, partly=False)
+    assert any(k == 4 for _, k in llm.engine.runner.steps_by_shape)

@@ -40,7 +40,7 @@ class CPUModelRunner(ModelRunner):
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, max_num_seqs: int,
                  max_num_batched_tokens: int, cuda_graphs: bool = False,
-                 threads: int | None = None):
+                 num_speculative_tokens: int = 0, threads: int | None = None):
         self.threads = ThreadPolicy(threads, adaptive=not model.batch_invariant)
         self.huge_pages = HugePages()
         # before the dry run of ModelRunner.__init__, so that it runs the packed kernels
@@ -48,7 +48,8 @@ class CPUModelRunner(ModelRunner):
         self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
                                    place=self.huge_pages.copy)
         keep_freed_memory()
-        super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs)
+        super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs,
+                         num_speculative_tokens)
 
     @property
     def greedy_screen(self) -> cpu.GreedyScreen | None:
