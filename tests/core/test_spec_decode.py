@@ -525,3 +525,32 @@ def test_seeded_sampling_in_the_verify_graph_shape_equals_without_speculation(ti
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
     _assert_speculated(llm.engine, partly=False)
     assert any(k == 4 for _, k in llm.engine.runner.steps_by_shape)
+
+
+def test_prompt_logprobs_of_chunks_padded_to_the_verify_graph_shape(tiny_hf_dir, prompts):
+    """Prompt chunks of at most k + 1 tokens beside verifying rows run in the padded shape;
+    the prompt logprobs they score are the plain engine's."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, prompt_logprobs=2 * (i % 2))
+              for i, m in enumerate(MAX_TOKENS)]
+    config = dict(max_num_seqs=2, max_num_batched_tokens=8)
+    plain = LLM(str(tiny_hf_dir), **config).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_hf_dir), speculative_config=NGRAM, cuda_graphs=True, **config)
+    runner, seen = llm.engine.runner, []
+    run = runner.run
+
+    def spy(batch, sampling, num_logprobs, prompt=None, rows=None):
+        seen.append((batch.graph_shape, prompt is not None))
+        return run(batch, sampling, num_logprobs, prompt, rows)
+
+    runner.run = spy
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for a, b in zip(spec, plain):
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.keys() == y.keys()
+                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert any(shape and shape[1] == 4 and scored for shape, scored in seen), seen
+    _assert_speculated(llm.engine, partly=False)
