@@ -93,8 +93,8 @@ class StepBatchBuilder:
         cu, lens = [0], []
         for tokens, start, table in runs:
             end = start + len(tokens)
-            if query_len:  # fillers first: they recompute cached positions, writing nothing
-                fill = query_len - len(tokens)
+            if query_len and query_len != len(tokens):  # fillers first: they recompute
+                fill = query_len - len(tokens)  # cached positions, writing nothing
                 if not 0 <= fill <= start:
                     raise ValueError(f"a run of {len(tokens)} tokens after {start} cached "
                                      f"cannot be padded to {query_len}")
