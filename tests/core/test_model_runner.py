@@ -379,18 +379,24 @@ class _EagerGraph:
         self.replays += 1
 
 
+def _speculating(method):
+    """Prompts that repeat a random unit (prompt lookup finds them), greedy params, and a
+    speculative_config of ``method`` with k = 3 (the draft model: random:tiny itself)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (2, 3, 5, 7)]
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3} if method == "ngram" else
+            {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3})
+    return prompts, SamplingParams(max_tokens=24, ignore_eos=True), spec
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_verify_steps_replay_graphs_captured_at_k_plus_1_tokens_a_row(monkeypatch, method):
     """With graphs that behave as CUDA graphs do (:class:`_EagerGraph`), verifying steps (and
     the draft model's first pass) replay the graph of k + 1 tokens a row of their bucket and
     take the logits of their sampled positions from it: the tokens are the eager engine's."""
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")  # greedy steps read the logits
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (2, 3, 5, 7)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3} if method == "ngram" else
-            {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3})
+    prompts, params, spec = _speculating(method)
     plain = LLM("random:tiny", max_num_seqs=10).generate(prompts, params, use_tqdm=False)
     llm = LLM("random:tiny", max_num_seqs=10, cuda_graphs=True, speculative_config=spec)
     engine = llm.engine
@@ -419,12 +425,7 @@ def test_verify_steps_replay_cuda_graphs_of_k_plus_1_tokens_a_row(method):
     """Speculative decoding on CUDA with graphs against the eager engine: the same tokens,
     verify steps (and the draft model's first pass) replaying graphs of k + 1 tokens a row,
     and a replay computing what the eager forward of the same padded batch computes."""
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (2, 3, 5, 7)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 3} if method == "ngram" else
-            {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3})
+    prompts, params, spec = _speculating(method)
     outs = {}
     for graphs in (False, True):
         llm = LLM("random:tiny", device="cuda", dtype="float32", cuda_graphs=graphs,
