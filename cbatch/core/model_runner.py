@@ -263,8 +263,8 @@ class ModelRunner:
                 dict(pad_to=rows)
         elif self.verify_buckets:
             q, bucket = self.query_len, self.bucket(rows, self.verify_buckets)
-            capacity = self.builder.max_blocks_per_seq * self.builder.block_size
-            if bucket and all(len(tokens) <= q <= start + len(tokens) <= capacity
+            # (a run's fillers recompute cached positions: it needs as many before it)
+            if bucket and all(len(tokens) <= q <= start + len(tokens)
                               for tokens, start, _ in runs):
                 shape = dict(pad_to=bucket, full_width=True, query_len=q)
         batch = self.builder.build(runs, deferred=deferred, sampled=self._sampled, **shape)
