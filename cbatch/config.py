@@ -110,6 +110,13 @@ MODEL_CONFIGS: dict[str, GPT2Config] = {
 }
 
 
+# Bounds of speculative_config (vLLM has none): past a few tokens a draft is almost never
+# accepted whole, and every draft position costs the verifying step a row of logits and
+# /metrics a counter; an n-gram longer than this is no better a match.
+MAX_SPECULATIVE_TOKENS = 32
+MAX_PROMPT_LOOKUP = 64
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, as vLLM spells it (``speculative_config={"method": "ngram",
@@ -147,9 +154,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{SPECULATIVE_METHODS}, got {self.method!r}")
         k = self.num_speculative_tokens
-        if not _is_int(k) or k < 1:
-            raise ValueError("speculative_config: num_speculative_tokens must be an int >= 1 "
-                             f"(the drafts a request verifies per step), got {k!r}")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an int in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}] (the drafts a request verifies "
+                             f"per step), got {k!r}")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config: method draft_model needs \"model\": the "
                              "draft model (random:<name>, a checkpoint directory or a hub id) "
@@ -163,9 +171,10 @@ class SpeculativeConfig:
                              f"{self.adaptive!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"speculative_config: {name} must be an int >= 1, got "
-                                 f"{value!r}")
+            if value is not None and (not _is_int(value)
+                                      or not 1 <= value <= MAX_PROMPT_LOOKUP):
+                raise ValueError(f"speculative_config: {name} must be an int in [1, "
+                                 f"{MAX_PROMPT_LOOKUP}], got {value!r}")
         if lo is None and hi is None:
             lo = hi = 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
@@ -244,6 +253,9 @@ class EngineConfig:
                                 "may run on, fewer while other processes take them)")
     max_logprobs: int = _knob(20, "the most logprobs a request may ask for (vLLM's default; "
                               "-1: the whole vocabulary)")
+    max_prompt_logprobs: int = _knob(20, "the most prompt_logprobs a request may ask for (-1: "
+                                     "the whole vocabulary); a request's prompt logprobs, "
+                                     "(k + 1) x prompt tokens x n, are bounded too")
     speculative_config: dict | SpeculativeConfig | None = _knob(
         None, "speculative decoding as JSON, vLLM's keys: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
@@ -266,9 +278,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for the whole "
-                             f"vocabulary, got {self.max_logprobs!r}")
+        for name in ("max_logprobs", "max_prompt_logprobs"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < -1:
+                raise ValueError(f"{name} must be an int >= 0, or -1 for the whole "
+                                 f"vocabulary, got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         mem = self.kv_cache_memory

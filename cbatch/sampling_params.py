@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 
 # top_k beyond any vocabulary (the sampler clamps it to the vocabulary it samples from)
 MAX_TOP_K = 2**31
+# The most prompt-logprob entries one request may ask for: (prompt_logprobs + 1) per prompt
+# token, in every choice; about 16 MB of JSON, as the server's request body limit
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
+# repetition_penalty's range: the sampler divides (or multiplies) float32 logits by it, and
+# logits of any model stay finite through that for every value in this range
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 
 
 @dataclass
@@ -62,17 +69,21 @@ class SamplingParams:
     max_tokens      new tokens to generate at most (>= 1)
     min_tokens      until this many tokens are out, EOS and ``stop_token_ids`` cannot be
                     sampled and stop strings are not checked (0 <= min_tokens <= max_tokens)
-    temperature     0 = greedy; otherwise logits are divided by it before sampling
-    top_k           keep the k most likely tokens (0 or -1 = all; at most 2**31)
+    temperature     0 = greedy; otherwise logits are divided by it before sampling, in
+                    float32: a temperature that float32 rounds to 0 (below about 7e-46) is
+                    greedy, its limit, and one float32 cannot hold (above 3.4e38) is refused
+    top_k           keep the k most likely tokens (0 or -1 = all; at most 2**31); 1 is
+                    greedy (the sampler keeps one token by its argmax, not by weights that
+                    a huge temperature rounds to ties)
     top_p           keep the smallest set of tokens whose probability reaches top_p (1 = all)
     min_p           drop tokens less likely than min_p times the most likely one (0 = off)
     presence_penalty   in [-2, 2]: subtracted once from the logit of every token already in
                     the output (> 0 favours new tokens)
     frequency_penalty  in [-2, 2]: subtracted from each token's logit once per time it is in
                     the output
-    repetition_penalty  > 0: the logit of every token in the prompt or the output is divided
-                    by it when positive and multiplied by it when negative (1 = off;
-                    transformers' and vLLM's rule)
+    repetition_penalty  in [1e-30, 1e30]: the logit of every token in the prompt or the
+                    output is divided by it when positive and multiplied by it when negative
+                    (1 = off; transformers' and vLLM's rule)
     logit_bias      {token id: bias in [-100, 100]} added to the logits
     allowed_token_ids  only these tokens can be sampled (None = all)
     bad_words       strings that never appear in the output: the last token of each (of
@@ -133,8 +144,9 @@ class SamplingParams:
         # an error for its caller, never a failure inside a step that every request shares.
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got "
+        if (not _is_real(self.temperature) or not 0 <= self.temperature < math.inf
+                or _float32(self.temperature) == math.inf):
+            raise ValueError(f"temperature must be a number in [0, 3.4e38] (a float32), got "
                              f"{self.temperature!r}")
         if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOP_K):
             raise ValueError(f"top_k must be -1 or 0 (off) or an int in [1, 2**31], got "
@@ -145,6 +157,10 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         self.top_k = max(self.top_k, 0)  # -1 (vLLM's "off") is 0 here
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        if _float32(self.temperature) == 0.0 or self.top_k == 1:
+            # the sampler sees float32: a positive temperature that rounds to 0 there is
+            # greedy, its limit; top_k=1 keeps the argmax alone, which greedy is exactly
+            self.temperature = 0.0
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         self._stop_token_set = frozenset(self.stop_token_ids)
         if not isinstance(self.stop, (str, list, tuple)):
@@ -166,10 +182,10 @@ class SamplingParams:
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
             setattr(self, name, float(value))
-        if (not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty
-                < math.inf):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
-                             f"{self.repetition_penalty!r}")
+        if (not _is_real(self.repetition_penalty) or not MIN_REPETITION_PENALTY
+                <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}"
+                             f", {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
         self.min_p, self.repetition_penalty = float(self.min_p), float(self.repetition_penalty)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -219,6 +235,28 @@ class SamplingParams:
             raise ValueError(f"best_of={self.best_of!r} is not supported: only best_of == n "
                              f"(= {self.n}), as in vLLM v1; ask for n completions instead")
 
+    def check_logprobs(self, num_prompt_tokens: int, vocab_size: int, max_logprobs: int,
+                       max_prompt_logprobs: int) -> None:
+        """ValueError naming the field when ``logprobs`` or ``prompt_logprobs`` asks for more
+        than an engine gives (its ``max_logprobs`` and ``max_prompt_logprobs``, -1 meaning
+        the vocabulary, never more than it), or the prompt logprobs of a prompt of
+        ``num_prompt_tokens`` for more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` entries."""
+        for name, limit_name, limit in (("logprobs", "max_logprobs", max_logprobs),
+                                        ("prompt_logprobs", "max_prompt_logprobs",
+                                         max_prompt_logprobs)):
+            k = getattr(self, name)
+            limit = vocab_size if limit == -1 else min(limit, vocab_size)
+            if k is not None and k > limit:
+                raise ValueError(f"{name}={k} is more than this engine's {limit_name} "
+                                 f"({limit})")
+        check_prompt_logprob_entries(self.prompt_logprob_entries(num_prompt_tokens))
+
+    def prompt_logprob_entries(self, num_prompt_tokens: int) -> int:
+        """The prompt-logprob entries a prompt of ``num_prompt_tokens`` gets: k + 1 per token
+        (k alternatives and its own), 0 without ``prompt_logprobs``."""
+        k = self.prompt_logprobs
+        return 0 if k is None else (k + 1) * num_prompt_tokens
+
     @property
     def stop_token_set(self) -> frozenset[int]:
         """``stop_token_ids`` as a set (a stop check per token is O(1), however long the
@@ -258,6 +296,23 @@ def _token_ids(name: str, ids) -> list[int]:
     if any(not _is_int(t) or t < 0 for t in ids):
         raise ValueError(f"{name} must be ints >= 0, got {ids!r:.80}")
     return ids
+
+
+def check_prompt_logprob_entries(entries: int) -> None:
+    """ValueError when a request (all its prompts and choices) asks for more prompt-logprob
+    entries than :data:`MAX_PROMPT_LOGPROB_ENTRIES`."""
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(f"prompt_logprobs: this request asks for {entries} prompt-logprob "
+                         f"entries ((k + 1) per prompt token, in every choice), more than the "
+                         f"{MAX_PROMPT_LOGPROB_ENTRIES} a request may; ask for fewer")
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as the sampler's kernels see it (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
 
 
 def _is_int(x) -> bool:

@@ -19,6 +19,9 @@ from cbatch.hub import TOKENIZER_FILES, resolve_checkpoint_dir
 
 class Tokenizer(Protocol):
     eos_token_id: int
+    # at most this many characters of a text become one token (so a text of n characters
+    # has at least n / max_chars_per_token tokens: check_text_fits)
+    max_chars_per_token: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -43,6 +46,8 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids; needs a vocabulary of at least 256."""
+
+    max_chars_per_token = 1  # a token is a byte, a character one to four of them
 
     def __init__(self, eos_token_id: int):
         self.eos_token_id = eos_token_id
@@ -97,6 +102,14 @@ class HFTokenizer:
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._literal = None  # a copy that reads special tokens' spellings as text (lazy)
         self._literal_lock = threading.Lock()
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token's spelling in the vocabulary, times 4: a normalizer may shrink
+        a text (NFKC composes a letter and its accent into one character) before it is
+        split, never by that much."""
+        base = getattr(self._tok, "_tokenizer", self._tok)
+        return 4 * max(len(token) for token in base.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
@@ -264,15 +277,15 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     (``SamplingParams.truncate_prompt_tokens``): only the last k tokens are kept (-1: the
     model's length less ``max_tokens``)."""
     if isinstance(prompt, str):
+        if truncate is None:  # (with truncation, any length keeps its end)
+            check_text_fits(prompt, tokenizer, max_model_len)
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
     else:
         raise TypeError("a prompt is a string or a list of token ids, got "
                         f"{type(prompt).__name__} {prompt!r:.40}")
-    if truncate is not None:
-        keep = max_model_len - max_tokens if truncate == -1 else truncate
-        ids = ids[-keep:] if keep > 0 else ids
+    ids = truncate_prompt(ids, max_model_len, max_tokens, truncate)
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) + max_tokens > max_model_len:  # before reading a long list
@@ -284,3 +297,24 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     if bad:
         raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
     return ids
+
+
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int,
+                    name: str = "prompt") -> None:
+    """ValueError naming ``name`` when ``text`` has too many characters to be at most
+    ``max_model_len`` tokens, told by its length before any tokenizer reads it: a prompt of
+    megabytes costs a server no more than one that fits."""
+    limit = max_model_len * tokenizer.max_chars_per_token
+    if len(text) > limit:
+        raise ValueError(f"{name} of {len(text)} characters exceeds the model's maximum "
+                         f"length ({max_model_len} tokens hold at most {limit} here)")
+
+
+def truncate_prompt(ids: list[int], max_model_len: int, max_tokens: int,
+                    truncate: int | None) -> list[int]:
+    """The prompt tokens a request keeps: the last ``truncate`` (-1: the model's length less
+    ``max_tokens``; None: all of them)."""
+    if truncate is None:
+        return ids
+    keep = max_model_len - max_tokens if truncate == -1 else truncate
+    return ids[-keep:] if keep > 0 else ids

@@ -21,7 +21,8 @@ from cbatch.logger import init_logger
 from cbatch.core.engine import Engine
 from cbatch.core.stats import EngineStats
 from cbatch.outputs import RequestOutput
-from cbatch.sampling_params import SamplingParams
+from cbatch.sampling_params import SamplingParams, check_prompt_logprob_entries
+from cbatch.tokenizer import check_text_fits, truncate_prompt
 
 logger = init_logger(__name__)
 
@@ -134,6 +135,11 @@ class AsyncEngine:
     # -------------------------------------------------------------- callers' side
 
     @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have, in tokens."""
+        return self.engine.max_model_len
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._error is None
 
@@ -168,9 +174,14 @@ class AsyncEngine:
                                   f"the engine loop failed: {self._error!r}")
         request_ids = ([uuid.uuid4().hex for _ in prompts] if request_ids is None
                        else [str(r) for r in request_ids])
-        if any(isinstance(p, str) for p in prompts):
-            # tokenised here, in a worker: long prompts stall no step and no event loop
-            prompts = await asyncio.to_thread(self._encode_all, prompts)
+        if any(isinstance(p, str) for p in prompts) or any(
+                p is not None and p.bad_words for p in params):
+            # tokenised here, in a worker: long prompts stall no step and no event loop, and
+            # the bad words of a request's choices (one list) are tokenised once
+            prompts, bad_words = await asyncio.to_thread(self._encode_all, prompts, params)
+        else:
+            bad_words = [None] * len(prompts)
+        self._check_logprobs(prompts, params)
         constraints = list({id(p.structured_outputs): p.structured_outputs for p in params
                             if p is not None and p.structured_outputs is not None}.values())
         if constraints:
@@ -179,8 +190,8 @@ class AsyncEngine:
                                              for c in constraints])
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in prompts]
-        self._post(("add", list(zip(request_ids, prompts, params)), priority, stream, loop,
-                    queues))
+        self._post(("add", list(zip(request_ids, prompts, params, bad_words)), priority, stream,
+                    loop, queues))
         try:
             admitted = await queues[0].get()  # None, or the reason they were refused
         except BaseException:  # cancelled while waiting: do not leave them running unheard
@@ -191,14 +202,38 @@ class AsyncEngine:
             raise admitted
         return [RequestStream(self, r, q) for r, q in zip(request_ids, queues)]
 
-    def _encode_all(self, prompts: list) -> list:
-        encoded = []
-        for i, p in enumerate(prompts):
+    def _encode_all(self, prompts: list, params: list[SamplingParams | None]
+                    ) -> tuple[list, list]:
+        """The prompts' token ids (strings encoded) and each request's bad words as token ids
+        (None without any; one list for the choices that share their ``bad_words``)."""
+        encoded, bad_words, by_list = [], [], {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                encoded.append(self.tokenizer.encode(p) if isinstance(p, str) else p)
+                if isinstance(prompt, str) and (p is None or p.truncate_prompt_tokens is None):
+                    check_text_fits(prompt, self.tokenizer, self.engine.max_model_len)
+                encoded.append(self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                               else prompt)
             except ValueError as e:
                 raise ValueError(f"{_which(i, len(prompts))}{e}") from None
-        return encoded
+            words = None if p is None or not p.bad_words else p.bad_words
+            if words is not None and id(words) not in by_list:
+                by_list[id(words)] = self.engine.bad_words_token_ids(p)
+            bad_words.append(None if words is None else by_list[id(words)])
+        return encoded, bad_words
+
+    def _check_logprobs(self, prompts: list, params: list[SamplingParams | None]) -> None:
+        """Each request's logprobs as the engine checks them, then the prompt logprobs of
+        them all together (every prompt and choice of one API call): a ValueError."""
+        cfg, entries = self.engine.config, 0
+        vocab_size = self.engine.model.config.vocab_size
+        for ids, p in zip(prompts, params):
+            if p is None or not isinstance(ids, list):
+                continue
+            kept = len(truncate_prompt(ids, self.engine.max_model_len, p.max_tokens,
+                                       p.truncate_prompt_tokens))
+            p.check_logprobs(kept, vocab_size, cfg.max_logprobs, cfg.max_prompt_logprobs)
+            entries += p.prompt_logprob_entries(kept)
+        check_prompt_logprob_entries(entries)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0
@@ -308,9 +343,10 @@ class AsyncEngine:
                 if len(engine.scheduler.waiting) + len(requests) > self.max_waiting:
                     raise QueueFullError(f"the waiting queue is full (max_waiting="
                                          f"{self.max_waiting}); retry later")
-                for i, (request_id, prompt, params) in enumerate(requests):
+                for i, (request_id, prompt, params, bad_words) in enumerate(requests):
                     try:
-                        engine.add_request(prompt, params, priority, request_id, stream)
+                        engine.add_request(prompt, params, priority, request_id, stream,
+                                           bad_words)
                     except (ValueError, TypeError) as e:  # (not type(e): its own arguments)
                         kind = ValueError if isinstance(e, ValueError) else TypeError
                         raise kind(f"{_which(i, len(requests))}{e}") from None

@@ -200,11 +200,8 @@ class Engine:
         cfg = self.model.config
         ids = prompt_token_ids(prompt, self.tokenizer, cfg.vocab_size, self.max_model_len,
                                params.max_tokens, params.truncate_prompt_tokens)
-        max_logprobs = cfg.vocab_size if self.config.max_logprobs == -1 else min(
-            self.config.max_logprobs, cfg.vocab_size)
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than this engine's "
-                             f"max_logprobs ({max_logprobs})")
+        params.check_logprobs(len(ids), cfg.vocab_size, self.config.max_logprobs,
+                              self.config.max_prompt_logprobs)
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             # (ids the sampler indexes the logits with: one outside them would fail the step)
             bad = [t for t in getattr(params, name) or () if t >= cfg.vocab_size]
@@ -221,10 +218,12 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, request_id: str | None = None, stream: bool = True
-                    ) -> str:
+                    priority: int = 0, request_id: str | None = None, stream: bool = True,
+                    bad_words_token_ids: list[tuple[int, ...]] | None = None) -> str:
         """Queue a request (a string, or token ids); returns its id.  ``stream=False``: the
-        request's output comes only once, when it finishes (no snapshot at every step)."""
+        request's output comes only once, when it finishes (no snapshot at every step).
+        ``bad_words_token_ids``: :meth:`bad_words_token_ids` of ``params``, when the caller
+        tokenised them already (once for all the choices of a request, off this thread)."""
         params = SamplingParams() if params is None else params
         if getattr(params, "n", 1) > 1:  # (a wrong type is validate_request's to name)
             raise ValueError(f"n={params.n}: a request of Engine.add_request is one "
@@ -236,8 +235,10 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
+        if bad_words_token_ids is None:
+            bad_words_token_ids = self.bad_words_token_ids(params)
         seq = Sequence(request_id, ids, params, order, priority, seed, stream,
-                       bad_words_token_ids=self._bad_words_token_ids(params))
+                       bad_words_token_ids=bad_words_token_ids)
         self._requests[request_id] = seq
         if params.structured_outputs is not None:
             self.structured.hold(seq)  # scheduled once its grammar is compiled
@@ -245,7 +246,7 @@ class Engine:
             self.scheduler.add(seq)
         return request_id
 
-    def _bad_words_token_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
+    def bad_words_token_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
         """``params.bad_words`` as token ids: each word as it is and with a leading space (a
         word in mid-text is usually one token with its space), as vLLM does."""
         words: set[tuple[int, ...]] = set()
@@ -413,6 +414,11 @@ class Engine:
         changed = []
         for i, item in enumerate(step.scheduled):
             seq = item.seq
+            if i in step.tokens.failed:  # its own rules or draw raised: it alone ends
+                if self._requests.pop(seq.request_id, None) is not None:
+                    self._fail(seq, step.tokens.failed[i])
+                    changed.append(seq)
+                continue
             if prompt_logprobs is not None and prompt_logprobs[i] and not seq.is_finished:
                 seq.prompt_logprobs += [None] * (not seq.prompt_logprobs) + prompt_logprobs[i]
             if not step.tokens.samples[i] or seq.is_finished:

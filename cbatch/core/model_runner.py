@@ -133,8 +133,11 @@ class SampledTokens:
                  logprobs: tuple[torch.Tensor, ...] | None, num_logprobs: list[int | None],
                  prompt: PromptTargets | None = None,
                  prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
-                 drafts: DraftPositions | None = None):
+                 drafts: DraftPositions | None = None,
+                 failed: dict[int, Exception] | None = None):
         self.samples = samples  # per row: whether it reached its sequence's last token
+        # row -> the error that its own rules or draw raised: that request alone fails
+        self.failed = failed or {}
         # row s's draws: tokens[offsets[s]:offsets[s + 1]] (None: tokens[s], one per row)
         self.offsets = None if drafts is None else drafts.offsets
         # on CUDA: non-blocking copies into pinned memory, then an event to wait for
@@ -328,6 +331,7 @@ class ModelRunner:
                          for j in range(count)]
             rows, draw_of = to_device(drafts.token_indices, self.device), drafts.offsets[:-1]
         params = [seq.params for seq in seqs]
+        failed: dict[int, Exception] = {}  # sampling row -> the error of its own rules or draw
         sampling = SamplingBatch(
             temperatures=[p.temperature for p in params],
             top_ks=[p.top_k for p in params],
@@ -335,8 +339,9 @@ class ModelRunner:
             seeds=[seq.seed for seq in seqs],
             positions=positions,
             min_ps=[p.min_p for p in params],
-            rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts),
+            rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts, failed),
             bitmask=structured_output.bitmask(scheduled),
+            failed=failed,
         )
         num_logprobs = [p.logprobs for p in params]
         prompt = PromptTargets.of(scheduled, starts)
@@ -345,8 +350,11 @@ class ModelRunner:
         self._sampled = tokens
         self._sampled_rows = {id(item.seq): draw_of[row] for row, item in enumerate(scheduled)
                               if row_samples[row] and not item.draft_token_ids}
+        if failed and drafts is not None:  # sampling rows -> their scheduled rows
+            owner = drafts.repeat(list(range(len(scheduled))))
+            failed = {owner[r]: exc for r, exc in failed.items()}
         return SampledTokens(tokens, row_samples, logprobs, num_logprobs, prompt,
-                             prompt_logprobs, drafts)
+                             prompt_logprobs, drafts, failed)
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
             prompt: PromptTargets | None = None, rows: torch.Tensor | None = None

@@ -60,6 +60,22 @@ class LogitsRules:
     counted_rows: list[int] = field(default_factory=list)  # rows whose draw joins the counts
     counts: TokenCounts | None = None
 
+    def row(self, r: int) -> LogitsRules | None:
+        """Row ``r``'s rules alone, as row 0 (None when it has none)."""
+        def mine(rows: list[int], *values: list) -> tuple[list, ...]:
+            picked = [i for i, row in enumerate(rows) if row == r]
+            return ([0] * len(picked),) + tuple([v[i] for i in picked] for v in values)
+
+        one = LogitsRules(bias=mine(*self.bias), banned=mine(*self.banned),
+                          allowed=[(0, ids) for row, ids in self.allowed if row == r],
+                          counts=self.counts)
+        (one.penalty_rows, one.penalty_slots, one.presence, one.frequency,
+         one.repetition) = mine(self.penalty_rows, self.penalty_slots, self.presence,
+                                self.frequency, self.repetition)
+        one.counted_rows = [0] * (r in self.counted_rows)
+        empty = not (one.bias[0] or one.banned[0] or one.allowed or one.penalty_rows)
+        return None if empty else one
+
 
 @dataclass
 class SamplingBatch:
@@ -76,6 +92,10 @@ class SamplingBatch:
     # be sampled (xgrammar's token bitmask; rows without a grammar all ones); None: no row
     # has a grammar
     bitmask: torch.Tensor | None = None
+    # None: an error of the sampler propagates.  A dict (the engine's steps): a row whose own
+    # rules or draw raise is recorded here (row -> error), its token is meaningless, and the
+    # other rows get the tokens they would have had (:func:`sample`)
+    failed: dict[int, Exception] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -85,6 +105,15 @@ class SamplingBatch:
     def plain(self) -> bool:
         """No row asks for anything but temperature, top-k, top-p and min-p."""
         return self.rules is None and self.bitmask is None
+
+    def row(self, r: int) -> SamplingBatch:
+        """Row ``r`` alone, as row 0 of a batch of one (no ``failed``: its errors raise)."""
+        return SamplingBatch(
+            temperatures=[self.temperatures[r]], top_ks=[self.top_ks[r]],
+            top_ps=[self.top_ps[r]], seeds=[self.seeds[r]], positions=[self.positions[r]],
+            min_ps=None if self.min_ps is None else [self.min_ps[r]],
+            rules=None if self.rules is None else self.rules.row(r),
+            bitmask=None if self.bitmask is None else self.bitmask[r:r + 1])
 
 
 class TokenCounts:
@@ -134,47 +163,62 @@ class TokenCounts:
 
 
 def logits_rules(seqs: list[Sequence], samples: list[bool], eos_token_ids: frozenset[int],
-                 counts: TokenCounts) -> LogitsRules | None:
+                 counts: TokenCounts, failed: dict[int, Exception] | None = None
+                 ) -> LogitsRules | None:
     """The :class:`LogitsRules` of a step's sequences (row s is ``seqs[s]``; ``samples[s]``:
     whether its draw is kept); None when none asks for one.  Bad words of more than one token
     read the output on the host, so their requests run with the previous step resolved
-    (:attr:`SamplingParams.needs_output_on_host`)."""
+    (:attr:`SamplingParams.needs_output_on_host`).  ``failed`` (a dict): a row whose rules
+    raise is recorded there and gets none (else the error propagates)."""
     rules = None
     for row, seq in enumerate(seqs):
-        p = seq.params
-        if not p.processes_logits:
+        if not seq.params.processes_logits:
             continue
         rules = rules or LogitsRules()
-        if p.logit_bias:
-            rules.bias[0].extend([row] * len(p.logit_bias))
-            rules.bias[1].extend(p.logit_bias)
-            rules.bias[2].extend(p.logit_bias.values())
-        banned: set[int] = set()
-        if seq.num_output_tokens < p.min_tokens:
-            banned.update(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned.update(eos_token_ids)
-        if seq.bad_words_token_ids:
-            out = seq.output_token_ids
-            for word in seq.bad_words_token_ids:
-                head = word[:-1]
-                if not head or (len(out) >= len(head) and tuple(out[-len(head):]) == head):
-                    banned.add(word[-1])
-        if banned:
-            rules.banned[0].extend([row] * len(banned))
-            rules.banned[1].extend(banned)
-        if p.allowed_token_ids is not None:
-            rules.allowed.append((row, p.allowed_token_ids))
-        if p.penalized:
-            rules.counts = counts
-            rules.penalty_rows.append(row)
-            rules.penalty_slots.append(counts.slot(seq))
-            rules.presence.append(p.presence_penalty)
-            rules.frequency.append(p.frequency_penalty)
-            rules.repetition.append(p.repetition_penalty)
-            if samples[row]:
-                rules.counted_rows.append(row)
+        try:
+            _add_rules(rules, row, seq, samples, eos_token_ids, counts)
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed[row] = exc  # this row's own: it alone fails
     return rules
+
+
+def _add_rules(rules: LogitsRules, row: int, seq: Sequence, samples: list[bool],
+               eos_token_ids: frozenset[int], counts: TokenCounts) -> None:
+    """Add ``seq``'s rules as row ``row``: what can raise runs first, so a row that raises
+    adds nothing."""
+    p = seq.params
+    banned: set[int] = set()
+    if seq.num_output_tokens < p.min_tokens:
+        banned.update(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(eos_token_ids)
+    if seq.bad_words_token_ids:
+        out = seq.output_token_ids
+        for word in seq.bad_words_token_ids:
+            head = word[:-1]
+            if not head or (len(out) >= len(head) and tuple(out[-len(head):]) == head):
+                banned.add(word[-1])
+    slot = counts.slot(seq) if p.penalized else None
+    if p.logit_bias:
+        rules.bias[0].extend([row] * len(p.logit_bias))
+        rules.bias[1].extend(p.logit_bias)
+        rules.bias[2].extend(p.logit_bias.values())
+    if banned:
+        rules.banned[0].extend([row] * len(banned))
+        rules.banned[1].extend(banned)
+    if p.allowed_token_ids is not None:
+        rules.allowed.append((row, p.allowed_token_ids))
+    if slot is not None:
+        rules.counts = counts
+        rules.penalty_rows.append(row)
+        rules.penalty_slots.append(slot)
+        rules.presence.append(p.presence_penalty)
+        rules.frequency.append(p.frequency_penalty)
+        rules.repetition.append(p.repetition_penalty)
+        if samples[row]:
+            rules.counted_rows.append(row)
 
 
 def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,
@@ -281,7 +325,30 @@ def _triton_available() -> bool:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``logits: [S, V]`` → int64 token ids ``[S]`` (``logits`` itself is never changed)."""
+    """``logits: [S, V]`` → int64 token ids ``[S]`` (``logits`` itself is never changed).
+
+    With ``batch.failed`` a dict, an error while applying the rules or drawing does not end
+    the step: the rows are sampled again one at a time, and those that raise alone are
+    recorded in it (their tokens are 0); the others get the tokens they would have had,
+    since a row's token never depends on the other rows."""
+    if batch.failed is None:
+        return _sample(logits, batch)
+    try:
+        return _sample(logits, batch)
+    except Exception:
+        pass
+    tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for r in range(logits.shape[0]):
+        if r in batch.failed:  # its rules failed already: not drawn
+            continue
+        try:
+            tokens[r] = _sample(logits[r:r + 1], batch.row(r))[0]
+        except Exception as exc:
+            batch.failed[r] = exc
+    return tokens
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not batch.plain:
         logits = logits.to(torch.float32, copy=True)
         apply_rules(logits, batch.rules, batch.bitmask)
@@ -314,7 +381,8 @@ def logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor,
         return None
     idx = to_device(rows, logits.device)
     logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
-    top_values, top_ids = logprobs.topk(max(num_logprobs[s] for s in rows), dim=-1)
+    k = min(max(num_logprobs[s] for s in rows), logprobs.shape[-1])  # (at most the vocab)
+    top_values, top_ids = logprobs.topk(k, dim=-1)
     sampled_ids = tokens[idx]
     sampled = logprobs.gather(-1, sampled_ids[:, None])[:, 0]
     return top_values, top_ids, sampled_ids, sampled

@@ -308,3 +308,194 @@ def test_a_graph_replay_that_raises_mid_serving_falls_back_to_eager(monkeypatch)
     with pytest.warns(RuntimeWarning, match="replay failed.*eagerly"):
         got = _greedy(llm)
     assert got == eager and runner._graphs == {} and runner.buckets == []
+
+
+# ------------------------------------------------------- issue 48: a row's own step error
+
+POISON_SEED, POISON_TOKEN = 424242, 77
+
+
+def _poison(monkeypatch, where: str, calls: list) -> None:
+    """Make the sampler raise for the poisoned request's row alone: in its draw (its seed)
+    or in its logits processing (its logit_bias names POISON_TOKEN).  ``calls`` gets the
+    number of rows of every call."""
+    from cbatch.core import sampler
+
+    if where == "draw":
+        draw = sampler._draw
+
+        def faulty_draw(logits, rows, batch):
+            calls.append(len(rows))
+            if any(batch.seeds[r] == POISON_SEED for r in rows):
+                raise RuntimeError("injected fault in the draw")
+            return draw(logits, rows, batch)
+
+        monkeypatch.setattr(sampler, "_draw", faulty_draw)
+    else:
+        apply = sampler.apply_rules
+
+        def faulty_rules(logits, rules, bitmask):
+            calls.append(logits.shape[0])
+            if rules is not None and POISON_TOKEN in rules.bias[1]:
+                raise RuntimeError("injected fault in the logits rules")
+            return apply(logits, rules, bitmask)
+
+        monkeypatch.setattr(sampler, "apply_rules", faulty_rules)
+
+
+def _step_path(monkeypatch, path: str) -> dict:
+    """Engine keywords and patches for the CPU's step path or the one CUDA uses: the torch
+    rules and draw (no C++ sampler), async scheduling and the padded shapes of graphs."""
+    if path == "cpu":
+        return {}
+    from types import SimpleNamespace
+
+    from cbatch.core import sampler
+
+    monkeypatch.setattr(sampler, "compiled", SimpleNamespace(compiled_backends=lambda: ()))
+    return dict(async_scheduling=True, cuda_graphs=True)
+
+
+def _workload(poisoned: bool) -> list[tuple[list[int], SamplingParams]]:
+    common = dict(max_tokens=12, ignore_eos=True)
+    work = [([1, 2, 3], SamplingParams(temperature=0.9, seed=1, **common)),
+            ([4, 5], SamplingParams(**common)),  # greedy
+            ([6, 7, 8, 9], SamplingParams(temperature=0.7, top_p=0.9, seed=2,
+                                          repetition_penalty=1.3, logit_bias={5: 2.0},
+                                          **common))]
+    if poisoned:
+        work.insert(1, ([3, 3], SamplingParams(temperature=1.0, seed=POISON_SEED,
+                                               logit_bias={POISON_TOKEN: 0.5}, **common)))
+    return work
+
+
+def _run(engine: Engine, work) -> dict[str, object]:
+    ids = [engine.add_request(prompt, params) for prompt, params in work]
+    finals = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    return [finals[i] for i in ids]
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda-path"])
+@pytest.mark.parametrize("where", ["draw", "rules"])
+def test_a_row_whose_sampling_raises_ends_its_request_alone(monkeypatch, path, where):
+    from cbatch.core import sampler
+
+    kw = {**KW, **_step_path(monkeypatch, path)}
+    reference = _run(Engine("random:tiny", **kw), _workload(poisoned=False))
+    calls: list[int] = []
+    _poison(monkeypatch, where, calls)
+    drawn = []
+    if path == "cuda-path":  # the draw that runs is the torch one, not the C++ kernel
+        ref = sampler.reference_sample
+        monkeypatch.setattr(sampler, "reference_sample",
+                            lambda *a: drawn.append(1) or ref(*a))
+    engine = Engine("random:tiny", **kw)
+    outs = _run(engine, _workload(poisoned=True))
+    bad = outs.pop(1)
+    assert bad.finish_reason == "error" and "injected fault" in bad.error
+    assert len(bad.token_ids) == 0
+    for out, want in zip(outs, reference):  # the others: the tokens they would have had
+        assert out.finish_reason == "length" and out.token_ids == want.token_ids
+    assert max(calls) > 1 and 1 in calls  # a batch raised, then rows were sampled apart
+    assert (path == "cuda-path") == bool(drawn)
+    again = _run(engine, _workload(poisoned=False)[:1])  # and it serves on
+    assert again[0].token_ids == reference[0].token_ids
+    engine.block_manager.check_whole()
+
+
+def test_a_row_whose_rules_cannot_be_built_ends_its_request_alone(monkeypatch):
+    from cbatch.core.sampler import TokenCounts
+
+    slot = TokenCounts.slot
+
+    def faulty_slot(self, seq):
+        if seq.params.seed == POISON_SEED:
+            raise RuntimeError("injected fault in the token counts")
+        return slot(self, seq)
+
+    monkeypatch.setattr(TokenCounts, "slot", faulty_slot)
+    work = _workload(poisoned=True)
+    work[1][1].repetition_penalty = 1.2  # the poisoned request asks for a penalty too
+    reference = _run(Engine("random:tiny", **KW), _workload(poisoned=False))
+    outs = _run(Engine("random:tiny", **KW), work)
+    bad = outs.pop(1)
+    assert bad.finish_reason == "error" and "token counts" in bad.error
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("logprobs", 513, "max_logprobs"), ("prompt_logprobs", 21, "max_prompt_logprobs"),
+    ("prompt_logprobs", 10**6, "max_prompt_logprobs")])
+def test_logprobs_and_prompt_logprobs_are_bounded_by_the_engine(field, value, match):
+    engine = Engine("random:tiny", max_logprobs=-1, **KW)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request([1, 2], SamplingParams(**{field: value}))
+    # -1: the whole vocabulary (512), never more
+    Engine("random:tiny", max_prompt_logprobs=-1, **KW).add_request(
+        [1, 2], SamplingParams(prompt_logprobs=512, max_tokens=1))
+    with pytest.raises(ValueError, match="max_prompt_logprobs"):
+        Engine("random:tiny", max_prompt_logprobs=-1, **KW).add_request(
+            [1, 2], SamplingParams(prompt_logprobs=513))
+
+
+def test_prompt_logprob_entries_of_a_request_are_bounded(monkeypatch):
+    from cbatch import sampling_params
+
+    monkeypatch.setattr(sampling_params, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)  # tiny's scale
+    engine = Engine("random:tiny", **KW)
+    with pytest.raises(ValueError, match="1010 prompt-logprob entries"):
+        engine.add_request([1] * 101, SamplingParams(prompt_logprobs=9, max_tokens=1))
+    engine.add_request([1] * 100, SamplingParams(prompt_logprobs=9, max_tokens=1))
+
+    async def main():  # all the prompts and choices of a request together
+        engine = AsyncEngine("random:tiny", **KW)
+        params = SamplingParams(prompt_logprobs=9, max_tokens=1)
+        try:
+            with pytest.raises(ValueError, match="1200 prompt-logprob entries"):
+                await engine.add_requests([[1] * 40] * 3, [params] * 3)
+            # truncated prompts count the tokens they keep
+            short = SamplingParams(prompt_logprobs=9, max_tokens=1, truncate_prompt_tokens=30)
+            streams = await engine.add_requests([[1] * 40] * 3, [short] * 3)
+            return [[o async for o in s][-1] for s in streams]
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    outs = asyncio.run(main())
+    assert [len(o.prompt_logprobs) for o in outs] == [30] * 3
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324])
+def test_a_temperature_that_float32_rounds_to_zero_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, seed=3)
+    assert params.temperature == 0.0 and params.greedy
+    llm = LLM("random:tiny", **KW)
+    got, want = (llm.generate([[1, 2, 3]], p, use_tqdm=False)[0].token_ids
+                 for p in (params, SamplingParams(max_tokens=6, ignore_eos=True)))
+    assert got == want
+
+
+def test_the_smallest_float32_temperature_still_samples():
+    assert SamplingParams(temperature=1e-45).temperature == 1e-45  # a float32 denormal
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 1e39), ("repetition_penalty", 1e-300), ("repetition_penalty", 1e-31),
+    ("repetition_penalty", 1e31)])
+def test_values_float32_cannot_carry_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    """At a huge temperature float32 weights tie; top_k=1 still keeps the argmax alone."""
+    llm = LLM("random:tiny", **KW)
+    hot, greedy = (llm.generate([[1, 2, 3]], SamplingParams(
+        temperature=t, top_k=k, max_tokens=8, ignore_eos=True, seed=5), use_tqdm=False)[0]
+        for t, k in ((1e30, 1), (0.0, 0)))
+    assert hot.token_ids == greedy.token_ids

@@ -377,7 +377,7 @@ def _prompt_ids(tokenizer, messages, special_tokens_in_content):
     from cbatch.entrypoints.openai.protocol import ChatCompletionRequest
     from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat
 
-    chat = OpenAIServingChat(SimpleNamespace(tokenizer=tokenizer), "m", CHATML,
+    chat = OpenAIServingChat(SimpleNamespace(tokenizer=tokenizer, max_model_len=1024), "m", CHATML,
                              special_tokens_in_content=special_tokens_in_content)
     return asyncio.run(chat.prompt_ids(ChatCompletionRequest(messages=messages)))
 

@@ -56,7 +56,7 @@ from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat
 from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
                                                           OpenAIServingCompletion)
 from cbatch.hub import resolve_checkpoint_dir
-from cbatch.tokenizer import token_text
+from cbatch.tokenizer import check_text_fits, token_text
 
 logger = init_logger("cbatch.server")
 
@@ -127,12 +127,17 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        param = ".".join(str(p) for p in errors[0]["loc"] if p != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}"
-                            for e in errors[:5])  # the first few: a list may fail per item
-        if len(errors) > 5:
-            message += f"; and {len(errors) - 5} more"
-        return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
+        where = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+        messages = [e["msg"].removeprefix("Value error, ") for e in errors]
+        if not where[0]:  # a check of the whole body: its message names the field
+            fields = exc.body if isinstance(exc.body, dict) else ()
+            error = OpenAIError.bad_request(messages[0], fields)
+        else:
+            message = "; ".join(f"{w}: {m}" if w else m for w, m in zip(where, messages[:5]))
+            if len(errors) > 5:  # the first few: a list may fail per item
+                message += f"; and {len(errors) - 5} more"
+            error = OpenAIError(400, message, param=where[0])
+        return JSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):
@@ -189,10 +194,18 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
         """vLLM's: a prompt (or messages, through the chat template) as token ids."""
         check_request("/tokenize", req)
         if isinstance(req, TokenizeChatRequest):
-            ids = await chat.prompt_ids(req, req.add_special_tokens)
+            ids, field = await chat.prompt_ids(req, req.add_special_tokens), "messages"
         else:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
-                                          add_special_tokens=req.add_special_tokens)
+            field = "prompt"
+            try:  # bounded like a prompt: by its length first, then tokenised off the loop
+                check_text_fits(req.prompt, engine.tokenizer, max_model_len)
+                ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+            except ValueError as exc:  # too long, or text it cannot take (a lone surrogate)
+                raise OpenAIError(400, f"prompt: {exc}", param="prompt") from None
+        if len(ids) > max_model_len:  # as vLLM's /tokenize
+            raise OpenAIError(400, f"{field} is {len(ids)} tokens, more than the model's "
+                                   f"maximum length ({max_model_len})", param=field)
         strs = ([token_text(engine.tokenizer, t)[0] for t in ids] if req.return_token_strs
                 else None)
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,

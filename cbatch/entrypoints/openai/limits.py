@@ -20,6 +20,9 @@ MAX_STOP_TOKEN_IDS = 128  # vLLM's MAX_NUM_STOP_TOKEN_IDS
 MAX_LOGIT_BIAS = 1024  # logit_bias entries: vLLM's MAX_NUM_LOGIT_BIAS_TOKENS
 MAX_ALLOWED_TOKEN_IDS = 1024  # vLLM's MAX_NUM_ALLOWED_TOKEN_IDS
 MAX_BAD_WORDS = 128  # bad_words (each is tokenised and matched at every step)
+# bad_words' characters, all words together: each word's tokens are compared with the end of
+# the output at every step of every choice
+MAX_BAD_WORDS_CHARS = 16384
 
 # field -> its cap, for the checks and the README's table
 LIMITS = {
@@ -40,3 +43,8 @@ def check_length(field: str, values: Sized | None) -> None:
     if values is not None and len(values) > LIMITS[field]:
         raise ValueError(f"{field} has {len(values)} items; this server takes at most "
                          f"{LIMITS[field]} per request")
+    if field == "bad_words" and values is not None:
+        chars = sum(len(w) for w in values if isinstance(w, str))
+        if chars > MAX_BAD_WORDS_CHARS:
+            raise ValueError(f"bad_words has {chars} characters in all; this server takes at "
+                             f"most {MAX_BAD_WORDS_CHARS} per request")

@@ -11,6 +11,8 @@ vLLM accepts them, and named in a warning in the server's log (:func:`ignored_fi
 
 from __future__ import annotations
 
+import re
+
 import json
 import time
 import uuid
@@ -34,6 +36,15 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    @classmethod
+    def bad_request(cls, error: Exception | str, fields) -> OpenAIError:
+        """A 400 of a refusal whose message begins with the field it is about (every check
+        of cbatch's writes them so): ``param`` is that field when it is one of ``fields``."""
+        message = str(error).removeprefix("Value error, ")  # (pydantic's prefix)
+        name = re.match(r"\w+", message)
+        return cls(400, message, param=name.group() if name and name.group() in fields
+                   else None)
 
 
 class OpenAIBaseModel(BaseModel):

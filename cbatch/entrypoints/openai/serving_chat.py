@@ -36,6 +36,7 @@ from cbatch.entrypoints.openai.serving_completion import (clamp, logprob_token, 
 from cbatch.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ParsedToolCall,
                                                     forced_tool_calls)
 from cbatch.outputs import RequestOutput
+from cbatch.tokenizer import check_text_fits
 
 
 def load_chat_template(checkpoint_dir: Path | None) -> str | None:
@@ -142,6 +143,12 @@ class OpenAIServingChat:
         except TemplateError as exc:  # the messages do not fit the template: the caller's
             raise OpenAIError(400, f"the model's chat template refused these messages: {exc}",
                               param="messages") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # the template's own code tripped on what the messages hold (it concatenates a
+            # message's "content": null, say): still the caller's to change
+            raise OpenAIError(400, f"the model's chat template could not render these "
+                                   f"messages ({type(exc).__name__}: {exc})",
+                              param="messages") from None
 
     def _auto_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether the reply is searched for the calls the model chose to make."""
@@ -197,15 +204,18 @@ class OpenAIServingChat:
         as plain text (:mod:`chat_content`)."""
         tokenizer = self.engine.tokenizer
         if self.special_tokens_in_content:
-            encode = functools.partial(tokenizer.encode, self.render(req),
+            text = self.render(req)
+            encode = functools.partial(tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens)
         else:
             text, spans = render_with_spans(functools.partial(self.render, req),
                                             [m.for_template() for m in req.messages])
             encode = functools.partial(tokenizer.encode_literal_spans, text, spans)
         try:
+            check_text_fits(text, tokenizer, self.engine.max_model_len,
+                            "the rendered messages")
             return await asyncio.to_thread(encode)
-        except ValueError as exc:  # text the tokenizer cannot take (a lone surrogate)
+        except ValueError as exc:  # too long, or text the tokenizer cannot take
             raise OpenAIError(400, f"messages: {exc}", param="messages") from None
 
     async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -23,6 +22,9 @@ from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import Tokenizer, token_text
 
+# the fields an engine's refusal of a request may name (``param`` of its 400)
+REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
+    "prompt", "messages", "logprobs", "top_logprobs"}
 # what a client hears when the engine failed (the failure itself is in the server's log)
 ENGINE_UNAVAILABLE = "the engine is not available; see the server log"
 
@@ -55,10 +57,7 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
         fields["structured_outputs"] = req.constraint()
         return SamplingParams(**fields)
     except ValueError as exc:
-        # its messages begin with the field they are about
-        name = re.match(r"\w+", str(exc))
-        param = name.group() if name and name.group() in fields else None
-        raise OpenAIError(400, str(exc), param=param) from None
+        raise OpenAIError.bad_request(exc, fields) from None
 
 
 async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams],
@@ -78,8 +77,8 @@ async def open_streams(engine: AsyncEngine, prompts: list, params: list[Sampling
         raise OpenAIError(503, str(exc), "server_overloaded") from None
     except EngineDeadError:
         raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc)) from None
+    except ValueError as exc:  # the engine's refusal, naming the field
+        raise OpenAIError.bad_request(exc, REQUEST_FIELDS) from None
     if streams is None:  # the client went away while they were admitted: all aborted
         raise OpenAIError(499, "the client closed the connection", code="client_closed")
     return streams
@@ -154,7 +153,11 @@ async def unless_disconnected(raw_request: Request, coro):
         watch.cancel()
         if not work.done():
             work.cancel()
-    return work.result() if not work.cancelled() else None
+    # a cancelled admission is done only once it has run its clean-up (aborting what it
+    # admitted); its result is nobody's then
+    if not work.done() or work.cancelled():
+        return None
+    return work.result()
 
 
 def sse(payload: BaseModel | str) -> str:
