@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import struct
@@ -234,6 +235,17 @@ class SamplingParams:
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
             raise ValueError(f"best_of={self.best_of!r} is not supported: only best_of == n "
                              f"(= {self.n}), as in vLLM v1; ask for n completions instead")
+
+    def choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` of a request for ``n`` completions, as one engine request (n = 1):
+        with a seed, choice i samples with seed + i (mod 2**64), so the choices differ and
+        each is reproducible alone.  A shallow copy: the checks these params passed are not
+        run again for every choice (its lists are shared; nothing writes them)."""
+        choice = copy.copy(self)
+        choice.n, choice.best_of = 1, None
+        if self.seed is not None:
+            choice.seed = (self.seed + index) % 2**64
+        return choice
 
     def check_logprobs(self, num_prompt_tokens: int, vocab_size: int, max_logprobs: int,
                        max_prompt_logprobs: int) -> None:

@@ -3,7 +3,6 @@ loop that drives an :class:`~cbatch.Engine` until a set of requests is done."""
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 from tqdm.auto import tqdm
@@ -77,23 +76,11 @@ def validate_prompts(engine: Engine, prompts: list, params_list: list[SamplingPa
     return token_ids
 
 
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of a request for ``params.n`` completions, as one engine request (n
-    = 1): with a seed, choice i samples with seed + i (mod 2**64), so the choices differ and
-    each is reproducible alone.  A shallow copy: the checks ``params`` passed are not run
-    again for every choice (its lists are shared; nothing writes them)."""
-    choice = copy.copy(params)
-    choice.n, choice.best_of = 1, None
-    if params.seed is not None:
-        choice.seed = (params.seed + index) % 2**64
-    return choice
-
-
 def generate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams],
              priorities: list[int] | None = None, progress: Callable[[int], object] | None = None,
              on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
     """Run ``prompts`` on ``engine`` to completion (the one generation loop); outputs in
-    prompt order, each prompt's ``n`` choices together (:func:`choice_params`).
+    prompt order, each prompt's ``n`` choices together (:meth:`SamplingParams.choice`).
 
     All or nothing: every prompt and parameter is checked before any request is queued, and
     if anything fails mid-way (an error in a step, KeyboardInterrupt), every request of this
@@ -110,7 +97,7 @@ def generate(engine: Engine, prompts: list, params: SamplingParams | list[Sampli
     if len(priorities) != len(prompts):
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
     token_ids = validate_prompts(engine, prompts, params_list)
-    requests = [(prompt_ids, sp if sp.n == 1 else choice_params(sp, c), prio)
+    requests = [(prompt_ids, sp if sp.n == 1 else sp.choice(c), prio)
                 for prompt_ids, sp, prio in zip(token_ids, params_list, priorities)
                 for c in range(sp.n)]
     ids: list[str] = []

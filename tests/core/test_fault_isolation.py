@@ -462,7 +462,10 @@ def test_prompt_logprob_entries_of_a_request_are_bounded(monkeypatch):
             # truncated prompts count the tokens they keep
             short = SamplingParams(prompt_logprobs=9, max_tokens=1, truncate_prompt_tokens=30)
             streams = await engine.add_requests([[1] * 40] * 3, [short] * 3)
-            return [[o async for o in s][-1] for s in streams]
+            finals = []
+            for stream in streams:
+                finals.append([o async for o in stream][-1])
+            return finals
         finally:
             await asyncio.to_thread(engine.shutdown)
 

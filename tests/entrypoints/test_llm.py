@@ -133,13 +133,12 @@ def test_n_choices_per_prompt_come_prompt_major(llm):
 def test_choices_share_the_checked_params(llm):
     """Each choice is a copy of the params with its seed, not a new SamplingParams checked
     again (a long stop_token_ids list is checked once per call; issue 41 item 4)."""
-    from cbatch.entrypoints.llm import choice_params
 
     params = SamplingParams(n=4, seed=1, stop_token_ids=list(range(1000)))
-    choices = [choice_params(params, i) for i in range(4)]
+    choices = [params.choice(i) for i in range(4)]
     assert [c.seed for c in choices] == [1, 2, 3, 4] and params.seed == 1
     assert all(c.n == 1 and c.stop_token_ids is params.stop_token_ids for c in choices)
-    assert choice_params(SamplingParams(n=2), 1).seed is None
+    assert SamplingParams(n=2).choice(1).seed is None
 
 
 @pytest.fixture(scope="module")

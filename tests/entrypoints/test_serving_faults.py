@@ -172,7 +172,7 @@ def test_api_key_guards_v1_routes_only():
 
 @pytest.mark.slow
 def test_a_loopback_server_answers_loopback_host_names_only():
-    from cbatch.entrypoints.openai.guard import default_allowed_hosts
+    from cbatch.entrypoints.openai.hosts import default_allowed_hosts
 
     assert default_allowed_hosts("0.0.0.0") is None
     allowed = default_allowed_hosts("127.0.0.1")

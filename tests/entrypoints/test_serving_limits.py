@@ -20,8 +20,8 @@ import pytest
 from cbatch.core import model_runner
 from cbatch.core.async_engine import AsyncEngine, QueueFullError
 from cbatch.entrypoints.openai.guard import (MAX_BODY_CONTAINERS, MAX_BODY_VALUES,
-                                             ConcurrencyLimit, default_allowed_hosts,
-                                             parse_host)
+                                             ConcurrencyLimit)
+from cbatch.entrypoints.openai.hosts import default_allowed_hosts, parse_host
 from cbatch.entrypoints.openai.limits import MAX_PROMPTS
 from cbatch.sampling_params import SamplingParams
 from tests.serving_utils import running_server

@@ -168,7 +168,7 @@ def test_a_template_that_concatenates_null_content_is_a_400(tiny_hf_dir, tmp_pat
 
 
 def test_a_client_that_leaves_during_admission_gets_none_and_nothing_raises():
-    from cbatch.entrypoints.openai.serving_completion import unless_disconnected
+    from cbatch.entrypoints.openai.serving_engine import unless_disconnected
 
     cleaned = []
 

@@ -46,15 +46,14 @@ from cbatch.entrypoints.openai.cli_args import (DEFAULT_LIMIT_CONCURRENCY,
 from cbatch.entrypoints.openai.guard import ConcurrencyLimit, RequestGuard, timed_protocol
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                DetokenizeRequest, DetokenizeResponse,
-                                                ModelCard, ModelList, OpenAIError,
-                                                TokenizeChatRequest, TokenizeCompletionRequest,
-                                                TokenizeResponse, VersionResponse,
-                                                ignored_fields)
+                                                DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                                ModelList, TokenizeChatRequest,
+                                                TokenizeCompletionRequest, TokenizeResponse,
+                                                VersionResponse, ignored_fields)
 from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
                                                     load_special_tokens)
-from cbatch.entrypoints.openai.serving_completion import (ENGINE_UNAVAILABLE,
-                                                          OpenAIServingCompletion)
+from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
 from cbatch.hub import resolve_checkpoint_dir
 from cbatch.tokenizer import check_text_fits, token_text
 

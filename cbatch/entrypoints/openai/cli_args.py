@@ -84,7 +84,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("CBATCH_API_KEY must be a non-empty string, got "
                          f"{envs.CBATCH_API_KEY!r} (unset it to serve without a key)")
     if args.allowed_hosts is not None:
-        from cbatch.entrypoints.openai.guard import check_allowed_hosts
+        from cbatch.entrypoints.openai.hosts import check_allowed_hosts
 
         check_allowed_hosts(_host_list(args.allowed_hosts))
 
@@ -92,7 +92,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def guard_settings(args: argparse.Namespace) -> dict:
     """The keywords of ``build_app`` that the serve flags set: its :class:`RequestGuard`'s
     and what chat contents may spell."""
-    from cbatch.entrypoints.openai.guard import default_allowed_hosts
+    from cbatch.entrypoints.openai.hosts import default_allowed_hosts
 
     allowed = (default_allowed_hosts(args.host) if args.allowed_hosts is None
                else _host_list(args.allowed_hosts))

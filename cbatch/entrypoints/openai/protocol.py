@@ -4,14 +4,12 @@ Fields follow OpenAI's names and defaults, with vLLM's extensions under vLLM's n
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ...: what clients put in the openai
 SDK's ``extra_body``).  The values are checked where the engine checks them, by
-:class:`cbatch.SamplingParams` (:func:`cbatch.entrypoints.openai.serving_completion.sampling_params`
+:class:`cbatch.SamplingParams` (:func:`cbatch.entrypoints.openai.serving_engine.sampling_params`
 turns its refusals into 400s naming the field).  Fields cbatch does not know are accepted, as
 vLLM accepts them, and named in a warning in the server's log (:func:`ignored_fields`).
 """
 
 from __future__ import annotations
-
-import re
 
 import json
 import time
@@ -21,30 +19,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cbatch.entrypoints.openai.limits import check_length
+from cbatch.entrypoints.openai.tools import (ChatTool, DeltaToolCall, NamedToolChoice, ToolCall,
+                                             tool_call_schema)
 from cbatch.sampling_params import StructuredOutputsParams
-
-
-class OpenAIError(Exception):
-    """An error returned in OpenAI's format: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type,
-                                                                       param, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    @classmethod
-    def bad_request(cls, error: Exception | str, fields) -> OpenAIError:
-        """A 400 of a refusal whose message begins with the field it is about (every check
-        of cbatch's writes them so): ``param`` is that field when it is one of ``fields``."""
-        message = str(error).removeprefix("Value error, ")  # (pydantic's prefix)
-        name = re.match(r"\w+", message)
-        return cls(400, message, param=name.group() if name and name.group() in fields
-                   else None)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -89,55 +66,6 @@ class ResponseFormat(BaseModel):
             raise ValueError('response_format of type "json_schema" needs '
                              "json_schema.schema (the JSON schema)")
         return self
-
-
-class FunctionDefinition(BaseModel):
-    name: str
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class ChatTool(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """``tool_choice={"type": "function", "function": {"name": ...}}``: call this one."""
-
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-class ToolCall(BaseModel):
-    id: str = Field(default_factory=lambda: _id("chatcmpl-tool"))
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of a tool call in a stream chunk: the first names it (id, name), the next
-    ones add to its arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
 
 
 def structured_outputs_of(response_format: ResponseFormat | None,
@@ -316,8 +244,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         function)."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named ``tool_choice`` forces, else None."""
+        return (self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice)
+                else None)
+
     def constraint(self) -> StructuredOutputsParams | None:
-        """A forced tool call's JSON schema (:func:`~cbatch.entrypoints.openai.tool_parsers.
+        """A forced tool call's JSON schema (:func:`~cbatch.entrypoints.openai.tools.
         tool_call_schema`), else the request's ``response_format``/``structured_outputs``."""
         if not self.forces_tool_call:
             return super().constraint()
@@ -325,8 +259,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             raise ValueError("a forced tool call (tool_choice required or a function) is "
                              "structured output already: drop response_format and "
                              "structured_outputs")
-        from cbatch.entrypoints.openai.tool_parsers import tool_call_schema
-
         return StructuredOutputsParams(json=tool_call_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls))
 

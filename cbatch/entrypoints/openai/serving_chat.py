@@ -21,18 +21,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
-from cbatch.entrypoints.llm import choice_params
 from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
-                                                ChatCompletionResponse, ChatDelta,
-                                                ChatLogprobs, ChatLogprobToken, ChatTopLogprob,
-                                                DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                                NamedToolChoice, OpenAIError, ToolCall,
+                                                ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                                                ChatLogprobToken, ChatTopLogprob,
                                                 _ChatTemplateFields, _id)
-from cbatch.entrypoints.openai.serving_completion import (clamp, logprob_token, open_streams,
-                                                          prompt_logprobs, results,
-                                                          sampling_params, sse, sse_or_error,
-                                                          unless_disconnected, usage)
+from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, clamp,
+                                                      logprob_token, prompt_logprobs, results,
+                                                      sampling_params, sse, sse_or_error,
+                                                      unless_disconnected, usage)
+from cbatch.entrypoints.openai.tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
+                                             NamedToolChoice, ToolCall)
 from cbatch.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ParsedToolCall,
                                                     forced_tool_calls)
 from cbatch.outputs import RequestOutput
@@ -95,16 +94,15 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-class OpenAIServingChat:
+class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None, architecture: str | None = None,
                  tool_call_parser: str | None = None, special_tokens_in_content: bool = True):
-        self.engine = engine
+        super().__init__(engine, model_name)
         # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): None = off
         self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
         # False: contents are encoded as plain text (--no-special-tokens-in-content)
         self.special_tokens_in_content = special_tokens_in_content
-        self.model_name = model_name
         self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
         self._template = None
@@ -165,9 +163,7 @@ class OpenAIServingChat:
                       else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, logprobs, max_tokens=max_tokens)
-        choices = [choice_params(params, c) for c in range(req.n)]
-        streams = await open_streams(self.engine, [prompt] * req.n, choices, req.stream,
-                                     raw_request)
+        streams = await self.open([prompt], params, req.n, req.stream, raw_request)
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams)),
                                      media_type="text/event-stream")
@@ -268,7 +264,7 @@ class OpenAIServingChat:
         content, calls = out.text, []
         if req.forces_tool_call:
             try:
-                content, calls = None, forced_tool_calls(out.text, req.tool_choice)
+                content, calls = None, forced_tool_calls(out.text, req.forced_function)
             except ValueError:  # cut off by max_tokens: the text as it is
                 content = out.text
         elif self._auto_tools(req):
@@ -312,7 +308,7 @@ class _ChoiceStream:
             if not out.finished:
                 return []
             try:
-                calls = forced_tool_calls(text, choice)
+                calls = forced_tool_calls(text, self.req.forced_function)
             except ValueError:  # cut off by max_tokens: the text as it is
                 return [ChatDelta(content=text)]
             self.has_calls = True

@@ -1,9 +1,9 @@
-"""Tool calls in ``/v1/chat/completions``, as vLLM makes them.
+"""Tool calls in the model's output, as vLLM reads them (this module reads output only; the
+tools' shapes and the schema of a forced call are :mod:`~cbatch.entrypoints.openai.tools`).
 
-- ``tool_choice="required"`` or a named function: structured output guarantees the call.
-  :func:`tool_call_schema` is the JSON schema the output follows (a named function: its
-  arguments object; required: a list of ``{"name", "arguments"}``, at least one, exactly one
-  without ``parallel_tool_calls``), and :func:`forced_tool_calls` reads the calls back.
+- ``tool_choice="required"`` or a named function: structured output guarantees the call
+  (:func:`~cbatch.entrypoints.openai.tools.tool_call_schema`), and :func:`forced_tool_calls`
+  reads the calls back.
 - ``tool_choice="auto"`` (``--enable-auto-tool-choice --tool-call-parser NAME``): the model
   decides, writing calls in its chat format; a parser of :data:`TOOL_PARSERS` finds them.
   ``hermes`` (:class:`HermesToolParser`) reads Hermes 2 Pro's format, which the Qwen2, Qwen2.5
@@ -19,36 +19,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cbatch.entrypoints.openai.protocol import ChatTool, NamedToolChoice
-
-
-def _parameters(tool: ChatTool) -> dict:
-    # a function without parameters takes an empty object
-    return tool.function.parameters or {"type": "object", "properties": {}}
-
-
-def tool_call_schema(tools: list[ChatTool], tool_choice: str | NamedToolChoice,
-                     parallel_tool_calls: bool = True) -> dict:
-    """The JSON schema of a forced tool call's output: the named function's arguments
-    object; for ``"required"``, an array of ``{"name": <a tool's name>, "arguments": <its
-    arguments object>}`` with at least one item (exactly one when ``parallel_tool_calls`` is
-    false)."""
-    if not isinstance(tool_choice, str):
-        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return _parameters(tool)
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "arguments": _parameters(t)},
-              "required": ["name", "arguments"]} for t in tools]
-    array = {"type": "array", "minItems": 1,
-             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    if not parallel_tool_calls:
-        array["maxItems"] = 1
-    return array
-
 
 @dataclass
 class ParsedToolCall:
@@ -64,12 +34,13 @@ class ExtractedToolCalls:
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
 
 
-def forced_tool_calls(text: str, tool_choice: str | NamedToolChoice) -> list[ParsedToolCall]:
-    """The calls in the output of a forced tool call (:func:`tool_call_schema`'s shape);
-    ValueError if it is not complete (the output reached ``max_tokens``)."""
-    if not isinstance(tool_choice, str):
+def forced_tool_calls(text: str, function: str | None) -> list[ParsedToolCall]:
+    """The calls in the output of a forced tool call: of ``function`` (a named tool choice;
+    the output is its arguments object), or, with None (``"required"``), the list of calls
+    the output is; ValueError if it is not complete (the output reached ``max_tokens``)."""
+    if function is not None:
         json.loads(text)  # the whole object is there
-        return [ParsedToolCall(tool_choice.function.name, text)]
+        return [ParsedToolCall(function, text)]
     return [ParsedToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
             for c in json.loads(text)]
 
