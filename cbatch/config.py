@@ -227,8 +227,9 @@ class EngineConfig:
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     block_size: int = _knob(16, "tokens per KV-cache block")
-    num_blocks: int | None = _knob(None, "KV-cache blocks (default: sized from "
-                                   "kv_cache_memory)")
+    num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "
+                                   "the longest length, at most 1 GiB on a CPU and half the "
+                                   "free memory of a GPU)")
     kv_cache_memory: int | float | None = _knob(
         None, "KV-cache bytes, or a fraction of free device memory", cli=False)
     max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "

@@ -189,7 +189,21 @@ def test_help_and_argument_errors_import_no_torch():
     assert "torch" not in imported_modules(bad.stderr)
 
 
-@pytest.mark.slow
+def test_bare_cbatch_lists_its_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("demo", "generate", "serve"))
+
+
+def test_the_demo_says_slower_when_continuous_batching_is_slower():
+    from cbatch.entrypoints.cli.demo import speed_phrase
+
+    assert speed_phrase(2.0, 1.0) == "2.00x faster"
+    assert speed_phrase(1.0, 2.0) == "2.00x slower"
+
+
 @pytest.mark.slow
 def test_demo_without_matplotlib_runs_to_the_end(tmp_path, capsys, monkeypatch):
     """A plain pip install has no matplotlib: the demo says so in one line and succeeds."""

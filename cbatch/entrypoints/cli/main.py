@@ -75,7 +75,11 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `cbatch`: what it can do
+        parser.print_help()
+        sys.exit(2)
+    args = parser.parse_args(argv)
     debug = args.debug or envs.CBATCH_DEBUG
     try:
         with warnings.catch_warnings():

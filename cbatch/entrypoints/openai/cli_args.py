@@ -20,8 +20,9 @@ DEFAULT_MAX_QUEUED_REQUESTS = 4 * DEFAULT_LIMIT_CONCURRENCY  # a burst of 4x is 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1 routes (default: "
-                             "$CBATCH_API_KEY; /health and /metrics stay open)")
+                        help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize "
+                             "and /detokenize (default: $CBATCH_API_KEY; /health, /metrics and "
+                             "/version stay open)")
     parser.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
                         help="the Host names this server answers, '*' for any (default: "
                              "loopback names when bound to a loopback address, else any)")
