@@ -281,10 +281,11 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a rule other than temperature, top-k and top-p changes this request's
-        logits (its rows then leave the CPU's greedy screen for the full logits)."""
+        """Whether a rule other than temperature, top-k, top-p and min-p (the draw's own)
+        changes this request's logits (its rows then leave the CPU's greedy screen for the
+        full logits)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.min_p or self.min_tokens
+                    or self.repetition_penalty != 1.0 or self.min_tokens
                     or self.logit_bias or self.allowed_token_ids is not None
                     or self.bad_words or self.structured_outputs is not None)
 

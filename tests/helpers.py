@@ -10,13 +10,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
+from cbatch.ops import compiled
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "from tests import triton_probe; triton_probe.run()"
+
+# tests of cbatch's C++ CPU kernels themselves (a build without the extension skips them)
+needs_cpu_ext = pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
+                                   reason="cbatch's C++ CPU extension is not built")
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,8 @@ from cbatch.core.sampler import (SamplingBatch, TokenCounts, apply_rules, logits
 from cbatch.core.sequence import Sequence
 from cbatch.ops import cpu
 from cbatch.sampling_params import SamplingParams
+from tests.helpers import needs_cpu_ext
 
-needs_kernel = pytest.mark.skipif("cpu" not in ops.compiled.compiled_backends(),
-                                  reason="needs cbatch's C++ CPU extension")
 EOS = 2
 
 
@@ -143,7 +142,7 @@ def _transformers_probs(logits, temperature, top_k, top_p, min_p):
     return x.double().softmax(dim=-1)[0]
 
 
-@needs_kernel
+@needs_cpu_ext
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1),
     (0.8, 8, 0.8, 0.02), (1e-45, 0, 1.0, 0.0), (1.0, 0, 1e-46, 0.0)])
@@ -162,7 +161,7 @@ def test_kernel_draws_the_distribution_transformers_warpers_define(temperature, 
     assert (got - ref).abs().max() < 1e-3
 
 
-@needs_kernel
+@needs_cpu_ext
 @pytest.mark.parametrize("V", [1, 15, 16, 17, 63, 64, 65, 50257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_matches_the_reference_token_for_token(V, dtype):
@@ -301,7 +300,7 @@ def test_prompt_logprobs_are_transformers_log_softmax_at_every_position(tiny_hf_
     assert llm.generate([[3]], params, use_tqdm=False)[0].prompt_logprobs == [None]
 
 
-@needs_kernel
+@needs_cpu_ext
 def test_penalty_kernel_is_the_torch_rule_and_runs(monkeypatch):
     """torch.ops.cbatch.apply_penalties (one pass per row) against the torch formula the
     sampler uses elsewhere, on random counts, prompts and penalties, rows in any order."""
@@ -369,3 +368,13 @@ def test_triton_kernel_draws_what_the_reference_draws():
         tokens = triton_sample.sample(*[a.to(device) for a in args]).cpu()
         got = torch.bincount(tokens, minlength=37).double() / n
         assert (got - _transformers_probs(logits, *rule)).abs().max() < 1.5 / n
+
+
+def test_min_p_is_the_draws_rule_not_a_logits_rule():
+    """min_p acts in the draw (with temperature, top-k and top-p), so a request with it keeps
+    the fast paths of requests without logits rules (the greedy screen, speculation)."""
+    from cbatch.core.spec_decode import speculates
+
+    params = SamplingParams(temperature=0.8, min_p=0.1)
+    assert not params.processes_logits and speculates(params)
+    assert SamplingParams(min_p=0.1, logit_bias={1: 1.0}).processes_logits

@@ -8,10 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbatch import ops
-from tests.helpers import assert_attention_close, paged_inputs
+from tests.helpers import assert_attention_close, paged_inputs, needs_cpu_ext
 
-pytestmark = pytest.mark.skipif(not ops.available_backends()["cpu"].available,
-                                reason="C++ extension not built")
+pytestmark = needs_cpu_ext
 
 
 @st.composite

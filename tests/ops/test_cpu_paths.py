@@ -10,10 +10,9 @@ import torch
 
 from cbatch import ops
 from cbatch.ops import compiled, cpu
-from tests.helpers import CPU_FLAGS as FLAGS
+from tests.helpers import CPU_FLAGS as FLAGS, needs_cpu_ext
 
-pytestmark = pytest.mark.skipif("cpu" not in compiled.compiled_backends(),
-                                reason="cbatch's C++ CPU kernels are not built")
+pytestmark = needs_cpu_ext
 
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
 HAS_AVX2 = {"avx2", "fma", "f16c"} <= FLAGS

@@ -13,9 +13,8 @@ from cbatch.core.cpu.report import cpu_paths
 from cbatch.core.engine import model_runner_class
 from cbatch.core.model_runner import ModelRunner
 from cbatch.ops import cpu
+from tests.helpers import needs_cpu_ext
 
-needs_ext = pytest.mark.skipif("cpu" not in cpu.compiled.compiled_backends(),
-                               reason="the C++ extension is not built")
 
 
 def test_the_runner_is_chosen_by_device():
@@ -44,7 +43,7 @@ def test_switches_show_in_the_report(monkeypatch):
     assert paths["linear"] == "float32 torch, bfloat16 torch"
 
 
-@needs_ext
+@needs_cpu_ext
 def test_an_engine_describes_and_runs_its_paths():
     """The engine's description names the route its weights are packed for, and the kernel
     counters show that route's kernel ran in its steps."""
@@ -69,7 +68,7 @@ def test_an_engine_describes_and_runs_its_paths():
     assert not any(k.startswith("greedy_head.") for k in ran), ran  # sampled: logits
 
 
-@needs_ext
+@needs_cpu_ext
 @pytest.mark.parametrize("head_dim", [64, 72, 36])
 def test_the_reported_attention_step_is_the_one_that_runs(head_dim):
     """What cbatch --version and describe() say of attention (cpu.attention_step) is the path
