@@ -1,6 +1,6 @@
 // The one place where cbatch's ops get their schemas and per-device kernels
-// (vLLM's csrc/torch_bindings.cpp pattern).  Fake (meta) implementations live in
-// cbatch/ops.py.
+// (vLLM's csrc/torch_bindings.cpp pattern).  Their fake (meta) implementations are registered
+// in Python: cbatch/ops/backends.py (attention, cache) and cbatch/ops/cpu.py (the CPU ops).
 #include <torch/library.h>
 
 #include "ops.h"

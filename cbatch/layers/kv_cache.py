@@ -70,8 +70,8 @@ class KVCache:
         """Fault in every page of the pool now (it holds zeros already; this writes them
         again).  A pool from lazily zeroed pages (the CPU engine's) otherwise takes each page
         from the OS inside the step that first writes it, which under a burst of new requests
-        is a cost of its own: up to 2 s per GB in a VM whose host backs guest memory on first
-        use (benchmarks/NOTES.md, "The first burst").  A server calls this at start-up, as
+        is a cost of its own, largest in a VM whose host backs guest memory on first use
+        (benchmarks/NOTES.md, "The first burst").  A server calls this at start-up, as
         vLLM allocates its whole cache then."""
         self.data.zero_()
 

@@ -4,7 +4,7 @@ torch's matmuls choose their algorithm from the problem's shape.  On the CPU, MK
 computes one row as a matrix-vector product, and rows that do not fill a whole micro-kernel
 panel (the last ``M % 4`` rows on AVX2, depending on how the rows are shared out among
 threads) with an edge kernel that sums in another order; measured with the commands in
-benchmarks/NOTES.md ("batch invariance").  On the GPU, cuBLAS picks tiles and split-K from M.
+benchmarks/NOTES.md ("Batch-invariant mode").  On the GPU, cuBLAS picks tiles and split-K from M.
 So in batch-invariant mode the model's linear layers run:
 
 - CPU, where the "cbatch" route runs (:mod:`cbatch.ops.cpu`: AVX-512, or AVX2 for fp32):

@@ -2,7 +2,8 @@
 // + bias) + residual for the few-row GEMMs of decode steps, which stream every weight once and
 // so run at memory bandwidth.  Tiles for AVX-512 (namespace avx512: fp32, bf16 with
 // AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, and bf16 in /
-// fp32 out for the screen), and the row and column loop they share (run_gemm).
+// fp32 out for the screen), and the row and column loop they share (run_gemm); the bf16 GEMM
+// of many rows on AMX tiles is amx.h's.
 //
 // The weight is packed once (cbatch/ops/cpu.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16 and int8

@@ -29,13 +29,14 @@ import torch
 
 SAMPLE_S = 0.25  # how often the load is read: long enough for jiffies, short enough to react
 # a core runs a thread of ours when others leave it at least this idle: two threads beat one
-# while a competitor takes under ~45% of the second core, one wins above (benchmarks/NOTES.md,
-# "Serving at the engine's speed": 0.7 dropped a thread for a streaming client's 30%)
+# while a competitor takes less than about half of the second core, one wins above, and a
+# stricter share dropped a thread for a streaming client (benchmarks/NOTES.md, "Serving at the
+# engine's speed")
 FREE_SHARE = 0.55
 # after the engine sat idle this long, what others did meanwhile says little of what they do
 # beside its next steps: a benchmark client busy making the burst it is
 # about to send held a core until it sent it, and the burst's first 2048-token prefill then ran
-# on one thread (723-773 ms against 335-414; benchmarks/NOTES.md, "The first burst").  After
+# on one thread at about half the speed (benchmarks/NOTES.md, "The first burst").  After
 # such a pause the policy starts again from every core and measures afresh.
 STALE_S = 1.0
 

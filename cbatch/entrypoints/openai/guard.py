@@ -32,8 +32,9 @@ import time
 from cbatch.entrypoints.openai.hosts import check_allowed_hosts, parse_host, parse_origin
 
 # A JSON body's cost to parse and validate grows with its values (list items, fields), not its
-# bytes: 2**17 small values take some 30-60 ms, a 16 MiB body of them several seconds
-# (benchmarks/NOTES.md).  A 128k-token prompt of token ids still fits.
+# bytes: this bound keeps it to tens of milliseconds on the event loop, where a 16 MiB body of
+# small values would take seconds (benchmarks/NOTES.md, "What a request body costs the event
+# loop").  A 128k-token prompt of token ids still fits.
 MAX_BODY_VALUES = 1 << 17
 MAX_BODY_CONTAINERS = 1 << 14  # lists and objects: the costliest values (prompts, messages)
 
