@@ -1,14 +1,15 @@
 """The sampled rows' draw in Triton: one program per row, the rule of
-``csrc/cpu/sample.cpp`` (and of the sorting reference, ``cbatch.core.sampler.reference_sample``)
-without a sort.
+``csrc/cpu/sample.cpp`` (and of the sorting reference, ``cbatch.ops.sampling.reference_draw``)
+without a sort; registered as ``torch.ops.cbatch_triton.sample``.
 
 Per row, with T its temperature and m its largest logit, w = exp((l - m) / T) (the largest
 w is 1); min-p keeps w >= min_p; top-k keeps w >= the k-th largest w and top-p w >= the least
 likely of the most likely tokens holding top_p of what is kept, each threshold found by
 bisection on the bits of a positive float (30 passes over the row at most, each counting or
 summing what lies at or above a candidate); the draw is the first token in vocabulary order
-whose running kept mass passes u times the kept total.  w is recomputed from the logits in each
-pass instead of being stored: the row is read again, nothing is written but the token.
+whose running kept mass passes u times the kept total.  As on the CPU, u is float64 (53 random
+bits) and masses are summed in float64.  w is recomputed from the logits in each pass instead
+of being stored: the row is read again, nothing is written but the token.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ def _weights(base, offs, V, m, t):
 
 @triton.jit
 def _above(base, V, m, t, threshold, BLOCK: tl.constexpr):
-    """(mass, count) of the row's w at or above ``threshold``."""
-    mass = 0.0
+    """(mass, count) of the row's w at or above ``threshold``; the mass in float64."""
+    mass = tl.full([], 0.0, tl.float64)
     count = 0
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         w = _weights(base, offs, V, m, t)
         keep = (w >= threshold) & (offs < V)
-        mass += tl.sum(tl.where(keep, w, 0.0), axis=0)
+        mass += tl.sum(tl.where(keep, w, 0.0).to(tl.float64), axis=0)
         count += tl.sum(keep.to(tl.int32), axis=0)
     return mass, count
 
@@ -84,14 +85,14 @@ def _sample_kernel(logits_ptr, rows_ptr, temperature_ptr, top_k_ptr, top_p_ptr, 
         kept, _ = _above(base, V, m, t, floor, BLOCK)
         floor = _largest_threshold(base, V, m, t, floor, top_p * kept, True, ONE_BITS, BLOCK)
     total, _ = _above(base, V, m, t, floor, BLOCK)
-    target = u * total
-    run = 0.0
+    target = u * total  # float64
+    run = tl.full([], 0.0, tl.float64)
     token = -1
     last = 0
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         w = _weights(base, offs, V, m, t)
-        w = tl.where((w >= floor) & (offs < V), w, 0.0)
+        w = tl.where((w >= floor) & (offs < V), w, 0.0).to(tl.float64)
         ends = run + tl.cumsum(w, axis=0)  # the running mass after each token of the block
         passed = (ends > target) & (w > 0)
         first = tl.min(tl.where(passed, offs, V), axis=0)
@@ -107,7 +108,8 @@ def sample(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
            uniform: torch.Tensor) -> torch.Tensor:
     """``torch.ops.cbatch.sample``'s contract on a Triton device: ``logits [S, V]`` (dense
     rows), ``rows`` int64 ``[R]``, ``temperature`` (> 0), ``top_p``, ``min_p`` fp32 ``[R]``,
-    ``top_k`` int64 ``[R]`` (0 = off), ``uniform`` ``[R]`` in [0, 1) → int64 tokens ``[R]``."""
+    ``top_k`` int64 ``[R]`` (0 = off), ``uniform`` float64 ``[R]`` in [0, 1) → int64 tokens
+    ``[R]``."""
     R, V = rows.numel(), logits.shape[-1]
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R == 0:
@@ -116,6 +118,6 @@ def sample(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
         logits = logits.contiguous()
     _sample_kernel[(R,)](
         logits, rows, temperature.float(), top_k, top_p.float(), min_p.float(),
-        uniform.float(), out, logits.stride(0), V,
+        uniform.double(), out, logits.stride(0), V,
         ONE_BITS=_ONE_BITS, BLOCK=min(1024, triton.next_power_of_2(V)))
     return out

@@ -10,10 +10,11 @@ A step's ``[S, vocab]`` logits go through, in vLLM's order:
    sampler itself after every draw, so never rebuilt from the token lists);
 2. greedy rows: the argmax of what step 1 left;
 3. sampled rows: temperature, ``min_p``, ``top_k``, ``top_p`` and the draw, per row and
-   without sorting the vocabulary, in cbatch's C++ kernel on the CPU
-   (``torch.ops.cbatch.sample``, ``csrc/cpu/sample.cpp``), in Triton on CUDA
-   (``kernels/sample.py``), else in :func:`reference_sample`, which sorts and draws by the
-   same rule.
+   without sorting the vocabulary (:func:`cbatch.ops.sampling.draw`: cbatch's C++ kernel on
+   the CPU, Triton on CUDA, else the sorting reference).
+
+The kernels of each stage are :mod:`cbatch.ops.sampling`'s; this module decides which rows
+get which rule.
 
 A row's draw is the first token, in vocabulary order, whose running probability passes a
 uniform ``u`` in [0, 1) that comes from the request's seed and output position alone
@@ -23,15 +24,13 @@ Steps where no row asks for a rule of step 1 run none of it (no copy of the logi
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from cbatch.core.structured_output import apply_bitmask
 from cbatch.layers.step_batch import to_device
-from cbatch.ops import compiled, cpu
+from cbatch.ops import sampling
 
 if TYPE_CHECKING:
     from cbatch.core.sequence import Sequence
@@ -225,7 +224,7 @@ def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,
                 bitmask: torch.Tensor | None) -> None:
     """Apply step 1 of the module's rules to ``logits: fp32 [S, V]``, in place."""
     if bitmask is not None:
-        apply_bitmask(logits, bitmask)
+        sampling.apply_bitmask(logits, bitmask)
     if rules is None:
         return
     dev, V = logits.device, logits.shape[-1]
@@ -239,21 +238,11 @@ def apply_rules(logits: torch.Tensor, rules: LogitsRules | None,
         logits.index_put_((to_device(rules.bias[0], dev), to_device(rules.bias[1], dev)),
                           to_device(rules.bias[2], dev, torch.float32), accumulate=True)
     if rules.penalty_rows:
-        rows = to_device(rules.penalty_rows, dev)
-        slots = to_device(rules.penalty_slots, dev)
         values = [to_device(v, dev, torch.float32)
                   for v in (rules.presence, rules.frequency, rules.repetition)]
-        if dev.type == "cpu" and "cpu" in compiled.compiled_backends():  # one pass per row
-            torch.ops.cbatch.apply_penalties(logits, rows, slots, rules.counts.output,
-                                             rules.counts.prompt, *values)
-            return
-        presence, frequency, repetition = (v[:, None] for v in values)
-        counts = rules.counts.output[slots]  # [P, V]
-        seen = rules.counts.prompt[slots] | (counts > 0)
-        x = logits[rows]
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-        x -= frequency * counts + presence * (counts > 0)
-        logits[rows] = x
+        sampling.apply_penalties(logits, to_device(rules.penalty_rows, dev),
+                                 to_device(rules.penalty_slots, dev), rules.counts.output,
+                                 rules.counts.prompt, *values)
 
 
 def _splitmix64(x: int) -> int:
@@ -270,58 +259,18 @@ def uniforms(seeds: list[int], positions: list[int]) -> list[float]:
             for s, p in zip(seeds, positions)]
 
 
-def reference_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The sampled rows' draw by sorting: ``logits [R, V]``, ``temperature`` (> 0), ``top_p``
-    and ``min_p`` fp32 ``[R]``, ``top_k`` int64 ``[R]`` (0 = off), ``u`` fp64 ``[R]`` →
-    int64 ``[R]``.  What ``torch.ops.cbatch.sample`` computes without sorting (and where it
-    does not run): w = exp((l - max) / T); keep w >= min_p; then w >= the k-th largest; then
-    the most likely tokens whose mass first reaches top_p of what is kept (ties with the last
-    one stay); the draw is the first token in vocabulary order whose running kept mass passes
-    u times the kept total."""
-    x = logits.float()
-    m = x.max(dim=-1, keepdim=True).values
-    w = ((x - m) / temperature[:, None]).exp().nan_to_num(0.0)  # a row all -inf: all 0
-    keep = (w > 0) & (w >= min_p[:, None])
-    V = w.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < V), top_k, V).clamp(max=V)
-    ranked = w.masked_fill(~keep, 0).sort(dim=-1, descending=True).values
-    keep &= w >= ranked.gather(-1, (k - 1)[:, None])
-    ranked = w.masked_fill(~keep, 0).sort(dim=-1, descending=True).values.double()
-    cum = ranked.cumsum(dim=-1)
-    before = cum - ranked
-    within = (before < top_p[:, None].double() * cum[:, -1:]) & (ranked > 0)
-    last = within.sum(dim=-1).clamp(min=1) - 1
-    keep &= w >= ranked.gather(-1, last[:, None]).float()
-    run = (w * keep).double().cumsum(dim=-1)
-    tokens = torch.searchsorted(run, (u * run[:, -1])[:, None], right=True)[:, 0]
-    return tokens.clamp(max=V - 1)
-
-
 def _draw(logits: torch.Tensor, rows: list[int], batch: SamplingBatch) -> torch.Tensor:
+    """The draw of the sampled ``rows`` of ``logits`` by ``batch``'s settings."""
     dev = logits.device
     min_ps = batch.min_ps or [0.0] * len(batch.temperatures)
-    args = (to_device([batch.temperatures[r] for r in rows], dev, torch.float32),
-            to_device([batch.top_ks[r] for r in rows], dev, torch.int64),
-            to_device([batch.top_ps[r] for r in rows], dev, torch.float32),
-            to_device([min_ps[r] for r in rows], dev, torch.float32),
-            to_device(uniforms([batch.seeds[r] for r in rows],
-                               [batch.positions[r] for r in rows]), dev, torch.float64))
-    idx = to_device(rows, dev)
-    if dev.type == "cpu" and logits.stride(-1) == 1 and "cpu" in compiled.compiled_backends():
-        return torch.ops.cbatch.sample(logits, idx, *args)
-    if dev.type == "cuda" and _triton_available():  # the same rule in Triton (kernels/)
-        from cbatch.kernels import sample as triton_sample
-
-        return triton_sample.sample(logits, idx, *args)
-    return reference_sample(logits[idx], *args)
-
-
-@functools.cache
-def _triton_available() -> bool:
-    from cbatch.ops.backends import available_backends
-
-    return available_backends()["triton"].available
+    return sampling.draw(
+        logits, to_device(rows, dev),
+        to_device([batch.temperatures[r] for r in rows], dev, torch.float32),
+        to_device([batch.top_ks[r] for r in rows], dev, torch.int64),
+        to_device([batch.top_ps[r] for r in rows], dev, torch.float32),
+        to_device([min_ps[r] for r in rows], dev, torch.float32),
+        to_device(uniforms([batch.seeds[r] for r in rows],
+                           [batch.positions[r] for r in rows]), dev, torch.float64))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -352,7 +301,7 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not batch.plain:
         logits = logits.to(torch.float32, copy=True)
         apply_rules(logits, batch.rules, batch.bitmask)
-    tokens = cpu.argmax(logits)
+    tokens = sampling.argmax(logits)
     rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
     if rows:
         tokens[to_device(rows, logits.device)] = _draw(logits, rows, batch)

@@ -13,7 +13,7 @@ regex, a choice of strings, an EBNF grammar) goes through three stages:
    advanced by every token the engine reads (``Engine._resolve``).  Each step, the rows of
    the sequences with a grammar get the matcher's token bitmask (:func:`bitmask`, filled by
    ``ModelRunner.execute`` into ``SamplingBatch.bitmask``), and the sampler sets every token
-   the grammar forbids to -inf (:func:`apply_bitmask`) before it samples.
+   the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it samples.
 
 The matcher sees only sampled tokens, so its state follows a sequence through preemption
 (recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
@@ -38,8 +38,6 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
-
-from cbatch.ops import compiled
 
 from cbatch.sampling_params import StructuredOutputsParams
 
@@ -294,30 +292,3 @@ def bitmask(scheduled: list[ScheduledSequence]) -> torch.Tensor | None:
     for s, grammar in rows:
         grammar.fill(out, s)
     return out
-
-
-_BITS = {}  # device -> int32 [32]: 0..31
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit whose token the bitmask forbids.
-
-    ``logits: [S, V]`` (any float dtype, any device), ``bitmask: int32 [S, W]`` (bit t % 32
-    of word t // 32 set where token t is allowed, as xgrammar writes it).  Ids past the
-    bitmask's ``32 * W`` are forbidden in the rows that forbid any token (a grammar's rows)
-    and left alone in all-ones rows."""
-    S, V = logits.shape
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.stride(-1) == 1 and "cpu" in compiled.compiled_backends()):
-        torch.ops.cbatch.apply_bitmask(logits, bitmask.contiguous())  # one pass, in C++
-        return
-    bits = _BITS.get(logits.device)
-    if bits is None:
-        bits = _BITS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).view(S, -1).bool()  # [S, 32 * W]
-    n = min(V, allowed.shape[1])
-    logits[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
-    if V > n:
-        constrained = (bitmask != -1).any(dim=1, keepdim=True)  # [S, 1]
-        logits[:, n:].masked_fill_(constrained, float("-inf"))

@@ -1,4 +1,5 @@
-"""cbatch's attention and cache ops, behind one function each with backend selection.
+"""cbatch's attention and cache ops, behind one function each with backend selection (the
+sampler's kernels are :mod:`cbatch.ops.sampling`'s, the CPU-only ops :mod:`cbatch.ops.cpu`'s).
 
 Backends:
 
@@ -18,6 +19,7 @@ import math
 import torch
 
 from cbatch.ops import cpu  # noqa: F401  (the CPU-only ops and their fakes)
+from cbatch.ops import sampling  # noqa: F401  (the sampler's kernels and their fakes)
 from cbatch.ops.backends import (BACKENDS, BackendStatus, BoundKernels, available_backends,
                                  bind_kernels, impl_of, resolve_backend)
 from cbatch.ops.checks import (check_attention_args, check_prefill_args, check_seq_lens_fit,

@@ -237,16 +237,6 @@ def has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``argmax(logits, dim=-1)`` of ``[S, V]`` logits in any float dtype → int64 ``[S]``: on
-    the CPU cbatch's kernel (torch's walks each row one element at a time), elsewhere torch's.
-    The same answer: the first index of the maximum (the first NaN, if any)."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1] > 0 \
-            and "cpu" in compiled.compiled_backends():
-        return torch.ops.cbatch.argmax(logits)
-    return logits.argmax(dim=-1)
-
-
 def cpu_isa() -> str:
     """The x86 features the C++ CPU kernels use here, after ``$CBATCH_CPU_ISA``'s cap:
     space-separated from ``avx512 avx512bf16 avx512vnni avx2``; "" without the extension or
@@ -286,19 +276,3 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
           amx=False):
         check_no_meta_mix("cbatch::greedy_head", x=x, packed=packed, screen=screen, scales=scales)
         return x.new_empty((x.shape[0],), dtype=torch.long)
-
-    @torch.library.register_fake("cbatch::argmax")
-    def _(logits):
-        return logits.new_empty((logits.shape[0],), dtype=torch.long)
-
-    @torch.library.register_fake("cbatch::apply_bitmask")
-    def _(logits, bitmask):
-        return logits
-
-    @torch.library.register_fake("cbatch::apply_penalties")
-    def _(logits, rows, slots, counts, prompt, presence, frequency, repetition):
-        return logits
-
-    @torch.library.register_fake("cbatch::sample")
-    def _(logits, rows, temperature, top_k, top_p, min_p, uniform):
-        return rows.new_empty(rows.shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cbatch.kernels import cache, decode_attention, prefill_attention
+from cbatch.kernels import cache, decode_attention, prefill_attention, sample as sample_kernel
 from cbatch.ops.checks import check_no_meta_mix
 
 
@@ -55,3 +55,16 @@ def _(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
                       value_cache=value_cache, block_tables=block_tables,
                       cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("cbatch_triton::sample", mutates_args=())
+def sample(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+           uniform: torch.Tensor) -> torch.Tensor:
+    return sample_kernel.sample(logits, rows, temperature, top_k, top_p, min_p, uniform)
+
+
+@sample.register_fake
+def _(logits, rows, temperature, top_k, top_p, min_p, uniform):
+    check_no_meta_mix("cbatch_triton::sample", logits=logits, rows=rows, uniform=uniform)
+    return rows.new_empty(rows.shape)

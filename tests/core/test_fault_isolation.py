@@ -350,9 +350,9 @@ def _step_path(monkeypatch, path: str) -> dict:
         return {}
     from types import SimpleNamespace
 
-    from cbatch.core import sampler
+    from cbatch.ops import sampling
 
-    monkeypatch.setattr(sampler, "compiled", SimpleNamespace(compiled_backends=lambda: ()))
+    monkeypatch.setattr(sampling, "compiled", SimpleNamespace(compiled_backends=lambda: ()))
     return dict(async_scheduling=True, cuda_graphs=True)
 
 
@@ -384,7 +384,7 @@ def _run(engine: Engine, work) -> dict[str, object]:
 @pytest.mark.parametrize("path", ["cpu", "cuda-path"])
 @pytest.mark.parametrize("where", ["draw", "rules"])
 def test_a_row_whose_sampling_raises_ends_its_request_alone(monkeypatch, path, where):
-    from cbatch.core import sampler
+    from cbatch.ops import sampling
 
     kw = {**KW, **_step_path(monkeypatch, path)}
     reference = _run(Engine("random:tiny", **kw), _workload(poisoned=False))
@@ -392,8 +392,8 @@ def test_a_row_whose_sampling_raises_ends_its_request_alone(monkeypatch, path, w
     _poison(monkeypatch, where, calls)
     drawn = []
     if path == "cuda-path":  # the draw that runs is the torch one, not the C++ kernel
-        ref = sampler.reference_sample
-        monkeypatch.setattr(sampler, "reference_sample",
+        ref = sampling.reference_draw
+        monkeypatch.setattr(sampling, "reference_draw",
                             lambda *a: drawn.append(1) or ref(*a))
     engine = Engine("random:tiny", **kw)
     outs = _run(engine, _workload(poisoned=True))

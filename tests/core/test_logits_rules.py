@@ -1,24 +1,18 @@
 """The sampler's rules beyond temperature, top-k and top-p, each against transformers' logits
-processor for it (or a value computed by hand), and the draw of cbatch's C++ kernel against
-the sort-based reference, as distributions: a row's draw is the inverse CDF at its uniform, so
-draws at a dense grid of uniforms give the row's probabilities to within the grid's step."""
+processor for it (or a value computed by hand), and through the engine.  The kernels that
+run them are tested in tests/ops/test_sampling.py."""
 
-import math
 
 import pytest
 import torch
 from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper)
+    MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor)
 
-from cbatch import ops
-from cbatch.core.sampler import (SamplingBatch, TokenCounts, apply_rules, logits_rules,
-                                 reference_sample, sample, uniforms)
+from cbatch.core.sampler import SamplingBatch, TokenCounts, apply_rules, logits_rules, sample
 from cbatch.core.sequence import Sequence
 from cbatch.ops import cpu
 from cbatch.sampling_params import SamplingParams
-from tests.helpers import needs_cpu_ext
 
 EOS = 2
 
@@ -113,85 +107,6 @@ def test_rows_that_ask_nothing_are_untouched_and_counts_grow_with_each_draw():
     want = torch.bincount(torch.tensor(penalized.output_token_ids), minlength=16)
     assert torch.equal(counts.output[slot], want.int())  # kept incrementally, on the device
     assert len(set(penalized.output_token_ids)) > 1  # the penalty moved its argmax
-
-
-def _draw_grid(logits, temperature, top_k, top_p, min_p, n=20000, kernel=True):
-    """Token frequencies of one row drawn at n evenly spaced uniforms."""
-    R = n
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    args = (torch.full((R,), temperature), torch.full((R,), top_k, dtype=torch.int64),
-            torch.full((R,), top_p), torch.full((R,), min_p), u)
-    if kernel:
-        tokens = torch.ops.cbatch.sample(logits.expand(R, -1).contiguous(), torch.arange(R),
-                                         *args)
-    else:
-        tokens = reference_sample(logits.expand(R, -1), *args)
-    return torch.bincount(tokens, minlength=logits.shape[-1]).double() / n
-
-
-def _transformers_probs(logits, temperature, top_k, top_p, min_p):
-    if temperature < 1e-30:  # transformers divides into inf - inf = NaN; the rule: greedy
-        return torch.nn.functional.one_hot(logits[0].argmax(), logits.shape[-1]).double()
-    x = TemperatureLogitsWarper(temperature)(None, logits.clone())
-    if min_p:
-        x = MinPLogitsWarper(min_p)(None, x)
-    if top_k:
-        x = TopKLogitsWarper(top_k)(None, x)
-    if top_p < 1:
-        x = TopPLogitsWarper(top_p)(None, x)
-    return x.double().softmax(dim=-1)[0]
-
-
-@needs_cpu_ext
-@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
-    (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1),
-    (0.8, 8, 0.8, 0.02), (1e-45, 0, 1.0, 0.0), (1.0, 0, 1e-46, 0.0)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_draws_the_distribution_transformers_warpers_define(temperature, top_k, top_p,
-                                                                    min_p, dtype):
-    gen = torch.Generator().manual_seed(4)
-    logits = (torch.randn(1, 37, generator=gen) * 2).to(dtype)
-    before = cpu.kernel_paths()
-    got = _draw_grid(logits, temperature, top_k, top_p, min_p)
-    after = cpu.kernel_paths()
-    assert sum(after[k] - before[k] for k in after if k.startswith("sample.")) == 1
-    want = _transformers_probs(logits.float(), temperature, top_k, top_p, min_p)
-    assert (got - want).abs().max() < 1e-3, (got, want)
-    ref = _draw_grid(logits, temperature, top_k, top_p, min_p, kernel=False)
-    assert (got - ref).abs().max() < 1e-3
-
-
-@needs_cpu_ext
-@pytest.mark.parametrize("V", [1, 15, 16, 17, 63, 64, 65, 50257])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_matches_the_reference_token_for_token(V, dtype):
-    """Random rows, random rules, a shuffled subset of rows, banned tokens: the kernel's token
-    is the reference's (they differ only where u lands within rounding of a boundary)."""
-    gen = torch.Generator().manual_seed(V)
-    S = 12
-    logits = (torch.randn(S, V, generator=gen) * 3).to(dtype)
-    logits[0, : V // 2] = float("-inf")  # banned tokens are never drawn
-    rows = torch.randperm(S, generator=gen)[:9]
-    R = len(rows)
-    temperature = torch.rand(R, generator=gen) + 0.3
-    top_k = torch.randint(0, min(V, 40) + 1, (R,), generator=gen)
-    top_p = torch.where(torch.rand(R, generator=gen) < 0.5, 1.0, torch.rand(R, generator=gen))
-    top_p = top_p.clamp(min=0.05)
-    min_p = torch.where(torch.rand(R, generator=gen) < 0.5, 0.0, 0.1 * torch.rand(R, generator=gen))
-    u = torch.tensor(uniforms(list(range(R)), [V] * R), dtype=torch.float64)
-    got = torch.ops.cbatch.sample(logits, rows, temperature, top_k, top_p, min_p, u)
-    want = reference_sample(logits[rows], temperature, top_k, top_p, min_p, u)
-    assert torch.equal(got, want)
-    if 0 in rows.tolist():
-        assert got[rows.tolist().index(0)] >= V // 2
-
-
-def test_uniforms_are_a_requests_own_and_spread():
-    u = uniforms([7] * 1000, list(range(1000)))
-    assert uniforms([7], [5]) == [u[5]]  # the same (seed, position), the same uniform
-    assert all(0 <= x < 1 for x in u) and abs(sum(u) / 1000 - 0.5) < 0.05
-    assert uniforms([8], [5]) != [u[5]]
-    assert math.isclose(sorted(u)[500], 0.5, abs_tol=0.06)
 
 
 # ------------------------------------------------------------------ through the engine
@@ -298,76 +213,6 @@ def test_prompt_logprobs_are_transformers_log_softmax_at_every_position(tiny_hf_
             for t, v in zip(top.indices.tolist(), top.values.tolist()):
                 assert entry[t] == pytest.approx(v, abs=1e-4)
     assert llm.generate([[3]], params, use_tqdm=False)[0].prompt_logprobs == [None]
-
-
-@needs_cpu_ext
-def test_penalty_kernel_is_the_torch_rule_and_runs(monkeypatch):
-    """torch.ops.cbatch.apply_penalties (one pass per row) against the torch formula the
-    sampler uses elsewhere, on random counts, prompts and penalties, rows in any order."""
-    gen = torch.Generator().manual_seed(5)
-    V, S = 1000, 6
-    logits = torch.randn(S, V, generator=gen) * 4
-    counts = TokenCounts(V, torch.device("cpu"))
-    seqs = []
-    for i in range(4):
-        prompt = torch.randint(0, V, (30,), generator=gen).tolist()
-        out = torch.randint(0, V, (20,), generator=gen).tolist()
-        seqs.append(_seq(prompt, out, str(i), presence_penalty=0.3 * i - 0.5,
-                         frequency_penalty=0.2 * i, repetition_penalty=0.8 + 0.3 * i))
-    rows = [4, 0, 5, 2]
-    placed = [_seq([1], [], f"plain{r}") for r in range(S)]
-    for r, seq in zip(rows, seqs):
-        placed[r] = seq
-    rules = logits_rules(placed, [True] * S, frozenset({EOS}), counts)
-    before = cpu.kernel_paths()["penalties.cpu"]
-    fast = logits.clone()
-    apply_rules(fast, rules, None)
-    assert cpu.kernel_paths()["penalties.cpu"] == before + 1
-    monkeypatch.setattr(ops.compiled, "compiled_backends", lambda: [])
-    slow = logits.clone()
-    apply_rules(slow, rules, None)
-    torch.testing.assert_close(fast, slow)
-    assert torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
-
-
-@pytest.mark.slow
-def test_triton_kernel_draws_what_the_reference_draws():
-    """kernels/sample.py (the CUDA path; here under Triton's interpreter): the reference's
-    token on random rows with banned tokens, ragged V, shuffled rows and random rules, and the
-    distributions of transformers' warpers at a grid of uniforms."""
-    from tests.helpers import triton_device, triton_skip_reason
-
-    device = triton_device()
-    if device is None:
-        pytest.skip(triton_skip_reason())
-    from cbatch.kernels import sample as triton_sample
-
-    gen = torch.Generator().manual_seed(6)
-    for V in (1, 17, 65):
-        S, R = 6, 5
-        logits = torch.randn(S, V, generator=gen) * 3
-        logits[0, : V // 2] = float("-inf")
-        rows = torch.randperm(S, generator=gen)[:R]
-        temperature = torch.rand(R, generator=gen) + 0.3
-        top_k = torch.randint(0, min(V, 40) + 1, (R,), generator=gen)
-        top_p = torch.where(torch.rand(R, generator=gen) < 0.5, 1.0,
-                            torch.rand(R, generator=gen)).clamp(min=0.05)
-        min_p = torch.where(torch.rand(R, generator=gen) < 0.5, 0.0,
-                            0.1 * torch.rand(R, generator=gen))
-        u = torch.tensor(uniforms(list(range(R)), [V] * R), dtype=torch.float64)
-        want = reference_sample(logits[rows], temperature, top_k, top_p, min_p, u)
-        args = [t.to(device) for t in (logits, rows, temperature, top_k, top_p, min_p, u)]
-        assert torch.equal(triton_sample.sample(*args).cpu(), want)
-    logits = torch.randn(1, 37, generator=gen) * 2
-    n = 200
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    for rule in ((0.8, 8, 0.8, 0.02),):
-        t, k, p, mp = rule
-        args = (logits.expand(n, -1).contiguous(), torch.arange(n), torch.full((n,), t),
-                torch.full((n,), k), torch.full((n,), p), torch.full((n,), mp), u)
-        tokens = triton_sample.sample(*[a.to(device) for a in args]).cpu()
-        got = torch.bincount(tokens, minlength=37).double() / n
-        assert (got - _transformers_probs(logits, *rule)).abs().max() < 1.5 / n
 
 
 def test_min_p_is_the_draws_rule_not_a_logits_rule():

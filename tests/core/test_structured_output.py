@@ -12,7 +12,6 @@ import torch
 
 from cbatch import LLM, Engine, SamplingParams
 from cbatch.core import structured_output
-from cbatch.core.structured_output import apply_bitmask
 from tests.helpers import STRESS_CONFIGS
 from tests.structured_utils import CONSTRAINTS, assert_follows
 
@@ -181,33 +180,6 @@ def test_greedy_rows_with_a_grammar_leave_the_greedy_screen():
         max_tokens=40, structured_outputs=CONSTRAINTS["regex"]), use_tqdm=False)
     for out in outs:
         assert_follows("regex", out.text)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [31, 64, 100])
-def test_apply_bitmask_forbids_exactly_the_cleared_bits(dtype, vocab):
-    """Against a bit-by-bit reference; the bitmask covers 64 ids, so a vocab of 100 has ids
-    past it: forbidden in the constrained rows, untouched in the all-ones row."""
-    gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(3, vocab, generator=gen).to(dtype)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 2), generator=gen, dtype=torch.int64)
-    bitmask = bitmask.to(torch.int32)
-    bitmask[1] = -1  # a row without a grammar
-    want = logits.clone()
-    for s in range(3):
-        for t in range(vocab):
-            allowed = t < 64 and (int(bitmask[s, t // 32]) >> (t % 32)) & 1
-            if not allowed and not (s == 1 and t >= 64):
-                want[s, t] = float("-inf")
-    from cbatch.ops import compiled, cpu
-
-    before = cpu.kernel_paths().get("bitmask.cpu", 0)
-    apply_bitmask(logits, bitmask)
-    torch.testing.assert_close(logits, want)
-    assert torch.isfinite(logits[1]).all()
-    # fp32 on the CPU: cbatch's one-pass kernel (the torch rule otherwise)
-    kernel = dtype == torch.float32 and "cpu" in compiled.compiled_backends()
-    assert cpu.kernel_paths().get("bitmask.cpu", 0) - before == int(kernel)
 
 
 @pytest.fixture(scope="module")
