@@ -56,8 +56,9 @@ def draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
     if _cpu_kernel(logits):
         return torch.ops.cbatch.sample(logits, rows, temperature, top_k, top_p, min_p, uniform)
     if logits.device.type == "cuda" and _triton_available():
-        return torch.ops.cbatch_triton.sample(logits, rows, temperature, top_k, top_p, min_p,
-                                              uniform)
+        from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
+
+        return triton_ops.sample(logits, rows, temperature, top_k, top_p, min_p, uniform)
     return reference_draw(logits[rows], temperature, top_k, top_p, min_p, uniform)
 
 
