@@ -223,7 +223,8 @@ class EngineConfig:
     model: str = _knob("random:gpt2", "random:<size>, a local Hugging Face checkpoint "
                        "directory, or a hub id", cli=False)
     device: str = _knob("cpu", "cpu, cuda or cuda:N", cli=False)
-    dtype: str = _knob("float32", "float32, float16 or bfloat16", cli=False)
+    dtype: str = _knob("auto", "auto (bfloat16 on a CPU that computes in it, float16 on CUDA, "
+                       "else float32), float32, float16 or bfloat16", cli=False)
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     block_size: int = _knob(16, "tokens per KV-cache block")

@@ -20,6 +20,18 @@ if not _has_cuda():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def _float32_when_auto(request, monkeypatch):
+    """``dtype="auto"`` (LLM's, Engine's and the CLI's default) picks bfloat16 on a CPU that
+    computes in it and float16 on CUDA; tests compare against float32 references, so in them
+    "auto" means float32 on every machine, except in tests of the rule itself (marked
+    ``real_auto_dtype``)."""
+    if request.node.get_closest_marker("real_auto_dtype") is None:
+        import cbatch.config
+
+        monkeypatch.setattr(cbatch.config, "auto_dtype", lambda device: "float32")
+
+
 TINY = dict(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4,
             bos_token_id=511, eos_token_id=511)
 

@@ -322,10 +322,15 @@ def test_bf16_engine_greedy_tokens_match_transformers_bf16(tiny_hf_dir, tiny_hf_
     assert out.token_ids[:4] == ids[:4]
 
 
+@pytest.mark.real_auto_dtype
 def test_auto_dtype():
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert auto_dtype("cpu") == ("bfloat16" if native else "float32")
     assert EngineConfig(dtype="auto").dtype == auto_dtype("cpu")
-    assert EngineConfig().dtype == "float32"
+    # one default for LLM, Engine and the CLI: auto
+    from cbatch.entrypoints.cli.engine_args import model_parser
+
+    assert EngineConfig().dtype == auto_dtype("cpu")
+    assert model_parser().parse_args([]).dtype == "auto"
     if torch.cuda.is_available():
         assert auto_dtype("cuda") == "float16"
