@@ -55,6 +55,7 @@ from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
 from cbatch.hub import resolve_checkpoint_dir
+from cbatch.models.registry import random_chat_template
 from cbatch.tokenizer import check_text_fits, token_text
 
 logger = init_logger("cbatch.server")
@@ -78,27 +79,31 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
               queue_timeout: float = 30.0, special_tokens_in_content: bool = True,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
     :class:`RequestGuard` with these settings (``limit_concurrency`` None: no limit).  When
     the app shuts down it shuts the engine down, giving running requests ``shutdown_timeout``
     seconds.  ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any;
     ``special_tokens_in_content=False`` encodes chat contents as plain text
     (``--no-special-tokens-in-content``); ``tool_call_parser`` (a name of
-    ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on."""
+    ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on; ``reasoning_parser`` (of
+    ``reasoning_parsers.REASONING_PARSERS``) splits replies' thinking off."""
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
         config.model)
     template = chat_template
-    if template is None and checkpoint is not None:
-        template = load_chat_template(checkpoint)
+    if template is None:  # the checkpoint's own, or a chat-capable random model's
+        template = (load_chat_template(checkpoint) if checkpoint is not None
+                    else random_chat_template(config.model))
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint),
                              architecture=type(engine.engine.model).__name__,
                              tool_call_parser=tool_call_parser,
-                             special_tokens_in_content=special_tokens_in_content)
+                             special_tokens_in_content=special_tokens_in_content,
+                             reasoning_parser=reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
