@@ -2,7 +2,8 @@
 
     cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(stateless), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
 ``POST /detokenize``, ``GET /version``.  Request fields the server does not know are
 accepted, as vLLM accepts them, and named in one warning line in the log.  Every error,
@@ -53,7 +54,9 @@ from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
                                                     load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from cbatch.entrypoints.openai.protocol_responses import ResponsesRequest
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
+from cbatch.entrypoints.openai.serving_responses import OpenAIServingResponses
 from cbatch.hub import resolve_checkpoint_dir
 from cbatch.models.registry import random_chat_template
 from cbatch.tokenizer import check_text_fits, token_text
@@ -104,6 +107,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
                              tool_call_parser=tool_call_parser,
                              special_tokens_in_content=special_tokens_in_content,
                              reasoning_parser=reasoning_parser)
+    responses = OpenAIServingResponses(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -192,6 +196,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         check_request("/v1/chat/completions", req)
         return await chat.create(req, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        check_request("/v1/responses", req)
+        return await responses.create(req, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
@@ -352,8 +361,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
     print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
-          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, "
-          "/metrics)", flush=True)
+          "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
+          "/health, /metrics)", flush=True)
     server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)
