@@ -58,11 +58,13 @@ def random_llama_configs() -> dict:
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=256, rope=default_rope, bos_token_id=510,
             eos_token_id=511)),
-        # tests: GQA 4:1, per-head q/k norms, head_dim wider than hidden / heads
+        # tests: GQA 4:1, per-head q/k norms, head_dim wider than hidden / heads; serves chat
+        # with Qwen3's template (RANDOM_CHAT_TEMPLATES), whose tools' system turn needs more
+        # than 256 bytes
         "qwen3-tiny": ("Qwen3ForCausalLM", LlamaConfig(
             architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
             rms_norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True, qk_norm=True, bos_token_id=None, eos_token_id=511)),
         # HuggingFaceTB/SmolLM2-135M's shape (config.json): 30 layers, 9 heads over 3 KV
@@ -74,3 +76,17 @@ def random_llama_configs() -> dict:
             rope={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
             bos_token_id=0, eos_token_id=0)),
     }
+
+
+# random:<name> -> the name of its chat template in :mod:`cbatch.models.chat_templates`
+RANDOM_CHAT_TEMPLATES = {"qwen3-tiny": "QWEN3"}
+
+
+def random_chat_template(model: str) -> str | None:
+    """The chat template of a ``random:`` model that serves chat (its family's), else None."""
+    name = RANDOM_CHAT_TEMPLATES.get(model.removeprefix("random:"))
+    if name is None or not model.startswith("random:"):
+        return None
+    from cbatch.models import chat_templates
+
+    return getattr(chat_templates, name)

@@ -326,6 +326,7 @@ def test_enable_auto_tool_choice_needs_a_parser():
     args = build_parser().parse_args(["serve", "random:tiny", "--enable-auto-tool-choice",
                                       "--tool-call-parser", "hermes"])
     check_serve_args(args)
-    assert tool_settings(args) == {"tool_call_parser": "hermes"}
-    args = build_parser().parse_args(["serve", "random:tiny", "--tool-call-parser", "hermes"])
-    assert tool_settings(args) == {"tool_call_parser": None}
+    assert tool_settings(args) == {"tool_call_parser": "hermes", "reasoning_parser": None}
+    args = build_parser().parse_args(["serve", "random:tiny", "--tool-call-parser", "hermes",
+                                      "--reasoning-parser", "qwen3"])
+    assert tool_settings(args) == {"tool_call_parser": None, "reasoning_parser": "qwen3"}

@@ -2,7 +2,8 @@
 
     cbatch serve gpt2 --host 127.0.0.1 --port 8000
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(stateless), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``,
 ``POST /detokenize``, ``GET /version``.  Request fields the server does not know are
 accepted, as vLLM accepts them, and named in one warning line in the log.  Every error,
@@ -53,8 +54,11 @@ from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
                                                     load_special_tokens)
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from cbatch.entrypoints.openai.protocol_responses import ResponsesRequest
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
+from cbatch.entrypoints.openai.serving_responses import OpenAIServingResponses
 from cbatch.hub import resolve_checkpoint_dir
+from cbatch.models.registry import random_chat_template
 from cbatch.tokenizer import check_text_fits, token_text
 
 logger = init_logger("cbatch.server")
@@ -78,27 +82,32 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
               queue_timeout: float = 30.0, special_tokens_in_content: bool = True,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
     :class:`RequestGuard` with these settings (``limit_concurrency`` None: no limit).  When
     the app shuts down it shuts the engine down, giving running requests ``shutdown_timeout``
     seconds.  ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any;
     ``special_tokens_in_content=False`` encodes chat contents as plain text
     (``--no-special-tokens-in-content``); ``tool_call_parser`` (a name of
-    ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on."""
+    ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on; ``reasoning_parser`` (of
+    ``reasoning_parsers.REASONING_PARSERS``) splits replies' thinking off."""
     config = engine.engine.config
     max_model_len = engine.engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
         config.model)
     template = chat_template
-    if template is None and checkpoint is not None:
-        template = load_chat_template(checkpoint)
+    if template is None:  # the checkpoint's own, or a chat-capable random model's
+        template = (load_chat_template(checkpoint) if checkpoint is not None
+                    else random_chat_template(config.model))
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint),
                              architecture=type(engine.engine.model).__name__,
                              tool_call_parser=tool_call_parser,
-                             special_tokens_in_content=special_tokens_in_content)
+                             special_tokens_in_content=special_tokens_in_content,
+                             reasoning_parser=reasoning_parser)
+    responses = OpenAIServingResponses(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,6 +196,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         check_request("/v1/chat/completions", req)
         return await chat.create(req, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        check_request("/v1/responses", req)
+        return await responses.create(req, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
@@ -347,8 +361,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine._error)
     print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
-          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, "
-          "/metrics)", flush=True)
+          "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
+          "/health, /metrics)", flush=True)
     server.run(sockets=None if sock is None else [sock])
     if server.failed:
         raise SystemExit(1)

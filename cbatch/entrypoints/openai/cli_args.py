@@ -11,6 +11,7 @@ import argparse
 import math
 
 from cbatch import envs
+from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (no imports)
 from cbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS  # (json and re only)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -47,6 +48,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the format of the model's tool calls (hermes: "
                              "<tool_call>{...}</tool_call>, as Qwen2, Qwen2.5 and Qwen3 write)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="put a reasoning model's <think>...</think> in reasoning_content "
+                             "(qwen3: when the reply opens the block; deepseek_r1: the prompt "
+                             "opened it)")
     parser.add_argument("--write-timeout", type=float, default=30.0,
                         help="seconds a client may leave its response unread before the "
                              "connection is closed and its request aborted")
@@ -110,10 +115,10 @@ def _host_list(value: str) -> list[str]:
 
 
 def tool_settings(args: argparse.Namespace) -> dict:
-    """The keyword of ``build_app`` that the tool-call flags set: the parser of tool_choice
-    "auto" (None: "auto" is refused)."""
+    """The keywords of ``build_app`` that the tool-call and reasoning flags set: the parser
+    of tool_choice "auto" (None: "auto" is refused), and of the reasoning."""
     return dict(tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                else None)
+                else None, reasoning_parser=args.reasoning_parser)
 
 
 def _dest(flag: str) -> str:

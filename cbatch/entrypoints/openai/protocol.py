@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cbatch.entrypoints.openai.limits import check_length
+from cbatch.entrypoints.openai.response_format import ConstraintFields
 from cbatch.entrypoints.openai.tools import (ChatTool, DeltaToolCall, NamedToolChoice, ToolCall,
                                              tool_call_schema)
 from cbatch.sampling_params import StructuredOutputsParams
@@ -37,59 +38,13 @@ def ignored_fields(req: BaseModel) -> list[str]:
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (its choice's so far)
 
 
-# -------------------------------------------------------------- structured outputs, tools
-
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's ``response_format.json_schema``."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict | None = Field(default=None, alias="schema")  # ("schema" is BaseModel's)
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
-    object) or ``json_schema`` (a JSON value its schema validates)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _has_schema(self):
-        if self.type == "json_schema" and (self.json_schema is None
-                                           or self.json_schema.json_schema is None):
-            raise ValueError('response_format of type "json_schema" needs '
-                             "json_schema.schema (the JSON schema)")
-        return self
-
-
-def structured_outputs_of(response_format: ResponseFormat | None,
-                          structured_outputs: dict | None) -> StructuredOutputsParams | None:
-    """The constraint of a request: OpenAI's ``response_format`` or vLLM's
-    ``structured_outputs`` (one of them), None for none; ValueError naming the field."""
-    if response_format is not None and structured_outputs is not None:
-        raise ValueError("give either response_format or structured_outputs, not both")
-    if structured_outputs is not None:
-        try:
-            return StructuredOutputsParams(**structured_outputs)
-        except TypeError as exc:  # an unknown key
-            raise ValueError(f"structured_outputs takes json, json_object, regex, choice or "
-                             f"grammar ({exc})") from None
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
-
-
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(ConstraintFields, OpenAIBaseModel):
     """What completions and chat completions share.  None means the default: OpenAI's
-    (temperature 1, 16 tokens) or :class:`cbatch.SamplingParams`' (every other field)."""
+    (temperature 1; 16 tokens for completions, the rest of the context for chat) or
+    :class:`cbatch.SamplingParams`' (every other field)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -99,7 +54,7 @@ class _SamplingFields(OpenAIBaseModel):
     min_p: float | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=32)
-    best_of: int | None = None  # == n only (vLLM v1)
+    best_of: int | None = None  # completions: n of best_of candidates; chat: == n only
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -119,8 +74,6 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
-    response_format: ResponseFormat | None = None  # structured outputs, OpenAI's way
-    structured_outputs: dict | None = None  # and vLLM's (json, regex, choice, grammar, ...)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -140,9 +93,9 @@ class _SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """What the output must follow (``response_format`` or ``structured_outputs``)."""
-        return structured_outputs_of(self.response_format, self.structured_outputs)
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -202,6 +155,7 @@ class _ChatTemplateFields(OpenAIBaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    tools: list[ChatTool] | None = None  # (/tokenize takes them too, as vLLM's)
 
     @model_validator(mode="after")
     def _messages_within_limits(self):
@@ -214,7 +168,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # tool calls (vLLM's rules): tool_choice defaults to "auto" with tools, else "none"
-    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -255,10 +208,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         tool_call_schema`), else the request's ``response_format``/``structured_outputs``."""
         if not self.forces_tool_call:
             return super().constraint()
-        if self.response_format is not None or self.structured_outputs is not None:
+        if self.has_constraint:
             raise ValueError("a forced tool call (tool_choice required or a function) is "
                              "structured output already: drop response_format and "
-                             "structured_outputs")
+                             "structured_outputs (and guided_*)")
         return StructuredOutputsParams(json=tool_call_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls))
 
@@ -310,6 +263,7 @@ class CompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
     tool_calls: list[ToolCall] | list[DeltaToolCall] | None = None  # message | stream chunk
 
 

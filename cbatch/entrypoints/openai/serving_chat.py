@@ -6,7 +6,12 @@ Tool calls (:mod:`~cbatch.entrypoints.openai.tool_parsers`): the template gets t
 (``tools=``) and the history's calls and answers; a forced call (``tool_choice`` required or a
 function) is structured output, and ``auto`` finds the calls the model wrote with the server's
 ``--tool-call-parser``.  Either way the reply's calls come back as ``message.tool_calls``
-(``finish_reason`` "tool_calls"), or, streamed, as OpenAI's tool-call deltas."""
+(``finish_reason`` "tool_calls"), or, streamed, as OpenAI's tool-call deltas.  With
+``--reasoning-parser`` (:mod:`~cbatch.entrypoints.openai.reasoning_parsers`), a reply's
+``<think>`` block is its ``reasoning_content`` and the calls are looked for after it.
+
+A request without ``max_tokens`` (or ``max_completion_tokens``) may use the rest of the
+context, as in vLLM and OpenAI."""
 
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionReques
                                                 ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                                 ChatLogprobToken, ChatTopLogprob,
                                                 _ChatTemplateFields, _id)
-from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, clamp,
-                                                      logprob_token, prompt_logprobs, results,
+from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
+                                                      chunk_usage, clamp, logprob_token,
+                                                      prompt_logprobs, results,
                                                       sampling_params, sse, sse_or_error,
                                                       unless_disconnected, usage)
 from cbatch.entrypoints.openai.tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
@@ -35,6 +42,7 @@ from cbatch.entrypoints.openai.tools import (DeltaFunctionCall, DeltaToolCall, F
 from cbatch.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ParsedToolCall,
                                                     forced_tool_calls)
 from cbatch.outputs import RequestOutput
+from cbatch.sampling_params import SamplingParams
 from cbatch.tokenizer import check_text_fits
 
 
@@ -97,10 +105,14 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None, architecture: str | None = None,
-                 tool_call_parser: str | None = None, special_tokens_in_content: bool = True):
+                 tool_call_parser: str | None = None, special_tokens_in_content: bool = True,
+                 reasoning_parser: str | None = None):
         super().__init__(engine, model_name)
         # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): None = off
         self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
+        # --reasoning-parser NAME: <think>...</think> is reasoning_content; None = off
+        self.reasoning_parser = (None if reasoning_parser is None
+                                 else REASONING_PARSERS[reasoning_parser]())
         # False: contents are encoded as plain text (--no-special-tokens-in-content)
         self.special_tokens_in_content = special_tokens_in_content
         self.architecture = architecture  # the model's class, for the no-template error
@@ -132,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             if messages is None:
                 messages = [m.for_template() for m in req.messages]
-            tools = getattr(req, "tools", None)  # (a chat completion's; /tokenize has none)
+            tools = req.tools  # (a chat completion's, or /tokenize's)
             return self._template.render(**{
                 **self.special_tokens, **(req.chat_template_kwargs or {}),
                 "messages": messages,
@@ -152,7 +164,9 @@ class OpenAIServingChat(OpenAIServing):
         """Whether the reply is searched for the calls the model chose to make."""
         return bool(req.tools) and req.tool_choice == "auto" and self.tool_parser is not None
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Request):
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """A chat request's prompt ids and its choices' params (chat's and the Responses
+        API's)."""
         if req.tools and req.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIError(400, '"auto" tool choice requires the server to run with '
                                    "--enable-auto-tool-choice and --tool-call-parser (or ask "
@@ -161,11 +175,16 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.prompt_ids(req)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
+        if max_tokens is None:  # chat's default, vLLM's and OpenAI's: the rest of the context
+            max_tokens = max(self.engine.max_model_len - len(prompt), 1)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, logprobs, max_tokens=max_tokens)
+        return prompt, sampling_params(req, logprobs, max_tokens=max_tokens)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request):
+        prompt, params = await self.prepare(req)
         streams = await self.open([prompt], params, req.n, req.stream, raw_request)
         if req.stream:
-            return StreamingResponse(sse_or_error(self._stream(req, streams)),
+            return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt))),
                                      media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))
         return JSONResponse(response.model_dump()) if response is not None else None
@@ -224,18 +243,32 @@ class OpenAIServingChat(OpenAIServing):
                               prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs,
                                                               self.engine.tokenizer))
                    for i, out in sorted(finals.items())
-                   for message, reason in [self._reply(req, out)]]
+                   for message, reason in [self.reply(req, out)]]
         return ChatCompletionResponse(model=self.model_name, choices=choices,
                                       usage=usage(finals, req.n))
 
-    async def _stream(self, req: ChatCompletionRequest, streams) -> AsyncIterator[str]:
+    def choice_stream(self, req: ChatCompletionRequest) -> _ChoiceStream:
+        """What one choice of ``req`` streams, as its output grows."""
+        return _ChoiceStream(req, self.tool_parser if self._auto_tools(req) else None,
+                             self._reasoning(req))
+
+    def _reasoning(self, req: ChatCompletionRequest):
+        """The reasoning parser of ``req``'s reply: None without one, or when the reply is
+        structured output (a grammar from the first token: it has no thinking)."""
+        constrained = req.forces_tool_call or req.has_constraint
+        return None if constrained else self.reasoning_parser
+
+    async def _stream(self, req: ChatCompletionRequest, streams, num_prompt_tokens: int
+                      ) -> AsyncIterator[str]:
         head = ChatCompletionResponse(model=self.model_name, choices=[],
                                       object="chat.completion.chunk")
+        usage_of = ((lambda out: chunk_usage(num_prompt_tokens, out)) if req.continuous_usage
+                    else lambda out: None)
         for i in range(len(streams)):  # OpenAI's first chunk of a choice names the role
             delta = ChatDelta(role="assistant", content="")
-            yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)]}))
-        choice_streams = [_ChoiceStream(req, self.tool_parser if self._auto_tools(req) else None)
-                          for _ in streams]
+            yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)],
+                                              "usage": usage_of(None)}))
+        choice_streams = [self.choice_stream(req) for _ in streams]
         num_sent = [0] * len(streams)  # tokens whose logprobs went out
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
@@ -252,29 +285,37 @@ class OpenAIServingChat(OpenAIServing):
                 choice = ChatChoice(index=i, delta=delta, logprobs=None if k else logprobs,
                                     finish_reason=(choice_streams[i].finish_reason(out)
                                                    if last else None))
-                yield sse(head.model_copy(update={"choices": [choice]}))
+                yield sse(head.model_copy(update={"choices": [choice],
+                                                  "usage": usage_of(out)}))
         if req.include_usage:
             yield sse(head.model_copy(update={"usage": usage(finals, req.n)}))
         yield "data: [DONE]\n\n"
 
-    def _reply(self, req: ChatCompletionRequest, out: RequestOutput
-               ) -> tuple[ChatDelta, str | None]:
+    def reply(self, req: ChatCompletionRequest, out: RequestOutput
+              ) -> tuple[ChatDelta, str | None]:
         """A finished output as the assistant's message, and its finish_reason ("tool_calls"
-        when it holds calls)."""
-        content, calls = out.text, []
+        when it holds calls): its reasoning first (with a reasoning parser), then the calls
+        in the rest."""
+        reasoning, content, calls = None, out.text, []
+        parser = self._reasoning(req)
+        if parser is not None:
+            reasoning, content = parser.split(out.text)
+            content = content or (None if reasoning is not None else content)
         if req.forces_tool_call:
             try:
                 content, calls = None, forced_tool_calls(out.text, req.forced_function)
             except ValueError:  # cut off by max_tokens: the text as it is
                 content = out.text
-        elif self._auto_tools(req):
-            extracted = self.tool_parser.extract(out.text)
+        elif self._auto_tools(req) and content:
+            extracted = self.tool_parser.extract(content)
             content, calls = extracted.content, extracted.tool_calls
+            calls = calls if req.parallel_tool_calls else calls[:1]
+        message = ChatDelta(role="assistant", content=content, reasoning_content=reasoning)
         if not calls:
-            return ChatDelta(role="assistant", content=content), out.finish_reason
-        return ChatDelta(role="assistant", content=content, tool_calls=[
-            ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls]), "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+            return message, out.finish_reason
+        message.tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+                              for c in calls]
+        return message, "tool_calls" if out.finish_reason == "stop" else out.finish_reason
 
 
 def _call_deltas(calls: list[ParsedToolCall]) -> ChatDelta:
@@ -288,15 +329,28 @@ class _ChoiceStream:
     """What one choice of a chat stream sends as its output grows: its text as content
     deltas; a named function's arguments as argument deltas of one call; the calls of
     "required" once the output is complete; with ``parser`` (tool_choice "auto"), the content
-    up to where a call starts, then the calls once the output is complete."""
+    up to where a call starts, then the calls once the output is complete.  With
+    ``reasoning`` (a reasoning parser), the thinking first, as ``reasoning_content`` deltas,
+    and all that of what follows it."""
 
-    def __init__(self, req: ChatCompletionRequest, parser):
-        self.req, self.parser = req, parser
+    def __init__(self, req: ChatCompletionRequest, parser, reasoning=None):
+        self.req, self.parser, self.reasoning = req, parser, reasoning
         self.sent = 0  # characters of the output's text sent (or, for a call, consumed)
+        self.reasoning_sent = 0  # characters of its reasoning sent
         self.has_calls = False
 
     def deltas(self, out: RequestOutput) -> list[ChatDelta]:
-        text, choice = out.text, self.req.tool_choice
+        if self.reasoning is None:
+            return self._deltas(out.text, out.finished)
+        reasoning, content = self.reasoning.split(out.text, out.finished)
+        piece = (reasoning or "")[self.reasoning_sent:]
+        self.reasoning_sent += len(piece)
+        deltas = [ChatDelta(reasoning_content=piece)] if piece else []
+        return deltas + (self._deltas(content, out.finished) if content or out.finished
+                         else [])
+
+    def _deltas(self, text: str, finished: bool) -> list[ChatDelta]:
+        choice = self.req.tool_choice
         if isinstance(choice, NamedToolChoice):
             piece, first = text[self.sent:], self.sent == 0 and not self.has_calls
             self.sent, self.has_calls = len(text), True
@@ -305,7 +359,7 @@ class _ChoiceStream:
             return [ChatDelta(tool_calls=[DeltaToolCall(
                 index=0, function=DeltaFunctionCall(arguments=piece))])] if piece else []
         if choice == "required":
-            if not out.finished:
+            if not finished:
                 return []
             try:
                 calls = forced_tool_calls(text, self.req.forced_function)
@@ -316,8 +370,9 @@ class _ChoiceStream:
         end, calls = len(text), []
         if self.parser is not None:
             end = self.parser.content_end(text)
-            if out.finished:
+            if finished:
                 calls = self.parser.extract(text).tool_calls
+                calls = calls if self.req.parallel_tool_calls else calls[:1]
                 if not calls:
                     end = len(text)
         piece, self.sent = text[self.sent:end], max(self.sent, end)

@@ -1,4 +1,9 @@
-"""``POST /v1/completions`` over the AsyncEngine: prompts in, choices (or SSE chunks) out."""
+"""``POST /v1/completions`` over the AsyncEngine: prompts in, choices (or SSE chunks) out.
+
+``best_of`` (OpenAI's): each prompt runs ``best_of`` candidates, one engine request each (the
+engine's rule is one completion per request), and the n with the highest cumulative logprob
+are returned.  ``usage`` counts every candidate's tokens, as OpenAI bills them; vLLM v0
+counted the n returned ones (vLLM v1 refuses ``best_of`` != n)."""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cbatch.entrypoints.openai.limits import check_length
 from cbatch.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                 CompletionRequest, CompletionResponse)
-from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, clamp,
-                                                      logprob_token, prompt_logprobs, results,
+from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
+                                                      chunk_usage, clamp, logprob_token,
+                                                      prompt_logprobs, results,
                                                       sampling_params, sse, sse_or_error,
                                                       unless_disconnected, usage)
 from cbatch.outputs import RequestOutput
@@ -42,6 +48,23 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
     return result
 
 
+def cumulative_logprob(out: RequestOutput) -> float:
+    """The sum of the logprobs of ``out``'s tokens (run with ``logprobs`` >= 0)."""
+    return sum(entry[token] for token, entry in zip(out.token_ids, out.logprobs))
+
+
+def best_candidates(finals: dict[int, RequestOutput], n: int, best_of: int
+                    ) -> dict[int, RequestOutput]:
+    """``best_of``: choice ``p * n + j`` is the j-th most likely (by cumulative logprob) of
+    prompt p's candidates, which are ``finals[p * best_of + c]``."""
+    chosen = {}
+    for p in range(len(finals) // best_of):
+        ranked = sorted((finals[p * best_of + c] for c in range(best_of)),
+                        key=cumulative_logprob, reverse=True)
+        chosen.update({p * n + j: out for j, out in enumerate(ranked[:n])})
+    return chosen
+
+
 class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, req: CompletionRequest) -> list[str | list[int]]:
         prompt = req.prompt
@@ -64,19 +87,36 @@ class OpenAIServingCompletion(OpenAIServing):
                                    f"maximum length ({max_len})", param="prompt")
         return prompts
 
+    @staticmethod
+    def _best_of(req: CompletionRequest) -> int:
+        """The candidates each prompt runs: ``best_of`` (n <= best_of, not streamed, as
+        OpenAI's rule), else n."""
+        best_of = req.n if req.best_of is None else req.best_of
+        if best_of < req.n:
+            raise OpenAIError(400, f"best_of must be >= n ({req.n}), got {best_of}",
+                              param="best_of")
+        if best_of > req.n and req.stream:
+            raise OpenAIError(400, "best_of > n cannot be streamed (the best are known only "
+                                   "once every candidate is finished)", param="best_of")
+        return best_of
+
     async def create(self, req: CompletionRequest, raw_request: Request):
         prompts = self._prompts(req)
-        params = sampling_params(req, req.logprobs)
+        best_of = self._best_of(req)
+        # best_of > n: the candidates are ranked by the sum of their tokens' logprobs
+        logprobs = req.logprobs if best_of == req.n else (req.logprobs or 0)
+        params = sampling_params(req, logprobs, n=best_of)
         if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
             params = dataclasses.replace(
                 params, prompt_logprobs=max(req.prompt_logprobs or 0, req.logprobs))
-        streams = await self.open(prompts, params, req.n, req.stream, raw_request)
+        streams = await self.open(prompts, params, best_of, req.stream, raw_request)
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams, echo)),
                                      media_type="text/event-stream")
-        response = await unless_disconnected(raw_request, self._full(req, streams, echo))
+        response = await unless_disconnected(raw_request,
+                                             self._full(req, streams, echo, best_of))
         return JSONResponse(response.model_dump()) if response is not None else None
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int,
@@ -95,19 +135,22 @@ class OpenAIServingCompletion(OpenAIServing):
         return completion_logprobs(self.engine.tokenizer, tokens, logprobs, text_offset,
                                    req.return_tokens_as_token_ids)
 
-    async def _full(self, req: CompletionRequest, streams, echo) -> CompletionResponse:
+    async def _full(self, req: CompletionRequest, streams, echo, best_of: int
+                    ) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
             if out.finished:
                 finals[i] = out
         tokenizer = self.engine.tokenizer
+        chosen = finals if best_of == req.n else best_candidates(finals, req.n, best_of)
         choices = [CompletionChoice(
             index=i, text=echo[i] + out.text, finish_reason=out.finish_reason,
             logprobs=self._logprobs(req, out, 0, len(echo[i]), echoed=req.echo),
             prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs, tokenizer))
-            for i, out in sorted(finals.items())]
+            for i, out in sorted(chosen.items())]
+        # every candidate's tokens: they were all generated (OpenAI bills them all)
         return CompletionResponse(model=self.model_name, choices=choices,
-                                  usage=usage(finals, req.n))
+                                  usage=usage(finals, best_of))
 
     async def _stream(self, req: CompletionRequest, streams, echo) -> AsyncIterator[str]:
         chunk_id = CompletionResponse(model=self.model_name, choices=[])
@@ -133,7 +176,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=None if num_sent[i] else prompt_logprobs(
                     out, req.prompt_logprobs, tokenizer))
             sent[i], num_sent[i] = out.text, len(out.token_ids)
-            yield sse(chunk_id.model_copy(update={"choices": [choice]}))
+            yield sse(chunk_id.model_copy(update={"choices": [choice], "usage": chunk_usage(
+                len(out.prompt_token_ids), out) if req.continuous_usage else None}))
         if req.include_usage:
             yield sse(chunk_id.model_copy(update={"usage": usage(finals, req.n)}))
         yield "data: [DONE]\n\n"

@@ -52,11 +52,12 @@ ENGINE_UNAVAILABLE = "the engine is not available; see the server log"
 
 
 def sampling_params(req: _SamplingFields, logprobs: int | None = None,
-                    max_tokens: int | None = None) -> SamplingParams:
+                    max_tokens: int | None = None, n: int | None = None) -> SamplingParams:
     """The engine's params for a request's choices (each choice runs as
     ``params.choice(i)``: seed + i).  Every check is :class:`SamplingParams`'; its
     refusal is a 400 naming the field.  ``max_tokens``: the endpoint's own (chat's
-    ``max_completion_tokens``) when given."""
+    ``max_completion_tokens``) when given; ``n``: the engine's choices per prompt when the
+    endpoint runs more than it returns (completions' ``best_of``)."""
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     given = dict(  # None: SamplingParams' default
         top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, seed=req.seed,
@@ -65,7 +66,7 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
         stop_token_ids=req.stop_token_ids)
     fields = dict(
         {k: v for k, v in given.items() if v is not None},
-        max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's default
+        max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's completions default
         temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's too
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
@@ -73,7 +74,8 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
         bad_words=req.bad_words, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
-        truncate_prompt_tokens=req.truncate_prompt_tokens, n=req.n, best_of=req.best_of)
+        truncate_prompt_tokens=req.truncate_prompt_tokens, n=req.n if n is None else n,
+        best_of=req.best_of if n is None else None)
     try:
         # response_format, structured_outputs, or a forced tool call's schema
         fields["structured_outputs"] = req.constraint()
@@ -229,6 +231,13 @@ class OpenAIServing:
         choices = [params.choice(c) for c in range(n)]
         return await open_streams(self.engine, [p for p in prompts for _ in range(n)],
                                   choices * len(prompts), stream, raw_request)
+
+
+def chunk_usage(num_prompt_tokens: int, out: RequestOutput | None) -> UsageInfo:
+    """vLLM's ``continuous_usage_stats``: a stream chunk's usage, of its choice so far."""
+    completion = 0 if out is None else len(out.token_ids)
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=num_prompt_tokens + completion)
 
 
 def usage(finals: dict[int, RequestOutput], n: int) -> UsageInfo:
