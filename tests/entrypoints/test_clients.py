@@ -214,14 +214,14 @@ def test_continuous_usage_stats_in_every_chunk(server):
 
 def test_best_of_returns_the_most_likely_candidates(client):
     """best_of=3, n=2: the two of the three candidates (seeds 7, 8, 9: the same as n=3's
-    choices) with the highest cumulative logprob; usage counts all three."""
+    choices) with the highest cumulative logprob; usage counts the two returned."""
     kw = dict(model="qwen3", prompt="abc", max_tokens=6, seed=7, temperature=1.0)
     every = client.completions.create(n=3, logprobs=0, **kw)
     ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
     best = client.completions.create(n=2, best_of=3, **kw)
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
     assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
-    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in ranked[:2])
     assert best.usage.prompt_tokens == 3
 
 

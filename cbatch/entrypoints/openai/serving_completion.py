@@ -2,8 +2,8 @@
 
 ``best_of`` (OpenAI's): each prompt runs ``best_of`` candidates, one engine request each (the
 engine's rule is one completion per request), and the n with the highest cumulative logprob
-are returned.  ``usage`` counts every candidate's tokens, as OpenAI bills them; vLLM v0
-counted the n returned ones (vLLM v1 refuses ``best_of`` != n)."""
+are returned.  ``usage`` counts the tokens of the n returned, as vLLM v0 did (OpenAI bills
+every candidate; vLLM v1 refuses ``best_of`` != n)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.entrypoints.openai.limits import check_length
 from cbatch.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse)
+                                                CompletionRequest, CompletionResponse,
+                                                UsageInfo)
 from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
                                                       chunk_usage, clamp, logprob_token,
                                                       prompt_logprobs, results,
@@ -148,9 +149,12 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=self._logprobs(req, out, 0, len(echo[i]), echoed=req.echo),
             prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs, tokenizer))
             for i, out in sorted(chosen.items())]
-        # every candidate's tokens: they were all generated (OpenAI bills them all)
-        return CompletionResponse(model=self.model_name, choices=choices,
-                                  usage=usage(finals, best_of))
+        # the prompts once each, and the tokens of the choices returned (as vLLM v0 counted)
+        counted = usage(finals, best_of)
+        returned = sum(len(out.token_ids) for out in chosen.values())
+        return CompletionResponse(model=self.model_name, choices=choices, usage=UsageInfo(
+            prompt_tokens=counted.prompt_tokens, completion_tokens=returned,
+            total_tokens=counted.prompt_tokens + returned))
 
     async def _stream(self, req: CompletionRequest, streams, echo) -> AsyncIterator[str]:
         chunk_id = CompletionResponse(model=self.model_name, choices=[])
