@@ -1,7 +1,7 @@
 """How the Triton launchers choose their configs, and the start-up warm-up of the ops.
 
 Without a GPU the choice is checked by asking the launchers what they would launch; the
-configs themselves compile for sm_90 in test_triton_compile.py.
+configs themselves compile for sm_80 and sm_90 in test_triton_compile.py.
 """
 
 import pytest
