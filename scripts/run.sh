@@ -7,6 +7,10 @@
 # CBATCH_TORCH picks the torch requirement (default torch==2.13.0); PYTHON the interpreter
 # that makes the virtualenv (default python3); VENV its folder (default .venv).
 #
+# requirements-dev.txt includes nvcc and the CUDA headers (CUDA 13.0 wheels from PyPI, inside
+# the virtualenv, not on PATH): with them the tests compile csrc/cuda/*.cu for sm_80 and
+# sm_90a on a machine without a GPU or a CUDA toolkit (tests/ops/test_cuda_compile.py).
+#
 # The pip installs (torch, requirements-dev.txt, the C++ build of cbatch) run only when what
 # they depend on changed: a stamp in the virtualenv holds the hash of csrc/, setup.py,
 # pyproject.toml, requirements-dev.txt, the torch requirement and this checkout's path.
@@ -47,7 +51,8 @@ else
   rm -f "$stamp_file"
   say "[1/3] installing $TORCH_REQUIREMENT into $VENV"
   "$py" -m pip install "$TORCH_REQUIREMENT"
-  say "[2/3] installing requirements-dev.txt (transformers, triton, the server, pytest, ...)"
+  say "[2/3] installing requirements-dev.txt (transformers, triton, the server, pytest," \
+      "nvcc for the compile-only CUDA test, ...)"
   "$py" -m pip install -r requirements-dev.txt
   say "[3/3] building cbatch's C++ extension against that torch and installing cbatch" \
       "(editable; compiling can take minutes)"
