@@ -117,7 +117,7 @@ def _cases():
         for vocab in (50257, 151936):
             yield (f"sample {dtype} V={vocab}", sample._sample_kernel,
                    ptrs(dtype, rows_ptr="*i64", temperature_ptr="*fp32", top_k_ptr="*i64",
-                        top_p_ptr="*fp32", min_p_ptr="*fp32", u_ptr="*fp32", out_ptr="*i64"),
+                        top_p_ptr="*fp32", min_p_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64"),
                    {"stride": vocab, "V": vocab},
                    {"ONE_BITS": sample._ONE_BITS, "BLOCK": 1024})
 
