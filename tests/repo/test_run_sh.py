@@ -91,3 +91,22 @@ def test_a_failed_install_is_retried(checkout):
         run_sh(checkout, "test", FAIL_PIP="1")
     _, calls = run_sh(checkout, "test")
     assert pip_installs(calls) == 3
+
+
+def test_the_virtualenv_of_run_sh_carries_every_extra():
+    """Every requirement of every extra in pyproject.toml is in requirements-dev.txt, which
+    run.sh installs: its editable virtualenv needs no `pip install .[extra]` (which would
+    replace the editable install with a copy)."""
+    import re
+    import tomllib
+
+    def name(requirement: str) -> str:
+        return re.match(r"[A-Za-z0-9_.-]+", requirement).group().lower().replace("_", "-")
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    lines = (ROOT / "requirements-dev.txt").read_text().splitlines()
+    dev = {name(line) for line in lines if line.strip() and not line.startswith("#")}
+    missing = {extra: sorted(name(r) for r in reqs if name(r) not in dev)
+               for extra, reqs in extras.items()}
+    assert not any(missing.values()), missing
