@@ -182,7 +182,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         prompt, params = await self.prepare(req)
-        streams = await self.open([prompt], params, req.n, req.stream, raw_request)
+        streams = await self.open([prompt], params, req.n, req.stream, raw_request,
+                                  req.constraint_field())
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt))),
                                      media_type="text/event-stream")
