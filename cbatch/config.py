@@ -270,7 +270,7 @@ class EngineConfig:
         10.0, "seconds a structured-output grammar may take to parse and compile; a request "
         "whose grammar takes longer is refused (its compile is stopped)")
     max_grammar_bytes: int = _knob(
-        64 << 20, "the most memory a compiled structured-output grammar (its token masks) may "
+        32 << 20, "the most memory a compiled structured-output grammar (its token masks) may "
         "take; a request whose grammar takes more is refused")
     grammar_cache_bytes: int = _knob(
         512 << 20, "memory kept for compiled grammars, to reuse for requests with the same "

@@ -113,6 +113,7 @@ class CompilePool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe wakes the dispatcher already
         self._thread: threading.Thread | None = None
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None
         self.num_jobs = 0  # submitted
         self.num_killed = 0  # workers killed for a job past its budget or cancelled
 
@@ -254,13 +255,11 @@ class CompilePool:
             job._end(error=error)
         elif status == "error":
             job._end(error=Refused(value))
-        elif job.op == "compile":
-            from cbatch.core.grammar_worker import _xgrammar
-
-            try:  # (xgrammar lets go of the GIL here, as in compiles)
-                job._end(_xgrammar().CompiledGrammar.deserialize_json(value, job.vocab.info))
-            except Exception as exc:
-                job._end(error=exc)
+        elif job.op == "compile":  # read back beside this thread, which serves the others
+            if self._loader is None:
+                self._loader = concurrent.futures.ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="cbatch-grammar-load")
+            self._loader.submit(_load, job, value)
         else:
             job._end(None)
 
@@ -273,6 +272,20 @@ class CompilePool:
     def _fail_queue(self, error: Exception) -> None:
         while self._queue:
             self._queue.popleft()._end(error=error)
+
+
+def _load(job: CompileJob, grammar_json: str) -> None:
+    """End ``job`` with the ``CompiledGrammar`` of its worker's JSON."""
+    from cbatch.core.grammar_worker import _trim, _xgrammar
+
+    try:  # (xgrammar lets go of the GIL here, as in compiles)
+        job._end(_xgrammar().CompiledGrammar.deserialize_json(grammar_json, job.vocab.info))
+    except Exception as exc:
+        job._end(error=exc)
+    if len(grammar_json) > 1 << 20:
+        # reading it back takes many times the grammar's size for a moment: give that back
+        # to the system (glibc would keep it for this process)
+        _trim()
 
 
 _shared: CompilePool | None = None
