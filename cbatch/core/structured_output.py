@@ -305,6 +305,17 @@ class StructuredOutputs:
             self.pool.cancel(entry.job)
             _end(entry.future, error=concurrent.futures.CancelledError())
 
+    def first_invalid(self, constraints: list[StructuredOutputsParams]
+                      ) -> concurrent.futures.Future:
+        """Parse ``constraints`` in a grammar worker (none is compiled): the future's
+        result is None when all of them parse, else it fails with the
+        :class:`~cbatch.core.grammar_worker.Refused` of the first that does not, whose
+        ``index`` says which."""
+        job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
+                         None, self.timeout)
+        self.pool.submit(job)
+        return job.future
+
     def _start(self, key: str, constraint: StructuredOutputsParams) -> _Compile:
         """(Under the lock.)  Queue ``constraint``'s compile."""
         job = CompileJob("compile", (constraint.kind, getattr(constraint, constraint.kind),

@@ -411,7 +411,7 @@ BROKEN = {"type": "function", "function": {"name": "broken", "parameters": {
     (TOOLS + [BROKEN], {"type": "function", "function": {"name": "broken"}},
      "tools[3].function.parameters"),
     ([BROKEN], "required", "tools[0].function.parameters"),
-    (TOOLS + [BROKEN], "required", "tools"),
+    (TOOLS[:2] + [BROKEN, TOOLS[2]], "required", "tools[2].function.parameters"),
 ])
 def test_a_bad_tool_parameters_schema_is_a_400_naming_it(server, tools, tool_choice, param):
     r = httpx.post(f"{server[0]}/v1/chat/completions", timeout=60, json={

@@ -217,7 +217,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
     def constraint_field(self) -> str | None:
         """A forced call's constraint is the tools' ``parameters`` schemas: the named tool's
-        (or the only tool's), else ``tools``."""
+        (or the only tool's), else ``tools`` (the chat route then finds the tool at fault)."""
         if not self.forces_tool_call:
             return super().constraint_field()
         names = [t.function.name for t in self.tools]
