@@ -263,6 +263,18 @@ class EngineConfig:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
         "or {\"method\": \"draft_model\", \"model\": \"random:distilgpt2\", "
         "\"num_speculative_tokens\": 4} (default: off)")
+    grammar_compile_workers: int = _knob(
+        2, "processes that compile structured-output grammars, one core each at most (one "
+        "pool per process: the largest of its engines' settings)")
+    grammar_compile_timeout: float = _knob(
+        10.0, "seconds a structured-output grammar may take to parse and compile; a request "
+        "whose grammar takes longer is refused (its compile is stopped)")
+    max_grammar_bytes: int = _knob(
+        32 << 20, "the most memory a compiled structured-output grammar (its token masks) may "
+        "take; a request whose grammar takes more is refused")
+    grammar_cache_bytes: int = _knob(
+        512 << 20, "memory kept for compiled grammars, to reuse for requests with the same "
+        "constraint (least recently used dropped first)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):
@@ -303,6 +315,15 @@ class EngineConfig:
                                            or not self.tokenizer):
             raise ValueError("tokenizer must be a directory or hub id (a non-empty string), "
                              f"got {self.tokenizer!r}")
+        for name, low in (("grammar_compile_workers", 1), ("max_grammar_bytes", 1),
+                          ("grammar_cache_bytes", 0)):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {getattr(self, name)!r}")
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout < float("inf")):
+            raise ValueError(f"grammar_compile_timeout must be a finite number of seconds "
+                             f"> 0, got {timeout!r}")
 
     @classmethod
     def for_model(cls, model, **kwargs) -> EngineConfig:

@@ -174,20 +174,38 @@ class AsyncEngine:
                                   f"the engine loop failed: {self._error!r}")
         request_ids = ([uuid.uuid4().hex for _ in prompts] if request_ids is None
                        else [str(r) for r in request_ids])
-        if any(isinstance(p, str) for p in prompts) or any(
-                p is not None and p.bad_words for p in params):
-            # tokenised here, in a worker: long prompts stall no step and no event loop, and
-            # the bad words of a request's choices (one list) are tokenised once
-            prompts, bad_words = await asyncio.to_thread(self._encode_all, prompts, params)
-        else:
-            bad_words = [None] * len(prompts)
-        self._check_logprobs(prompts, params)
-        constraints = list({id(p.structured_outputs): p.structured_outputs for p in params
-                            if p is not None and p.structured_outputs is not None}.values())
-        if constraints:
-            # parsed here, in a worker (a ValueError for a bad one), and compilation begun
-            await asyncio.to_thread(lambda: [self.engine.structured.check(c)
-                                             for c in constraints])
+        # grammars are parsed and compiled in the grammar workers, and the requests admitted
+        # once they are (a refused one raises its ConstraintError here); a call cancelled
+        # meanwhile lets go of its compiles, which stop if no other request holds them
+        structured = self.engine.structured
+        tickets = []
+        posted = False
+        try:
+            for constraint in {id(p.structured_outputs): p.structured_outputs for p in params
+                               if p is not None and p.structured_outputs is not None}.values():
+                tickets.append(structured.compile(constraint))
+            if any(isinstance(p, str) for p in prompts) or any(
+                    p is not None and p.bad_words for p in params):
+                # tokenised here, in a worker: long prompts stall no step and no event loop,
+                # and the bad words of a request's choices (one list) are tokenised once
+                prompts, bad_words = await asyncio.to_thread(self._encode_all, prompts, params)
+            else:
+                bad_words = [None] * len(prompts)
+            self._check_logprobs(prompts, params)
+            for ticket in tickets:
+                await asyncio.shield(asyncio.wrap_future(ticket.future))
+            posted = True
+            return await self._admit(prompts, params, bad_words, request_ids, priority, stream)
+        finally:
+            if posted:  # let go on the engine thread, once the requests hold their own
+                self._post(("release", tickets))
+            else:
+                for ticket in tickets:
+                    structured.release(ticket)
+
+    async def _admit(self, prompts: list, params: list, bad_words: list,
+                     request_ids: list[str], priority: int, stream: bool
+                     ) -> list[RequestStream]:
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in prompts]
         self._post(("add", list(zip(request_ids, prompts, params, bad_words)), priority, stream,
@@ -334,6 +352,10 @@ class AsyncEngine:
             command = self._commands.popleft()
             if command[0] == "abort":
                 self._abort(command[1])
+                continue
+            if command[0] == "release":  # an add_requests call's hold on its compiles
+                for ticket in command[1]:
+                    engine.structured.release(ticket)
                 continue
             _, requests, priority, stream, loop, queues = command
             added: list[str] = []

@@ -44,7 +44,7 @@ from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, Propose
                                      SpecDecodeCounters, accepted_tokens, speculates)
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
-from cbatch.core.structured_output import StructuredOutputs
+from cbatch.core.structured_output import ConstraintError, StructuredOutputs
 from cbatch.layers.kv_cache import KVCache, num_kv_blocks
 from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
@@ -158,7 +158,7 @@ class Engine:
         self.runner = make_runner(model, self.kv_cache, config, max_tokens)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
-                                            model.config.eos_token_id)
+                                            model.config.eos_token_id, config)
         self.async_scheduling = config.use_async_scheduling
         spec = config.speculative_config
         # the drafter (None: no speculation): any Proposer; a benchmark may replace it after
@@ -209,7 +209,7 @@ class Engine:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, "
                                  f"{cfg.vocab_size}): {bad[:5]}")
         if params.structured_outputs is not None:  # parsed now; compiled in a worker
-            self.structured.check(params.structured_outputs)
+            self.structured.check(params)
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has only "
@@ -303,7 +303,11 @@ class Engine:
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End an unfinished sequence (already out of ``_requests``) whose own processing
         failed: an error of one request never reaches the step that all of them share."""
-        logger.error("request %s failed: %s", seq.request_id, _describe(error), exc_info=error)
+        if isinstance(error, ConstraintError):  # the request's own fault: no traceback
+            logger.warning("request %s failed: %s", seq.request_id, _describe(error))
+        else:
+            logger.error("request %s failed: %s", seq.request_id, _describe(error),
+                         exc_info=error)
         self.scheduler.remove(seq)
         self._finish(seq, "error")
         seq.error = _describe(error)

@@ -3,22 +3,36 @@
 A :class:`~cbatch.sampling_params.StructuredOutputsParams` (a JSON schema, any JSON object, a
 regex, a choice of strings, an EBNF grammar) goes through three stages:
 
-1. **parsed** into an xgrammar ``Grammar`` when the request is checked
-   (``Engine.validate_request``): an invalid schema, regex or grammar is a ValueError naming
-   what is wrong, before anything is queued.  Parsing is cheap and needs no vocabulary.
-2. **compiled** against the engine's vocabulary (the token masks of the grammar's states) in a
-   worker thread, once per constraint text (:class:`StructuredOutputs` caches the result); the
-   request waits outside the scheduler until its grammar is ready, so no step waits for it.
+1. **parsed** into an xgrammar ``Grammar`` and 2. **compiled** against the engine's vocabulary
+   (the token masks of the grammar's states), both in a worker process
+   (:mod:`~cbatch.core.grammar_worker`, :mod:`~cbatch.core.grammar_pool`): a bounded pool
+   whose compiles can be stopped.  Each compile has a time budget
+   (``grammar_compile_timeout``) and a size budget (``max_grammar_bytes``); past either, or
+   when the constraint does not parse or can match no output at all (``root ::= root``), the
+   request is refused with a :class:`ConstraintError` naming the field.  A compile whose
+   requests are all aborted is stopped (its worker killed).  :class:`StructuredOutputs`
+   keeps compiled grammars by their text, least recently used dropped first, within
+   ``grammar_cache_bytes``.  ``Engine.validate_request`` parses a new constraint in the
+   caller's thread (an invalid one is a ValueError before anything is queued); the
+   server's :class:`~cbatch.core.async_engine.AsyncEngine` awaits the compile before it
+   admits a request, so that a refusal is a 400 and the engine's thread never parses.  A
+   request whose grammar is still compiling waits outside the scheduler: no step waits for
+   it.
 3. **matched**: each sequence has its own ``GrammarMatcher`` (:class:`SequenceGrammar`),
    advanced by every token the engine reads (``Engine._resolve``).  Each step, the rows of
    the sequences with a grammar get the matcher's token bitmask (:func:`bitmask`, filled by
    ``ModelRunner.execute`` into ``SamplingBatch.bitmask``), and the sampler sets every token
-   the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it samples.
+   the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it
+   samples.
 
 The matcher sees only sampled tokens, so its state follows a sequence through preemption
 (recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
 sequence ends with reason "stop" as soon as its grammar is complete and nothing but an end
 token may follow (no end token is sampled then), or when it samples an end token (EOS).
+Where the grammar allows no token at all, or the request's other rules (allowed_token_ids,
+bad_words, ...) forbid every token it allows, the request ends alone with reason "error"
+and a :class:`ConstraintError`; one whose first token is already ruled out by
+allowed_token_ids is refused when it is checked.
 
 JSON is generated compact (``", "`` and ``": "`` between items, no other whitespace): every
 output is still a JSON document that ``json.loads`` reads, and a model cannot run away in
@@ -31,117 +45,60 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import json
-import os
-import re
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from cbatch.sampling_params import StructuredOutputsParams
+from cbatch.core.grammar_pool import CompileJob, Vocab, shared_pool
+from cbatch.core.grammar_worker import Refused, _xgrammar, parse_grammar
+
+from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from cbatch.config import EngineConfig
     from cbatch.core.scheduler import ScheduledSequence
     from cbatch.core.sequence import Sequence
     from cbatch.tokenizer import Tokenizer
 
-# compiled grammars kept (least recently used dropped first): a server sees a few schemas
-# many times, and must not grow without bound when each request brings a new one
-MAX_CACHED_GRAMMARS = 512
+
+class ConstraintError(ValueError):
+    """A constraint this engine cannot use (it does not parse, compiles past a budget, or
+    matches no output), or that an output can no longer follow: the request's own fault (the
+    server's 400).  ``field`` names the constraint as the request gave it; ``problem`` is
+    the rest of the message."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+    def named(self, field: str) -> ConstraintError:
+        """The same error, the constraint named ``field`` (how an API request spelt it);
+        itself when it is about another field (allowed_token_ids)."""
+        if not self.field.startswith("structured_outputs"):
+            return self
+        return ConstraintError(field, self.problem)
+
+
+def _field(params: StructuredOutputsParams) -> str:
+    return f"structured_outputs.{params.kind}"
 
 
 def constraint_key(params: StructuredOutputsParams) -> str:
-    """The text a constraint is cached by: its kind and its text (a schema dict as sorted
-    JSON, a choice as its JSON list)."""
+    """What a constraint is cached by: a digest of its kind and its text (a schema dict as
+    sorted JSON, a choice as its JSON list)."""
     kind = params.kind
     value = getattr(params, kind)
     if kind == "json_object":
         return kind
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return f"{kind}:{text}"
-
-
-def _xgrammar():
     try:
-        import xgrammar
-    except ImportError:
-        raise ImportError("structured outputs need xgrammar: pip install xgrammar (or "
-                          "cbatch[structured])") from None
-    return xgrammar
-
-
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-def _reason(exc: Exception) -> str:
-    """xgrammar's message without its C++ source location."""
-    return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
-
-
-# Two holes in xgrammar 0.2's grammars, closed by rewriting a grammar's text once, when it is
-# parsed:
-# - a JSON string with minLength/maxLength is written as repeats of this class (xgrammar's
-#   issue #800), which lets raw control characters in; JSON forbids them (json.loads refuses
-#   the output);
-# - every negated class ([^...]) admits the surrogate code points U+D800-U+DFFF, whose bytes
-#   are not UTF-8: a model with byte tokens could write text that decodes to U+FFFDs.
-_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
-_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
-_LITERAL_OR_NEGATED_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[\^')
-
-
-def _closed_holes(xgr, grammar):
-    """``grammar`` without the holes above (itself where it has none, or where xgrammar would
-    not read the rewritten text: a constraint is never refused for them)."""
-    text = str(grammar)
-    fixed = _LITERAL_OR_NEGATED_CLASS.sub(
-        lambda m: m.group(0) if m.group(0).startswith('"') else r"[^\ud800-\udfff",
-        text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
-    if fixed == text:
-        return grammar
-    try:
-        return xgr.Grammar.from_ebnf(fixed)
-    except Exception:
-        return grammar
-
-
-def _choice_ebnf(choices: list[str]) -> str:
-    # a JSON string literal is an EBNF one too (the same escapes), non-ASCII kept as is
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def parse_grammar(params: StructuredOutputsParams):
-    """The xgrammar ``Grammar`` of a constraint; ValueError naming the field and what is wrong
-    with it (a schema that is not JSON, a keyword xgrammar does not support, a regex or a
-    grammar that does not parse)."""
-    xgr = _xgrammar()
-    kind = params.kind
-    what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
-            "choice": "choice", "json_object": "JSON object"}[kind]
-    try:
-        if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            if not isinstance(schema, dict):
-                raise ValueError(f"a schema is a JSON object, got {type(schema).__name__}")
-            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        elif kind == "json_object":  # any object: additional properties allowed
-            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                                   strict_mode=False)
-        elif kind == "regex":
-            grammar = xgr.Grammar.from_regex(params.regex)
-        elif kind == "choice":
-            grammar = xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
-        else:
-            grammar = xgr.Grammar.from_ebnf(params.grammar)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-    except Exception as exc:  # xgrammar raises RuntimeError (and its own types) for these
-        raise ValueError(f"structured_outputs.{kind} is not a valid {what}: "
-                         f"{_reason(exc)}") from None
-    return _closed_holes(xgr, grammar)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    except RecursionError:
+        raise ConstraintError(_field(params), "is nested too deeply") from None
+    return hashlib.sha256(f"{kind}:{text}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -163,14 +120,43 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
                                               stop_token_ids=stop_token_ids or None)
 
 
-class SequenceGrammar:
-    """One sequence's place in its grammar: an xgrammar ``GrammarMatcher``."""
+@dataclass
+class CompiledConstraint:
+    """A compiled grammar, its size, and the tokens it allows first (int32 ``[1, W]``)."""
 
-    def __init__(self, compiled, vocab_size: int, stop_token_ids: list[int]):
+    grammar: object  # xgrammar.CompiledGrammar
+    num_bytes: int
+    first: torch.Tensor
+
+
+def _allowed(row: torch.Tensor, token_ids) -> bool:
+    """Whether bitmask ``row`` (int32 ``[1, W]``) allows any of ``token_ids``."""
+    ids = torch.tensor([t for t in token_ids if t < 32 * row.shape[1]], dtype=torch.long)
+    return bool(((row[0, ids // 32] >> (ids % 32)) & 1).any())
+
+
+def check_request(constraint: CompiledConstraint, params: SamplingParams) -> None:
+    """:class:`ConstraintError` when ``params``' other rules leave the constraint no first
+    token: the request could never begin an output."""
+    if params.allowed_token_ids is not None and not _allowed(constraint.first,
+                                                             params.allowed_token_ids):
+        raise ConstraintError("allowed_token_ids", "allows no token that can begin an output "
+                              f"of the request's {_field(params.structured_outputs)}, so "
+                              "nothing could be generated")
+
+
+class SequenceGrammar:
+    """One sequence's place in its grammar: an xgrammar ``GrammarMatcher``, and the tokens
+    it allows next (filled once per token: :meth:`accept` needs them, and :meth:`fill`
+    copies them)."""
+
+    def __init__(self, constraint: CompiledConstraint, vocab_size: int,
+                 stop_token_ids: list[int], field: str):
         xgr = _xgrammar()
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgr.GrammarMatcher(constraint.grammar)
+        self.field = field  # the constraint's name, for errors
         self.num_words = -(-vocab_size // 32)  # int32 words of a bitmask row
-        self._row = xgr.allocate_token_bitmask(1, vocab_size)  # [1, num_words]
+        self._row = constraint.first.clone()  # [1, num_words]: allowed next
         # every bit but the stop tokens': what may follow a complete grammar besides its end
         words = [-1] * self.num_words
         for t in stop_token_ids:
@@ -181,94 +167,222 @@ class SequenceGrammar:
     def accept(self, token: int) -> bool:
         """Advance by the sequence's new token; whether the output is done: its grammar
         ended (a stop token), or is complete and allows nothing but a stop token next.
-        ValueError if the grammar does not allow ``token`` (another rule masked every token
-        it allowed)."""
+        :class:`ConstraintError` if the grammar does not allow ``token`` (another rule masked
+        every token it allowed) or allows no token after it."""
         if not self.matcher.accept_token(token):
-            raise ValueError(f"token {token} does not follow the request's structured_outputs "
-                             "grammar (did another rule, min_tokens or bad_words, forbid "
-                             "every token the grammar allowed?)")
+            raise ConstraintError(self.field, "cannot be followed together with the "
+                                  "request's other rules: they forbid every token it allows "
+                                  "next (allowed_token_ids, bad_words, logit_bias or "
+                                  "min_tokens)")
         if self.matcher.is_terminated():
             return True
-        if not self.matcher.is_completed():
-            return False
         self.matcher.fill_next_token_bitmask(self._row)
-        return not bool((self._row[0] & self._not_stop).any())
+        if self.matcher.is_completed():
+            return not bool((self._row[0] & self._not_stop).any())
+        if not bool(self._row.any()):
+            raise ConstraintError(self.field, "allows no token after the output so far (a "
+                                  "rule that never ends?)")
+        return False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32 ``[S, num_words]``)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] = self._row[0]
+
+
+class _Compile:
+    """A constraint being compiled (or compiled, while requests still hold it): its job,
+    and the future of its :class:`CompiledConstraint` (or :class:`ConstraintError`)."""
+
+    def __init__(self, key: str, job: CompileJob | None):
+        self.key, self.job = key, job
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.num_holders = 0
+
+
+class Ticket:
+    """A hold on a constraint's compile (:meth:`StructuredOutputs.compile`): ``future`` has
+    its :class:`CompiledConstraint`; :meth:`StructuredOutputs.release` lets go."""
+
+    def __init__(self, compile_: _Compile):
+        self._compile = compile_
+        self.future = compile_.future
+        self.released = False
 
 
 class StructuredOutputs:
-    """An engine's grammars: checks constraints, compiles them off the step loop (cached by
-    their text), and holds the requests whose grammar is still compiling.
+    """An engine's grammars: checks constraints, has them compiled by the process's
+    :class:`~cbatch.core.grammar_pool.CompilePool` (cached by their text, within
+    ``config.grammar_cache_bytes``), and holds the requests whose grammar is still
+    compiling.
 
     ``tokenizer`` and ``vocab_size`` (the logits' width) are the engine's; ``eos_token_id``
-    the model's end token(s), which end a grammar.
+    the model's end token(s), which end a grammar.  Safe to use from any thread.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
-                 eos_token_id: int | tuple[int, ...] | None):
+                 eos_token_id: int | tuple[int, ...] | None, config: EngineConfig):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(eos_token_id if isinstance(eos_token_id, tuple)
                                    else () if eos_token_id is None else (eos_token_id,))
+        self.timeout = config.grammar_compile_timeout
+        self.max_bytes = config.max_grammar_bytes
+        self.cache_bytes = config.grammar_cache_bytes
+        self.num_workers = config.grammar_compile_workers
         self._lock = threading.Lock()
-        self._compiler = None  # made in the worker on first use (it reads the vocabulary)
-        self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = (
+        self._vocab = Vocab(lambda: tokenizer_info(tokenizer, vocab_size, self.stop_token_ids))
+        self._compiles: dict[str, _Compile] = {}  # compiling, or held
+        self._cache: collections.OrderedDict[str, CompiledConstraint] = (
             collections.OrderedDict())
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.held: list[tuple[Sequence, concurrent.futures.Future]] = []  # still compiling
+        self._cached_bytes = 0
+        self.held: list[tuple[Sequence, Ticket]] = []  # still compiling
 
-    def check(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """Parse a constraint (ValueError if it is invalid) and start compiling it, unless it
-        is cached; the future of its compiled grammar.  Safe from any thread."""
-        key = constraint_key(params)
-        with self._lock:
-            future = self._compiled.get(key)
-            if future is not None:
-                self._compiled.move_to_end(key)
-                return future
-        grammar = parse_grammar(params)  # outside the lock: it may take a moment
-        with self._lock:
-            future = self._compiled.get(key)
-            if future is None:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="cbatch-grammar")
-                future = self._compiled[key] = self._pool.submit(self._compile, grammar)
-                while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                    self._compiled.popitem(last=False)
-            return future
+    @property
+    def pool(self):
+        return shared_pool(self.num_workers)
 
-    def _compile(self, grammar):
-        # (on the pool's one thread: the compiler is made once, there)
-        if self._compiler is None:
-            info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-            self._compiler = _xgrammar().GrammarCompiler(
-                info, max_threads=max(1, min(8, os.cpu_count() or 1)))
-        return self._compiler.compile_grammar(grammar)
+    def check(self, params: SamplingParams) -> None:
+        """Check a request's constraint: parse a new one here (:class:`ConstraintError` if it
+        is invalid) and start compiling it; a compiled one is checked against the request's
+        other rules (:func:`check_request`).  The caller's thread parses: the server's
+        requests come compiled already."""
+        constraint = params.structured_outputs
+        key = constraint_key(constraint)
+        with self._lock:
+            known = self._compiles.get(key)
+            done = (known.future if known is not None else None)
+            cached = self._cache.get(key)
+        if cached is None and done is not None and done.done() and done.exception() is None:
+            cached = done.result()
+        if cached is not None:
+            return check_request(cached, params)
+        if known is not None:
+            if done.done():
+                raise done.exception()
+            return  # checked when it is compiled (ready())
+        try:
+            parse_grammar(constraint.kind, getattr(constraint, constraint.kind))
+        except Refused as exc:
+            raise ConstraintError(_field(constraint), exc.problem) from None
+        with self._lock:
+            if key not in self._compiles and key not in self._cache:
+                self._start(key, constraint)
+
+    def compile(self, constraint: StructuredOutputsParams) -> Ticket:
+        """A hold on ``constraint``'s compile, started unless it is cached or under way
+        (parsed in the worker: a bad one fails the ticket's future with a
+        :class:`ConstraintError`); a compile whose holders all :meth:`release` it before it
+        ends is stopped."""
+        key = constraint_key(constraint)
+        with self._lock:
+            entry = self._compiles.get(key)
+            if entry is None:
+                cached = self._cache.get(key)
+                if cached is not None:
+                    self._cache.move_to_end(key)
+                    entry = _Compile(key, None)
+                    entry.future.set_result(cached)
+                    return Ticket(entry)
+                entry = self._start(key, constraint)
+            entry.num_holders += 1
+            return Ticket(entry)
+
+    def release(self, ticket: Ticket) -> None:
+        """Let go of a :meth:`compile` hold (again: nothing)."""
+        entry = ticket._compile
+        with self._lock:
+            if ticket.released or entry.job is None:
+                ticket.released = True
+                return
+            ticket.released = True
+            entry.num_holders -= 1
+            if entry.num_holders > 0:
+                return
+            if self._compiles.get(entry.key) is entry:
+                del self._compiles[entry.key]
+            cancel = not entry.future.done()
+        if cancel:  # nobody waits for it: its worker is stopped
+            self.pool.cancel(entry.job)
+            _end(entry.future, error=concurrent.futures.CancelledError())
+
+    def first_invalid(self, constraints: list[StructuredOutputsParams]
+                      ) -> concurrent.futures.Future:
+        """Parse ``constraints`` in a grammar worker (none is compiled): the future's
+        result is None when all of them parse, else it fails with the
+        :class:`~cbatch.core.grammar_worker.Refused` of the first that does not, whose
+        ``index`` says which."""
+        job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
+                         None, self.timeout)
+        self.pool.submit(job)
+        return job.future
+
+    def _start(self, key: str, constraint: StructuredOutputsParams) -> _Compile:
+        """(Under the lock.)  Queue ``constraint``'s compile."""
+        job = CompileJob("compile", (constraint.kind, getattr(constraint, constraint.kind),
+                                     self.max_bytes), self._vocab, self.timeout)
+        entry = self._compiles[key] = _Compile(key, job)
+        field = _field(constraint)
+        job.future.add_done_callback(lambda f: self._compiled(entry, f, field))
+        self.pool.submit(job)
+        return entry
+
+    def _compiled(self, entry: _Compile, job_future, field: str) -> None:
+        """(On the pool's thread.)  A compile ended: its result cached, its future set."""
+        error = job_future.exception()
+        if isinstance(error, concurrent.futures.CancelledError):
+            return _end(entry.future, error=error)
+        if isinstance(error, Refused):
+            return _end(entry.future, error=ConstraintError(field, error.problem))
+        if error is not None:
+            return _end(entry.future, error=error)
+        grammar = job_future.result()
+        try:
+            first = _xgrammar().allocate_token_bitmask(1, self.vocab_size)
+            _xgrammar().GrammarMatcher(grammar).fill_next_token_bitmask(first)
+        except Exception as exc:
+            return _end(entry.future, error=exc)
+        result = CompiledConstraint(grammar, grammar.memory_size_bytes + first.numel() * 4,
+                                    first)
+        with self._lock:
+            if result.num_bytes <= self.cache_bytes:
+                self._cache[entry.key] = result
+                self._cached_bytes += result.num_bytes
+                while self._cached_bytes > self.cache_bytes:
+                    self._cached_bytes -= self._cache.popitem(last=False)[1].num_bytes
+            if entry.num_holders == 0 and self._compiles.get(entry.key) is entry:
+                del self._compiles[entry.key]
+        _end(entry.future, result)
 
     def hold(self, seq: Sequence) -> None:
         """Keep ``seq`` until its grammar is compiled (:meth:`ready` releases it)."""
-        self.held.append((seq, self.check(seq.params.structured_outputs)))
+        self.held.append((seq, self.compile(seq.params.structured_outputs)))
 
     def remove(self, seq: Sequence) -> None:
-        """Forget a held sequence (aborted before its grammar was ready)."""
-        self.held = [(s, f) for s, f in self.held if s is not seq]
+        """Forget a held sequence (aborted before its grammar was ready): a compile that no
+        other request waits for is stopped."""
+        for s, ticket in self.held:
+            if s is seq:
+                self.release(ticket)
+        self.held = [(s, t) for s, t in self.held if s is not seq]
 
     def ready(self) -> list[tuple[Sequence, Exception | None]]:
         """The held sequences whose grammar is ready, each with its matcher
         (``seq.grammar``) and None, or with the error that its grammar's compilation
-        raised; they are no longer held."""
-        done, self.held = ([h for h in self.held if h[1].done()],
-                           [h for h in self.held if not h[1].done()])
+        raised or :func:`check_request` found; they are no longer held."""
+        done, self.held = ([h for h in self.held if h[1].future.done()],
+                           [h for h in self.held if not h[1].future.done()])
         out = []
-        for seq, future in done:
-            error = future.exception()
+        for seq, ticket in done:
+            self.release(ticket)
+            error = ticket.future.exception()
             if error is None:
-                seq.grammar = SequenceGrammar(future.result(), self.vocab_size,
-                                              self.stop_token_ids)
+                try:
+                    check_request(ticket.future.result(), seq.params)
+                    seq.grammar = SequenceGrammar(ticket.future.result(), self.vocab_size,
+                                                  self.stop_token_ids,
+                                                  _field(seq.params.structured_outputs))
+                except ValueError as exc:
+                    error = exc
             out.append((seq, error))
         return out
 
@@ -276,8 +390,23 @@ class StructuredOutputs:
         """Block until a held sequence's grammar is ready, at most ``timeout`` seconds (an
         engine with nothing else to run)."""
         if self.held:
-            concurrent.futures.wait([f for _, f in self.held], timeout,
+            concurrent.futures.wait([t.future for _, t in self.held], timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The bytes of the compiled grammars kept for reuse."""
+        return self._cached_bytes
+
+
+def _end(future: concurrent.futures.Future, result=None, error=None) -> None:
+    try:  # (a release on another thread may have ended it first)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def bitmask(scheduled: list[ScheduledSequence]) -> torch.Tensor | None:

@@ -4,14 +4,16 @@ preemption, prefix caching, async scheduling), greedy or sampled; an invalid con
 ValueError naming it; a grammar compiles off the step loop, once per text."""
 
 import json
-import threading
+import os
+import re
+import time
 
 import jsonschema
 import pytest
 import torch
 
 from cbatch import LLM, Engine, SamplingParams
-from cbatch.core import structured_output
+from cbatch.sampling_params import StructuredOutputsParams
 from tests.helpers import STRESS_CONFIGS
 from tests.structured_utils import CONSTRAINTS, assert_follows
 
@@ -127,50 +129,148 @@ def test_an_invalid_constraint_is_a_value_error_naming_it(constraint, match):
     assert not engine.structured.held
 
 
-def test_a_compiling_grammar_stalls_no_other_request(monkeypatch):
-    """A request whose grammar is still compiling is not scheduled; the others run meanwhile;
-    once compiled, it runs.  A constraint's text is compiled once."""
-    release, calls = threading.Event(), []
-    compile_ = structured_output.StructuredOutputs._compile
+# a choice of 100,000 strings: its compile takes many seconds on any machine, long enough for
+# the tests below to watch it run (they stop it long before it ends)
+SLOW = {"choice": [f"option number {i} of a long list" for i in range(100_000)]}
 
-    def slow_compile(self, grammar):
-        calls.append(grammar)
-        assert release.wait(30)
-        return compile_(self, grammar)
 
-    monkeypatch.setattr(structured_output.StructuredOutputs, "_compile", slow_compile)
-    engine = Engine("random:tiny", max_num_seqs=4)
-    constrained = SamplingParams(max_tokens=60, structured_outputs=CONSTRAINTS["regex"])
-    waiting = [engine.add_request([1, 2, 3], constrained) for _ in range(2)]
+def _finish(engine, request_ids, timeout_s=120.0):
+    """Step ``engine`` until the requests ``request_ids`` finish; their final outputs."""
+    done, deadline = {}, time.monotonic() + timeout_s
+    while not set(request_ids) <= set(done):
+        assert time.monotonic() < deadline, f"not finished within {timeout_s} s: {done}"
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return done
+
+
+def _wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _is_gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else True
+
+
+@pytest.mark.slow  # starts two compile workers, and a 100,000-entry choice's compile
+def test_a_slow_compile_holds_up_no_other_grammar_or_request_and_stops_when_aborted():
+    """Grammars compile in a pool of worker processes: while a 100,000-entry choice
+    compiles, a 3-character regex compiles and its request finishes, and a request without
+    a grammar runs; the slow one's request waits outside the scheduler.  Aborting it stops
+    its compile: its worker is killed."""
+    engine = Engine("random:tiny", max_num_seqs=4, grammar_compile_workers=2,
+                    grammar_compile_timeout=600)
+    pool = engine.structured.pool
+    killed = pool.num_killed
+    slow = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=SLOW))
+    quick = engine.add_request([1, 2, 3], SamplingParams(
+        max_tokens=8, temperature=1.0, seed=1, structured_outputs={"regex": "[ab]{3}"}))
     free = engine.add_request([4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
-    done = {}
-    for _ in range(50):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-        if free in done:
-            break
-    assert free in done and done[free].finish_reason == "length"
-    assert not any(r in done for r in waiting)
-    assert len(engine.structured.held) == 2 and not engine.scheduler.waiting
-    release.set()
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for rid in waiting:
-        assert_follows("regex", done[rid].text)
-    assert len(calls) == 1  # the second request found the first's compilation
-
-
-def test_a_request_aborted_while_its_grammar_compiles_ends(monkeypatch):
-    release = threading.Event()
-    compile_ = structured_output.StructuredOutputs._compile
-    monkeypatch.setattr(structured_output.StructuredOutputs, "_compile",
-                        lambda self, g: (release.wait(30), compile_(self, g))[1])
-    engine = Engine("random:tiny")
-    rid = engine.add_request([1, 2], SamplingParams(structured_outputs={"regex": "[ab]{2}"}))
-    engine.abort(rid)
-    outs = engine.step()
-    release.set()
-    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    done = _finish(engine, [quick, free])
+    assert done[free].finish_reason == "length"
+    assert done[quick].finish_reason == "stop" and re.fullmatch("[ab]{3}", done[quick].text)
+    assert slow not in done and [s.request_id for s, _ in engine.structured.held] == [slow]
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    [pid] = pool.busy_pids()  # the slow compile, still running
+    engine.abort(slow)
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [(slow, "abort")]
+    _wait_for(lambda: _is_gone(pid) and not pool.busy_pids())
+    assert pool.num_killed == killed + 1
     assert not engine.structured.held and not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow  # a compile worker, and a 100,000-entry choice's compile
+def test_a_compile_past_its_time_budget_is_stopped_and_its_request_fails():
+    engine = Engine("random:tiny", grammar_compile_timeout=0.5)
+    pool = engine.structured.pool
+    killed = pool.num_killed
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=SLOW))
+    out = _finish(engine, [rid])[rid]
+    assert out.finish_reason == "error"
+    assert ("structured_outputs.choice takes longer than this engine's limit of 0.5 s to "
+            "compile (grammar_compile_timeout)") in out.error
+    _wait_for(lambda: not pool.busy_pids())
+    assert pool.num_killed == killed + 1
+    # the next compile gets a fresh worker
+    rid = engine.add_request([1, 2], SamplingParams(max_tokens=8,
+                                                    structured_outputs={"regex": "[ab]{3}"}))
+    assert _finish(engine, [rid])[rid].finish_reason == "stop"
+
+
+def test_a_grammar_past_its_size_budget_fails_its_request():
+    engine = Engine("random:tiny", max_grammar_bytes=1000)
+    rid = engine.add_request([1, 2, 3], SamplingParams(structured_outputs=CONSTRAINTS["json"]))
+    out = _finish(engine, [rid])[rid]
+    assert out.finish_reason == "error"
+    assert re.search(r"structured_outputs\.json compiles to [\d.]+ MiB of token masks, more "
+                     r"than this engine's limit of 0\.0 MiB \(max_grammar_bytes\)", out.error)
+
+
+def test_a_constraint_is_compiled_once_and_cached_within_its_bytes():
+    """Requests with the same constraint share one compile; compiled grammars are kept, least
+    recently used dropped first, within grammar_cache_bytes."""
+    probe = Engine("random:tiny")
+    ticket = probe.structured.compile(StructuredOutputsParams(regex="a{3}"))
+    size = ticket.future.result(timeout=120).num_bytes
+    probe.structured.release(ticket)
+    engine = Engine("random:tiny", grammar_cache_bytes=int(2.5 * size))
+    pool, structured = engine.structured.pool, engine.structured
+    jobs = pool.num_jobs
+    rids = [engine.add_request([1, 2], SamplingParams(max_tokens=8, structured_outputs={
+        "regex": f"{c}{{3}}"})) for c in "aab"]
+    _finish(engine, rids)
+    assert pool.num_jobs == jobs + 2  # a{3} once
+    assert structured.cached_bytes == 2 * size
+    rid = engine.add_request([1, 2], SamplingParams(max_tokens=8,
+                                                    structured_outputs={"regex": "c{3}"}))
+    _finish(engine, [rid])
+    assert structured.cached_bytes == 2 * size <= structured.cache_bytes
+    for regex, cached in (("b{3}", True), ("c{3}", True), ("a{3}", False)):  # a{3} dropped
+        ticket = structured.compile(StructuredOutputsParams(regex=regex))
+        assert ticket.future.done() == cached, regex
+        ticket.future.result(timeout=120)
+        structured.release(ticket)
+    nothing = Engine("random:tiny", grammar_cache_bytes=0)
+    rid = nothing.add_request([1], SamplingParams(max_tokens=8,
+                                                  structured_outputs={"regex": "a{3}"}))
+    assert _finish(nothing, [rid])[rid].text == "aaa"
+    assert nothing.structured.cached_bytes == 0
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(structured_outputs={"grammar": "root ::= root"}),
+     r"structured_outputs\.grammar matches no output at all"),
+    (dict(structured_outputs={"json": {"$ref": "#"}}),
+     r"structured_outputs\.json matches no output at all"),
+    (dict(structured_outputs={"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {
+        "$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}),
+     r"structured_outputs\.json matches no output at all"),
+    (dict(structured_outputs={"grammar": 'root ::= "a" x\nx ::= x'}),
+     r"structured_outputs\.grammar allows no token after the output so far"),
+    (dict(structured_outputs={"regex": "[a-z]{3}"}, allowed_token_ids=[48, 49]),
+     r"allowed_token_ids allows no token that can begin an output of the request's "
+     r"structured_outputs\.regex"),
+    (dict(structured_outputs={"regex": "abc"}, allowed_token_ids=[97, 98]),
+     r"structured_outputs\.regex cannot be followed together with the request's other "
+     "rules"),
+    (dict(structured_outputs={"choice": ["yes", "no"]}, bad_words=["yes", "no"]),
+     r"structured_outputs\.choice cannot be followed together with the request's other "
+     "rules"),
+])
+def test_a_constraint_nothing_can_follow_fails_its_request_alone(params, match):
+    """Only generation tells for some (a rule that ends nowhere, another rule that forbids
+    what the grammar allows later on); each ends its request alone with reason "error" and
+    a ConstraintError, and the engine serves on."""
+    engine = Engine("random:tiny", max_num_seqs=4)
+    bad = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, seed=0, **params))
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    done = _finish(engine, [bad, good])
+    assert done[bad].finish_reason == "error"
+    assert re.match("ConstraintError: " + match, done[bad].error), done[bad].error
+    assert done[good].finish_reason == "length" and len(done[good].token_ids) == 8
+    engine.block_manager.check_whole()
 
 
 def test_greedy_rows_with_a_grammar_leave_the_greedy_screen():

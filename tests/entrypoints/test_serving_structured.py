@@ -6,6 +6,10 @@ random-weight model's every output parses and validates; a bad constraint is a 4
 it."""
 
 import json
+import os
+import re
+import socket
+import time
 
 import httpx
 import jsonschema
@@ -143,6 +147,132 @@ def test_an_invalid_constraint_is_a_400_naming_it(server, client, route, extra, 
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
+# a choice of 100,000 strings: its compile takes many seconds on any machine
+SLOW = {"choice": [f"option number {i} of a long list" for i in range(100_000)]}
+# a $ref cycle: the schema of a value that must hold itself
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def _wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("extra, param, match", [
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar",
+     "structured_outputs.grammar matches no output at all"),
+    ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json",
+     "structured_outputs.json matches no output at all"),
+    ({"structured_outputs": {"json": CYCLE}}, "structured_outputs.json",
+     "structured_outputs.json matches no output at all"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CYCLE}}},
+     "response_format.json_schema.schema",
+     "response_format.json_schema.schema matches no output at all"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema",
+     "response_format.json_schema.schema is not a valid JSON schema"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar",
+     "guided_grammar matches no output at all"),
+    ({"structured_outputs": {"regex": "[a-z]{3}"}, "allowed_token_ids": [48, 49]},
+     "allowed_token_ids", "allowed_token_ids allows no token that can begin an output"),
+    # only generation tells: a later token of the constraint's is forbidden
+    ({"structured_outputs": {"regex": "abc"}, "allowed_token_ids": [97, 98]}, None,
+     "choice 0: structured_outputs.regex cannot be followed together with the request's "
+     "other rules"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "bad_words": ["yes", "no"]}, None,
+     "choice 0: structured_outputs.choice cannot be followed together with the request's "
+     "other rules"),
+])
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_constraint_nothing_can_follow_is_a_400(server, client, route, extra, param, match):
+    body = {"prompt": "x"} if route == "completions" else {"messages": USER}
+    r = httpx.post(f"{server[0]}/v1/{route}", timeout=60,
+                   json={"model": "tiny", **body, "max_tokens": 8, "seed": 0, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["param"] == param
+    assert "Traceback" not in error["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_a_streamed_constraint_nothing_can_follow_ends_with_an_error_chunk(server):
+    with httpx.stream("POST", f"{server[0]}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8, "stream": True,
+            "structured_outputs": {"choice": ["yes", "no"]}, "bad_words": ["yes", "no"]}) as r:
+        assert r.status_code == 200
+        chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    error = json.loads(chunks[-2])["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "structured_outputs.choice cannot be followed together" in error["message"]
+
+
+def test_the_servers_process_parses_no_constraint(server, monkeypatch):
+    """Schemas and grammars are parsed in the compile workers' processes: neither on the event
+    loop nor on the thread pool that tokenizes prompts."""
+    from cbatch.core import grammar_worker, structured_output
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a constraint was parsed in the server's process")
+
+    monkeypatch.setattr(grammar_worker, "parse_grammar", refuse)
+    monkeypatch.setattr(structured_output, "parse_grammar", refuse)
+    schema = {"type": "object", "properties": {"parsed_elsewhere": {"type": "boolean"}},
+              "required": ["parsed_elsewhere"], "additionalProperties": False}
+    r = httpx.post(f"{server[0]}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 40, "structured_outputs": {"json": schema}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
+
+
+@pytest.mark.slow  # a server, and a 100,000-entry choice's compile
+def test_a_compile_past_its_time_budget_is_a_400():
+    with running_server("random:tiny", grammar_compile_timeout=0.5) as (url, engine):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8, "structured_outputs": SLOW})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "structured_outputs.choice"
+        assert ("takes longer than this engine's limit of 0.5 s to compile "
+                "(grammar_compile_timeout)") in error["message"]
+        _wait_for(lambda: not engine.engine.structured.pool.busy_pids())
+        assert not engine.engine.structured.held
+
+
+@pytest.mark.slow  # a server, two compile workers, and a 100,000-entry choice's compile
+def test_a_heavy_compile_holds_up_no_other_and_stops_when_its_client_leaves():
+    """While a 100,000-entry choice compiles, /health answers within 1 s each time and a
+    3-character regex compiles and its request finishes; when its client leaves, the heavy
+    compile is stopped (its worker killed)."""
+    with running_server("random:tiny", max_num_seqs=4, grammar_compile_workers=2,
+                        grammar_compile_timeout=600) as (url, engine):
+        pool = engine.engine.structured.pool
+        killed = pool.num_killed
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 8,
+                           "structured_outputs": SLOW}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        heavy = socket.create_connection(("127.0.0.1", port))
+        heavy.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                      % len(body) + body)
+        _wait_for(lambda: pool.busy_pids(), timeout_s=120)
+        [pid] = pool.busy_pids()
+        for _ in range(5):  # (each within 1 s, or httpx raises)
+            assert httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+            time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 1.0,
+            "structured_outputs": {"regex": "[ab]{3}"}})
+        assert r.status_code == 200 and re.fullmatch("[ab]{3}", r.json()["choices"][0]["text"])
+        assert pool.busy_pids() == [pid]  # the heavy compile runs on
+        heavy.close()  # its client leaves: nobody waits for it, so it is stopped
+        _wait_for(lambda: not pool.busy_pids() and not os.path.exists(f"/proc/{pid}"))
+        assert pool.num_killed == killed + 1
+        assert httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+
+
 # -------------------------------------------------------------- tool calls
 
 @pytest.mark.parametrize("name", ["get_weather", "add", "ping"])
@@ -270,6 +400,27 @@ def test_bad_tool_requests_are_400s(server, extra, match):
                    json={"model": "tiny", "messages": USER, **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert match in r.json()["error"]["message"]
+
+
+# a function whose parameters schema xgrammar cannot read
+BROKEN = {"type": "function", "function": {"name": "broken", "parameters": {
+    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+
+
+@pytest.mark.parametrize("tools, tool_choice, param", [
+    (TOOLS + [BROKEN], {"type": "function", "function": {"name": "broken"}},
+     "tools[3].function.parameters"),
+    ([BROKEN], "required", "tools[0].function.parameters"),
+    (TOOLS[:2] + [BROKEN, TOOLS[2]], "required", "tools[2].function.parameters"),
+])
+def test_a_bad_tool_parameters_schema_is_a_400_naming_it(server, tools, tool_choice, param):
+    r = httpx.post(f"{server[0]}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": USER, "tools": tools, "tool_choice": tool_choice})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param} is not a valid JSON schema: ")
+    assert "nonsense" in error["message"]
 
 
 def test_auto_tool_choice_without_the_flags_is_a_400():

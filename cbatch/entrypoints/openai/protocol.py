@@ -215,6 +215,16 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return StructuredOutputsParams(json=tool_call_schema(
             self.tools, self.tool_choice, self.parallel_tool_calls))
 
+    def constraint_field(self) -> str | None:
+        """A forced call's constraint is the tools' ``parameters`` schemas: the named tool's
+        (or the only tool's), else ``tools`` (the chat route then finds the tool at fault)."""
+        if not self.forces_tool_call:
+            return super().constraint_field()
+        names = [t.function.name for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return f"tools[{names.index(self.tool_choice.function.name)}].function.parameters"
+        return "tools[0].function.parameters" if len(names) == 1 else "tools"
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)

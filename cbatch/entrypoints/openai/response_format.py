@@ -97,3 +97,10 @@ class ConstraintFields(BaseModel):
         """What the output must follow; ValueError naming the field."""
         return structured_outputs_of(self.response_format, self.structured_outputs,
                                      {name: getattr(self, name) for name in GUIDED_FIELDS})
+
+    def constraint_field(self) -> str | None:
+        """The field that holds the constraint, as errors about it name it (None: the
+        engine's own name, ``structured_outputs.<kind>``)."""
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            return "response_format.json_schema.schema"
+        return next((name for name in GUIDED_FIELDS if getattr(self, name) is not None), None)

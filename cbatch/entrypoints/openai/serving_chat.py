@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
+from cbatch.core.grammar_worker import Refused
 from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta, ChatLogprobs,
@@ -38,11 +39,11 @@ from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing
                                                       sampling_params, sse, sse_or_error,
                                                       unless_disconnected, usage)
 from cbatch.entrypoints.openai.tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                             NamedToolChoice, ToolCall)
+                                             NamedToolChoice, ToolCall, tool_parameters)
 from cbatch.entrypoints.openai.tool_parsers import (TOOL_PARSERS, ParsedToolCall,
                                                     forced_tool_calls)
 from cbatch.outputs import RequestOutput
-from cbatch.sampling_params import SamplingParams
+from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 from cbatch.tokenizer import check_text_fits
 
 
@@ -182,12 +183,30 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         prompt, params = await self.prepare(req)
-        streams = await self.open([prompt], params, req.n, req.stream, raw_request)
+        try:
+            streams = await self.open([prompt], params, req.n, req.stream, raw_request,
+                                      req.constraint_field())
+        except OpenAIError as exc:
+            if exc.param == "tools":  # the tools' schemas together: find the one at fault
+                raise await self._name_broken_tool(req, exc) from None
+            raise
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt))),
                                      media_type="text/event-stream")
         response = await unless_disconnected(raw_request, self._full(req, streams))
         return JSONResponse(response.model_dump()) if response is not None else None
+
+    async def _name_broken_tool(self, req: ChatCompletionRequest, error: OpenAIError
+                                ) -> OpenAIError:
+        """``error`` (the forced call's schema, every tool's parameters in one, is refused)
+        naming the first tool whose parameters schema does not parse, when one does not."""
+        schemas = [StructuredOutputsParams(json=tool_parameters(t)) for t in req.tools]
+        try:
+            await asyncio.wrap_future(self.engine.engine.structured.first_invalid(schemas))
+        except Refused as exc:
+            field = f"tools[{exc.index}].function.parameters"
+            return OpenAIError(400, f"{field} {exc.problem}", param=field)
+        return error
 
     def _logprobs(self, req: ChatCompletionRequest, out: RequestOutput, start: int
                   ) -> ChatLogprobs | None:

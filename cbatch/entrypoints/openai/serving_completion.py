@@ -110,7 +110,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
             params = dataclasses.replace(
                 params, prompt_logprobs=max(req.prompt_logprobs or 0, req.logprobs))
-        streams = await self.open(prompts, params, best_of, req.stream, raw_request)
+        streams = await self.open(prompts, params, best_of, req.stream, raw_request,
+                                  req.constraint_field())
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if req.echo
                 else "" for p in prompts for _ in range(req.n)]
         if req.stream:

@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from cbatch.core.structured_output import ConstraintError
 from cbatch.entrypoints.openai.protocol import PromptLogprob, UsageInfo, _SamplingFields
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -49,6 +50,8 @@ REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) |
     "prompt", "messages", "logprobs", "top_logprobs"}
 # what a client hears when the engine failed (the failure itself is in the server's log)
 ENGINE_UNAVAILABLE = "the engine is not available; see the server log"
+# how a request's error begins when its output could not follow its constraint
+CONSTRAINT_ERROR = f"{ConstraintError.__name__}: "
 
 
 def sampling_params(req: _SamplingFields, logprobs: int | None = None,
@@ -85,13 +88,15 @@ def sampling_params(req: _SamplingFields, logprobs: int | None = None,
 
 
 async def open_streams(engine: AsyncEngine, prompts: list, params: list[SamplingParams],
-                       stream: bool, raw_request: Request | None = None
-                       ) -> list[RequestStream]:
+                       stream: bool, raw_request: Request | None = None,
+                       constraint_field: str | None = None) -> list[RequestStream]:
     """Admit one request per (prompt, params) pair as one (:meth:`AsyncEngine.add_requests`:
     all or none, under ``--max-waiting`` together); a refusal becomes the OpenAI error for the
     whole call.  ``stream=False``: each stream carries only its request's final output.
     ``raw_request``: its client's disconnect, watched from before the admission, aborts
-    every one of them (an OpenAIError of status 499, which nobody hears, ends the call)."""
+    every one of them (an OpenAIError of status 499, which nobody hears, ends the call).
+    ``constraint_field``: the request's field that holds its constraint, named in the 400 of
+    a constraint refused (default: ``structured_outputs.<kind>``)."""
     admission = engine.add_requests(prompts, params, stream=stream)
     try:
         if raw_request is None:
@@ -101,6 +106,9 @@ async def open_streams(engine: AsyncEngine, prompts: list, params: list[Sampling
         raise OpenAIError(503, str(exc), "server_overloaded") from None
     except EngineDeadError:
         raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
+    except ConstraintError as exc:  # (the grammar workers')
+        exc = exc.named(constraint_field) if constraint_field else exc
+        raise OpenAIError(400, str(exc), param=exc.field) from None
     except ValueError as exc:  # the engine's refusal, naming the field
         raise OpenAIError.bad_request(exc, REQUEST_FIELDS) from None
     if streams is None:  # the client went away while they were admitted: all aborted
@@ -140,9 +148,12 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 async def results(streams: list[RequestStream]
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """:func:`merge`, with the failures a client may hear of as OpenAI errors: a request
-    that failed alone is a 500, a failed engine a 503 (the reasons are in the log)."""
+    that failed alone is a 500, a failed engine a 503 (the reasons are in the log), but one
+    whose output could not follow its constraint a 400 that says why."""
     try:
         async for i, out in merge(streams):
+            if out.finish_reason == "error" and (out.error or "").startswith(CONSTRAINT_ERROR):
+                raise OpenAIError(400, f"choice {i}: {out.error[len(CONSTRAINT_ERROR):]}")
             if out.finish_reason == "error":
                 raise OpenAIError(500, f"the engine failed to process this request (choice "
                                        f"{i}); see the server log", "server_error")
@@ -225,12 +236,14 @@ class OpenAIServing:
         self.model_name = model_name
 
     async def open(self, prompts: list, params: SamplingParams, n: int, stream: bool,
-                   raw_request: Request | None) -> list[RequestStream]:
+                   raw_request: Request | None, constraint_field: str | None = None
+                   ) -> list[RequestStream]:
         """Admit ``n`` choices of each prompt as one (:func:`open_streams`); stream i is
         choice ``i % n`` of prompt ``i // n``."""
         choices = [params.choice(c) for c in range(n)]
         return await open_streams(self.engine, [p for p in prompts for _ in range(n)],
-                                  choices * len(prompts), stream, raw_request)
+                                  choices * len(prompts), stream, raw_request,
+                                  constraint_field)
 
 
 def chunk_usage(num_prompt_tokens: int, out: RequestOutput | None) -> UsageInfo:

@@ -59,7 +59,7 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall | None = None
 
 
-def _parameters(tool: ChatTool) -> dict:
+def tool_parameters(tool: ChatTool) -> dict:
     # a function without parameters takes an empty object
     return tool.function.parameters or {"type": "object", "properties": {}}
 
@@ -72,10 +72,10 @@ def tool_call_schema(tools: list[ChatTool], tool_choice: str | NamedToolChoice,
     false)."""
     if not isinstance(tool_choice, str):
         tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return _parameters(tool)
+        return tool_parameters(tool)
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "arguments": _parameters(t)},
+                             "arguments": tool_parameters(t)},
               "required": ["name", "arguments"]} for t in tools]
     array = {"type": "array", "minItems": 1,
              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
