@@ -73,7 +73,8 @@ class Linear(DirectCall, nn.Linear):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:  # batch-invariant: packed for the cbatch route only
             return cpu.packed_linear(x, self.packed_weight, self.bias, self.out_features,
-                                     gelu, residual, amx=not self.batch_invariant)
+                                     gelu, residual,
+                                     amx=cpu.may_use_amx(self.batch_invariant))
         if self.batch_invariant:
             y = batch_invariant_linear(x, self.weight, self.bias)
         else:

@@ -237,6 +237,13 @@ def has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
+def may_use_amx(batch_invariant: bool) -> bool:
+    """The one rule for cbatch's kernels and AMX tiles: a batch-invariant model never takes
+    them (tdpbf16ps sums a row in another order than the AVX-512 path, and which path runs
+    depends on how many rows share the call; csrc/cpu/amx.h)."""
+    return not batch_invariant
+
+
 def cpu_isa() -> str:
     """The x86 features the C++ CPU kernels use here, after ``$CBATCH_CPU_ISA``'s cap:
     space-separated from ``avx512 avx512bf16 avx512vnni avx2``; "" without the extension or

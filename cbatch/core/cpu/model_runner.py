@@ -61,7 +61,7 @@ class CPUModelRunner(ModelRunner):
         for bit, through its greedy screen (only where :attr:`greedy_screen`)."""
         head = self.model.lm_head
         return cpu.greedy_head(hidden, head.packed_weight, head.greedy_screen, head.out_features,
-                               amx=not self.model.batch_invariant)
+                               amx=cpu.may_use_amx(self.model.batch_invariant))
 
     def run(self, batch: StepBatch, sampling: SamplingBatch, num_logprobs: list[int | None],
             prompt: PromptTargets | None = None, rows: torch.Tensor | None = None
