@@ -17,9 +17,10 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from cbatch.logger import init_logger
+from cbatch.config import EngineConfig
 from cbatch.core.engine import Engine
 from cbatch.core.stats import EngineStats
+from cbatch.logger import init_logger
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams, check_prompt_logprob_entries
 from cbatch.tokenizer import check_text_fits, truncate_prompt
@@ -142,6 +143,36 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine loop (None while it runs, or after a clean shutdown)."""
+        return self._error
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def architecture(self) -> str:
+        """The model's class name (``LlamaForCausalLM``)."""
+        return type(self.engine.model).__name__
+
+    def memory_report(self) -> str:
+        """The KV pool's one line, for sequences of :attr:`max_model_len`."""
+        return self.engine.worker.memory_report(self.engine.max_model_len)
+
+    def describe(self) -> dict[str, str]:
+        """The fast paths this engine's runner takes (a CPU engine's; empty elsewhere)."""
+        return self.engine.worker.describe()
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,

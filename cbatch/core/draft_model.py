@@ -4,7 +4,8 @@ paged KV cache of its own (:mod:`cbatch.core.spec_decode` says how drafts are ve
 
 The draft model runs through cbatch's own model runner (the same step batches, kernels and
 greedy fast path as the target) on its own :class:`~cbatch.layers.kv_cache.KVCache` and
-:class:`~cbatch.core.block_manager.BlockManager`.  Each request it drafts for keeps a block
+:class:`~cbatch.core.block_manager.BlockManager`: a :class:`~cbatch.core.worker.Worker` of its
+own.  Each request it drafts for keeps a block
 table there and the count of its tokens whose draft K/V are written.  Drafting for a set of
 requests is one pass per draft position:
 
@@ -32,10 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cbatch.config import EngineConfig, SpeculativeConfig
-from cbatch.core.block_manager import BlockManager
 from cbatch.core.sampler import SamplingBatch
 from cbatch.core.spec_decode import Proposer
-from cbatch.layers.kv_cache import KVCache, num_kv_blocks
+from cbatch.core.worker import build_worker
 from cbatch.logger import init_logger
 from cbatch.models.loader import load_model
 
@@ -69,8 +69,6 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig,
                  vocab_size: int, max_model_len: int):
-        from cbatch.core.engine import make_runner, model_runner_class  # (engine imports us)
-
         cfg = engine_config
         self.k = config.num_speculative_tokens
         self.model = load_model(config.model, cfg.device, cfg.torch_dtype, cfg.seed,
@@ -79,16 +77,12 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"speculative_config: the draft model {config.model!r} has a "
                              f"vocabulary of {self.model.config.vocab_size} tokens, the target "
                              f"{vocab_size}; a draft model must share the target's tokenizer")
-        self.model.set_batch_invariant(cfg.batch_invariant)
         self.max_model_len = min(max_model_len, self.model.config.max_model_len)
-        num_blocks = num_kv_blocks(cfg, self.model.config)
-        self.kv_cache = KVCache(self.model.config, num_blocks, cfg.block_size, cfg.torch_dtype,
-                                cfg.device, zeros=model_runner_class(cfg.device).kv_cache_zeros)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
         # one pass holds every request's catch-up of up to k + 1 tokens
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
         # (its passes of one token a row, and its first of up to k + 1, in CUDA graphs)
-        self.runner = make_runner(self.model, self.kv_cache, cfg, self.max_tokens)
+        self.worker = build_worker(self.model, cfg, self.max_tokens)
+        self.blocks, self.runner = self.worker.block_manager, self.worker.runner
         self._drafted: dict[str, _Drafted] = {}
         self.num_passes = 0  # forward passes of the draft model so far
 

@@ -34,9 +34,7 @@ from torch import nn
 
 from cbatch.logger import init_logger
 from cbatch.config import EngineConfig
-from cbatch.core.block_manager import BlockManager
-from cbatch.core.cpu.model_runner import CPUModelRunner
-from cbatch.core.model_runner import ModelRunner, SampledTokens
+from cbatch.core.model_runner import SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
@@ -45,7 +43,7 @@ from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, Propose
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import ConstraintError, StructuredOutputs
-from cbatch.layers.kv_cache import KVCache, num_kv_blocks
+from cbatch.core.worker import build_worker
 from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -77,26 +75,6 @@ def freeze_long_lived_objects() -> None:
 
 
 _unfreeze_registered = False
-
-
-def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
-    """The model runner of a device: :class:`CPUModelRunner` for the CPU, else the plain one
-    (CUDA graphs and the rest of a GPU's path live in :class:`ModelRunner` itself)."""
-    return CPUModelRunner if torch.device(device).type == "cpu" else ModelRunner
-
-
-def make_runner(model: nn.Module, kv_cache: KVCache, config: EngineConfig, max_tokens: int
-                ) -> ModelRunner:
-    """The runner of ``config.device`` for ``model`` on ``kv_cache`` (the CPU's also takes
-    ``config.threads``), for ``config.max_num_seqs`` rows and ``max_tokens`` tokens a step,
-    with CUDA graphs as ``config`` says, for steps of up to k + 1 tokens a row too when it
-    speculates k."""
-    runner_class = model_runner_class(config.device)
-    cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
-    spec = config.speculative_config
-    return runner_class(model, kv_cache, config.max_num_seqs, max_tokens,
-                        config.use_cuda_graphs, spec.num_speculative_tokens if spec else 0,
-                        **cpu_only)
 
 
 @dataclass
@@ -139,23 +117,19 @@ class Engine:
         if self.max_model_len > model.config.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
                              f"length ({model.config.max_model_len})")
-        model.set_batch_invariant(config.batch_invariant)
-        num_blocks = num_kv_blocks(config, model.config)
-        runner_class = model_runner_class(config.device)
-        self.kv_cache = KVCache(model.config, num_blocks, config.block_size,
-                                config.torch_dtype, config.device,
-                                zeros=runner_class.kv_cache_zeros)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.cache_salt)
-        max_tokens = config.max_num_batched_tokens
-        if config.scheduling_policy == "static":
-            max_tokens = config.max_num_seqs * model.config.max_model_len
+        static = config.scheduling_policy == "static"
+        max_tokens = (config.max_num_seqs * model.config.max_model_len if static
+                      else config.max_num_batched_tokens)
+        # the model, its KV pool, block manager and runner (kept under their own names too)
+        self.worker = build_worker(model, config, max_tokens, config.enable_prefix_caching)
+        self.kv_cache, self.block_manager, self.runner = (
+            self.worker.kv_cache, self.worker.block_manager, self.worker.runner)
+        if static:
             self.scheduler = StaticScheduler(self.block_manager, config.max_num_seqs,
                                              max_tokens)
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        self.runner = make_runner(model, self.kv_cache, config, max_tokens)
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id, config)

@@ -176,7 +176,7 @@ class SampledTokens:
 
 class ModelRunner:
     """The runner of every device; :class:`~cbatch.core.cpu.model_runner.CPUModelRunner` adds
-    what only a CPU does; :func:`cbatch.core.engine.model_runner_class` picks one for a
+    what only a CPU does; :func:`cbatch.core.worker.model_runner_class` picks one for a
     device."""
 
     # how the engine allocates the KV pool for this runner (None: torch.zeros)

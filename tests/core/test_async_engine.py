@@ -176,6 +176,13 @@ def test_the_engine_is_built_and_stepped_on_its_own_thread(monkeypatch):
     assert asyncio.run(main()).finished
     engine.shutdown()
     assert seen["built"] == seen["stepped"] == {engine._thread.ident}
+    # what a server reads of it, without reaching into the engine
+    assert (engine.config.model, engine.max_model_len, engine.vocab_size) == ("random:tiny",
+                                                                              256, 512)
+    assert engine.architecture == "GPT2LMHeadModel" and engine.error is None
+    assert engine.memory_report().startswith("KV cache: ") and "max_model_len 256" in (
+        engine.memory_report())
+    assert engine.describe() == engine.engine.runner.describe()
     assert engine._thread.ident != threading.get_ident()
     with pytest.raises(ValueError, match="unknown model size"):
         AsyncEngine("random:nope", **KW)

@@ -195,7 +195,7 @@ def test_a_failing_step_kills_the_async_engine_loudly(monkeypatch, caplog):
             async for _ in engine.generate([1, 2], SamplingParams(max_tokens=20,
                                                                   ignore_eos=True)):
                 pass
-        assert not engine.is_running
+        assert not engine.is_running and "boom" in str(engine.error)
         with pytest.raises(EngineDeadError):
             await engine.add_request([1], SamplingParams())
         await asyncio.to_thread(engine.shutdown)

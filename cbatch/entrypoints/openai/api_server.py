@@ -92,8 +92,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     (``--no-special-tokens-in-content``); ``tool_call_parser`` (a name of
     ``tool_parsers.TOOL_PARSERS``) turns tool_choice "auto" on; ``reasoning_parser`` (of
     ``reasoning_parsers.REASONING_PARSERS``) splits replies' thinking off."""
-    config = engine.engine.config
-    max_model_len = engine.engine.max_model_len
+    config = engine.config
+    max_model_len = engine.max_model_len
     checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
         config.model)
     template = chat_template
@@ -103,7 +103,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, template,
                              load_special_tokens(checkpoint),
-                             architecture=type(engine.engine.model).__name__,
+                             architecture=engine.architecture,
                              tool_call_parser=tool_call_parser,
                              special_tokens_in_content=special_tokens_in_content,
                              reasoning_parser=reasoning_parser)
@@ -228,7 +228,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     async def detokenize(req: DetokenizeRequest):
         """vLLM's: token ids as text (special tokens kept)."""
         check_request("/detokenize", req)
-        vocab_size = engine.engine.model.config.vocab_size
+        vocab_size = engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(400, f"tokens must be ids in [0, {vocab_size}), got {bad[:5]}",
@@ -347,10 +347,10 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
                                    on_dead=on_dead, **engine_kwargs)
     app = build_app(engine, metrics, served_model_name, args.shutdown_timeout, chat_template,
                     **guard_settings(args), **tool_settings(args))
-    print(engine.engine.kv_cache.memory_report(engine.engine.max_model_len), flush=True)
-    paths = engine.engine.runner.describe()  # a CPU engine's fast paths
+    print(engine.memory_report(), flush=True)
+    paths = engine.describe()  # a CPU engine's fast paths
     if paths:
-        print("\n".join([f"{engine.engine.config.device} fast paths:"] + format_paths(paths)),
+        print("\n".join([f"{engine.config.device} fast paths:"] + format_paths(paths)),
               flush=True)
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.header_timeout, args.write_timeout)
@@ -359,7 +359,7 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     server.engine, server.shutdown_timeout = engine, args.shutdown_timeout
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
-        server.engine_failed(engine._error)
+        server.engine_failed(engine.error)
     print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
           "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
           "/health, /metrics)", flush=True)

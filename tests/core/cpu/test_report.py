@@ -10,7 +10,7 @@ import torch
 from cbatch import LLM, SamplingParams
 from cbatch.core.cpu.model_runner import CPUModelRunner
 from cbatch.core.cpu.report import cpu_paths
-from cbatch.core.engine import model_runner_class
+from cbatch.core.worker import model_runner_class
 from cbatch.core.model_runner import ModelRunner
 from cbatch.ops import cpu
 from tests.helpers import needs_cpu_ext

@@ -1,0 +1,71 @@
+"""One model on one device: the model, its paged KV pool, the block manager over that pool
+and the model runner of the device, built together by :func:`build_worker`.
+
+The engine builds one for the target; the ``draft_model`` proposer
+(:mod:`cbatch.core.spec_decode.draft_model`) builds one for the draft, on a pool of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cbatch.config import EngineConfig
+from cbatch.core.block_manager import BlockManager
+from cbatch.core.cpu.model_runner import CPUModelRunner
+from cbatch.core.model_runner import ModelRunner
+from cbatch.layers.kv_cache import KVCache, num_kv_blocks
+
+
+@dataclass
+class Worker:
+    model: nn.Module
+    kv_cache: KVCache
+    block_manager: BlockManager
+    runner: ModelRunner
+
+    def memory_report(self, max_model_len: int | None = None) -> str:
+        """The KV pool's one line (:meth:`KVCache.memory_report`)."""
+        return self.kv_cache.memory_report(max_model_len)
+
+    def describe(self) -> dict[str, str]:
+        """The runner's fast paths (a CPU runner's; empty elsewhere)."""
+        return self.runner.describe()
+
+
+def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
+    """The model runner of a device: :class:`CPUModelRunner` for the CPU, else the plain one
+    (CUDA graphs and the rest of a GPU's path live in :class:`ModelRunner` itself)."""
+    return CPUModelRunner if torch.device(device).type == "cpu" else ModelRunner
+
+
+def make_runner(model: nn.Module, kv_cache: KVCache, config: EngineConfig, max_tokens: int
+                ) -> ModelRunner:
+    """The runner of ``config.device`` for ``model`` on ``kv_cache`` (the CPU's also takes
+    ``config.threads``), for ``config.max_num_seqs`` rows and ``max_tokens`` tokens a step,
+    with CUDA graphs as ``config`` says, for steps of up to k + 1 tokens a row too when it
+    speculates k."""
+    runner_class = model_runner_class(config.device)
+    cpu_only = dict(threads=config.threads) if runner_class is CPUModelRunner else {}
+    spec = config.speculative_config
+    return runner_class(model, kv_cache, config.max_num_seqs, max_tokens,
+                        config.use_cuda_graphs, spec.num_speculative_tokens if spec else 0,
+                        **cpu_only)
+
+
+def build_worker(model: nn.Module, config: EngineConfig, max_tokens: int,
+                 prefix_caching: bool = False) -> Worker:
+    """``model`` (loaded on ``config.device``) made batch-invariant as ``config`` says, a KV
+    pool of :func:`num_kv_blocks` blocks for it, a block manager over the pool (with prefix
+    caching, salted by ``config.cache_salt``, if ``prefix_caching``) and its runner
+    (:func:`make_runner`, ``max_tokens`` tokens a step)."""
+    model.set_batch_invariant(config.batch_invariant)
+    num_blocks = num_kv_blocks(config, model.config)
+    kv_cache = KVCache(model.config, num_blocks, config.block_size, config.torch_dtype,
+                       config.device, zeros=model_runner_class(config.device).kv_cache_zeros)
+    block_manager = BlockManager(num_blocks, config.block_size, prefix_caching,
+                                 config.cache_salt)
+    return Worker(model, kv_cache, block_manager, make_runner(model, kv_cache, config,
+                                                              max_tokens))
