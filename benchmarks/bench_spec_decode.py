@@ -20,11 +20,11 @@ Methods, k = --k drafts per step:
                     target: within 5% of plain)
 
 The benchmark-only proposers enter through the engine's documented hook: an engine built
-with a speculative_config gets its ``Engine.proposer`` replaced by any
-:class:`cbatch.core.spec_decode.Proposer` (here with ``propose(token_ids) -> list[int]``: up to
-k drafts to follow a request's prompt + output; the engine keeps as many as the adaptive rule
-grants).  The engines live through every round, so the adaptive rule's engine-wide prior
-(spec_decode.AdaptiveDraftLength) is learnt in the first: ``vs_plain_first_round`` reports
+with a speculative_config gets its ``Engine.spec_decoder.proposer`` replaced by any
+:class:`cbatch.core.spec_decode.proposer.Proposer` (here with ``propose(token_ids) ->
+list[int]``: up to k drafts to follow a request's prompt + output; the engine keeps as many as
+the adaptive rule grants).  The engines live through every round, so the adaptive rule's engine-wide prior
+(spec_decode.adaptive.AdaptiveDraftLength) is learnt in the first: ``vs_plain_first_round`` reports
 that round alone.
 
 Each row: decode tokens/s (output tokens after every request has its first token, over the
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (base_parser, environment, publish, pyplot,  # noqa: E402
                                save_figure)
 from cbatch import Engine, SamplingParams, workloads  # noqa: E402
-from cbatch.core.spec_decode import Proposer  # noqa: E402
+from cbatch.core.spec_decode.proposer import Proposer  # noqa: E402
 from cbatch.core.stats import EngineStats  # noqa: E402
 
 COLUMNS = ["method", "batch", "k", "adaptive", "decode_tok_per_s", "vs_plain",
@@ -127,8 +127,8 @@ def build_engines(args, vocab: int, num_blocks: int) -> dict[str, Engine]:
             "never": {**ngram, "adaptive": False}, "never-adaptive": ngram,
             "draft": {**draft, "adaptive": False}, "draft-adaptive": draft}
     engines = {m: Engine(args.model, speculative_config=spec[m], **common) for m in METHODS}
-    engines["never"].proposer = RandomProposer(vocab, args.k, seed=1)
-    engines["never-adaptive"].proposer = RandomProposer(vocab, args.k, seed=1)
+    engines["never"].spec_decoder.proposer = RandomProposer(vocab, args.k, seed=1)
+    engines["never-adaptive"].spec_decoder.proposer = RandomProposer(vocab, args.k, seed=1)
     return engines
 
 
@@ -148,7 +148,8 @@ def measure(args, engines: dict[str, Engine], batch: int, wl) -> list[dict]:
             engine = engines[method]
             before = engine.stats()
             if method == "replay":
-                engine.proposer = ReplayProposer(list(zip(prompts, plain_out)), args.k)
+                engine.spec_decoder.proposer = ReplayProposer(list(zip(prompts, plain_out)),
+                                                              args.k)
             seconds, tokens, out = decode_run(engine, prompts, params)
             if method == "plain":
                 plain_out = out

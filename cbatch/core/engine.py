@@ -12,11 +12,11 @@ which rows share a step: a request's tokens are the same whenever its logits do 
 on its batch-mates, which ``batch_invariant=True`` guarantees (the tests also find them the
 same without it, greedy and seeded, on the CPU).
 
-With ``speculative_config`` (:mod:`cbatch.core.spec_decode`), each decoding request that
-speculates gets drafts before the step is scheduled, verifies them in the step, and gains 1
-to k + 1 tokens when it is resolved, each checked for a stop condition in turn (the rest
-dropped).  Such an engine runs synchronously: it drafts from the tokens the last step
-accepted, so it resolves each step before it launches the next (async scheduling is off).
+With ``speculative_config``, ``spec_decoder`` (:mod:`cbatch.core.spec_decode`) drafts for
+each decoding request that speculates before the step is scheduled; the step verifies the
+drafts, and the request gains 1 to k + 1 tokens when it is resolved, each checked for a stop
+condition in turn (the rest dropped).  Such an engine runs synchronously: it drafts from the
+tokens the last step accepted, so it resolves each step before it launches the next.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from cbatch.core.model_runner import SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus
-from cbatch.core.spec_decode import (AdaptiveDraftLength, NgramProposer, Proposer,
-                                     SpecDecodeCounters, accepted_tokens, speculates)
+from cbatch.core.spec_decode.decoder import SpeculativeDecoder
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import ConstraintError, StructuredOutputs
@@ -134,20 +133,8 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id, config)
         self.async_scheduling = config.use_async_scheduling
-        spec = config.speculative_config
-        # the drafter (None: no speculation): any Proposer; a benchmark may replace it after
-        # construction (bench_spec_decode.py)
-        self.proposer: Proposer | None = None
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(spec)
-        elif spec is not None:  # draft_model
-            from cbatch.core.draft_model import DraftModelProposer
-            self.proposer = DraftModelProposer(spec, config, model.config.vocab_size,
-                                               self.max_model_len)
-        self._draft_length = None if spec is None else AdaptiveDraftLength(
-            spec.num_speculative_tokens, spec.adaptive)
-        self._spec = SpecDecodeCounters(0 if spec is None else spec.num_speculative_tokens)
-        self._drafting = (0.0, 0, 1.0)  # the last drafting (see _propose)
+        self.spec_decoder = None if config.speculative_config is None else SpeculativeDecoder(
+            config, model.config.vocab_size, self.max_model_len)
         self._in_flight: collections.deque[LaunchedStep] = collections.deque()
         self._requests: dict[str, Sequence] = {}  # unfinished
         self._aborted: list[Sequence] = []  # reported by the next step()
@@ -266,8 +253,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.runner.release(seq.request_id)
-        if self.proposer is not None:
-            self.proposer.release(seq.request_id)
+        if self.spec_decoder is not None:
+            self.spec_decoder.release(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.num_inflight = 0  # a later step's sample for it is dropped
         seq.finish_reason = reason
@@ -312,8 +299,8 @@ class Engine:
     def _launch(self) -> LaunchedStep | None:
         """Schedule a step and send it to the device; the scheduled sequences advance by
         their new tokens, and those that sample get an in-flight token."""
-        if self.proposer is not None:
-            self._propose()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             self._counters.tick("schedule")
@@ -355,29 +342,6 @@ class Engine:
                 failed.append(seq)
         return failed
 
-    def _propose(self) -> None:
-        """Draft for every running request that decodes and speculates (the others get
-        none); the scheduler decides how many of them its step verifies."""
-        start = time.perf_counter()
-        seqs = []
-        for seq in self.scheduler.running:
-            seq.spec_token_ids = []
-            if seq.is_decoding and speculates(seq.params):
-                seqs.append(seq)
-        ks = [self._draft_length.draft_length(seq) for seq in seqs]
-        catch_up_s = 0.0
-        if any(ks):
-            for seq, k, drafts in zip(seqs, ks, self.proposer.propose_batch(seqs, ks)):
-                seq.spec_token_ids = drafts[:k]
-            catch_up_s = self.proposer.catch_up_s
-        seconds = time.perf_counter() - start
-        self._spec.draft_s += seconds
-        # for the adaptive rule's cost: drafting's seconds but a long catch-up's, positions,
-        # and the rows it holds up for each row that drafted
-        drafting = sum(k > 0 for k in ks)
-        self._drafting = (seconds - catch_up_s, max(ks, default=0),
-                          len(self.scheduler.running) / max(1, drafting))
-
     def _resolve(self, step: LaunchedStep) -> list[Sequence]:
         """Read a launched step's tokens (waiting for the device) and apply them: append,
         check stop conditions, finish.  Returns the sequences that changed."""
@@ -386,9 +350,8 @@ class Engine:
         prompt_logprobs = step.tokens.prompt_logprobs()
         now = self._counters.tick("execute")
         offsets = step.tokens.offsets  # None: row i's token is tokens[i]
-        if offsets is not None:
-            self._spec.verify_s += now - step.launched_at
-            self._draft_length.observe_cost(*self._drafting, now - step.launched_at)
+        if offsets is not None:  # it verified drafts
+            self.spec_decoder.step_done(now - step.launched_at)
         changed = []
         for i, item in enumerate(step.scheduled):
             seq = item.seq
@@ -404,9 +367,8 @@ class Engine:
             first = i if offsets is None else offsets[i]
             new = [tokens[first]]
             if item.draft_token_ids:
-                new = accepted_tokens(item.draft_token_ids, tokens[first:offsets[i + 1]])
-                self._spec.count(len(item.draft_token_ids), len(new) - 1)
-                self._draft_length.observe(seq, len(item.draft_token_ids), len(new) - 1)
+                new = self.spec_decoder.accept(seq.request_id, item.draft_token_ids,
+                                               tokens[first:offsets[i + 1]])
             seq.num_inflight -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -461,12 +423,7 @@ class Engine:
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
             steps_by_threads=self.runner.steps_by_threads(),
-            spec_decode_num_drafts=self._spec.num_drafts,
-            spec_decode_num_draft_tokens=self._spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self._spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(self._spec.accepted_per_pos),
-            spec_decode_draft_s=self._spec.draft_s,
-            spec_decode_verify_s=self._spec.verify_s,
+            **({} if self.spec_decoder is None else self.spec_decoder.stats()),
         )
 
 

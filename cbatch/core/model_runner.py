@@ -95,7 +95,7 @@ class PromptTargets:
 
 @dataclass
 class DraftPositions:
-    """Where a step that verifies speculative drafts samples (``core/spec_decode.py``): row s
+    """Where a step that verifies speculative drafts samples (``core/spec_decode/``): row s
     of the step draws ``counts[s]`` tokens, at its run's last ``counts[s]`` positions (its
     last token's and each draft's: 1 + its drafts), in order; ``token_indices`` are those
     positions in the step's flat tokens, ``offsets[s]`` where row s's draws start in the

@@ -20,7 +20,7 @@ step is filling with the same tokens waits one step, then finds that block in th
 Each such wait coincides with a step that fills the block, so a request waits at most once
 per block of its prompt that another request is filling.
 
-Speculative decoding (``core/spec_decode.py``): a decoding sequence with drafts
+Speculative decoding (``core/spec_decode/``): a decoding sequence with drafts
 (``Sequence.spec_token_ids``) verifies as many of them as the budget and the free blocks left
 by every running sequence's own tokens allow (drafts never preempt anyone), and no more than
 ``max_tokens`` leaves room for; its step then feeds its last token and those drafts

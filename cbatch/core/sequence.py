@@ -41,12 +41,6 @@ class Sequence:
     num_inflight: int = 0  # sampled tokens still on the device (async scheduling)
     # speculative decoding: the drafts proposed to follow token_ids (verified, not yet known)
     spec_token_ids: list[int] = field(default_factory=list)
-    # the adaptive draft length's state (core/spec_decode.py's AdaptiveDraftLength): a moving
-    # average of accepted/drafted (None: not decoding yet), the steps since it last drafted
-    # while paused, and how many such steps it waits before its next probe
-    spec_acceptance: float | None = None
-    spec_steps_paused: int = 0
-    spec_probe_every: int = 0
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # if params ask
     # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)

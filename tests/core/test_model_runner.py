@@ -400,7 +400,8 @@ def test_verify_steps_replay_graphs_captured_at_k_plus_1_tokens_a_row(monkeypatc
     plain = LLM("random:tiny", max_num_seqs=10).generate(prompts, params, use_tqdm=False)
     llm = LLM("random:tiny", max_num_seqs=10, cuda_graphs=True, speculative_config=spec)
     engine = llm.engine
-    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    runners = [engine.runner] + ([engine.spec_decoder.proposer.runner] if method == "draft_model"
+                                 else [])
     for runner in runners:
         monkeypatch.setattr(runner, "capture_graphs", lambda runner=runner: runner._graphs.update(
             (shape, (g, g.logits)) for shape in runner.graph_shapes()
@@ -435,7 +436,8 @@ def test_verify_steps_replay_cuda_graphs_of_k_plus_1_tokens_a_row(method):
     engine = llm.engine
     assert outs[True] == outs[False]
     assert engine.stats().spec_decode_num_accepted_tokens > 0
-    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    runners = [engine.runner] + ([engine.spec_decoder.proposer.runner] if method == "draft_model"
+                                 else [])
     for runner in runners:
         assert sorted(runner._graphs) == sorted(runner.graph_shapes())
         assert any(q == 4 for _, q in runner.steps_by_shape), runner.steps_by_shape

@@ -10,12 +10,13 @@ import torch
 
 from cbatch import LLM, Engine, SamplingParams
 from cbatch.core.block_manager import BlockManager
-from cbatch.core.draft_model import DraftModelProposer
 from cbatch.core.scheduler import Scheduler
 from cbatch.core.sequence import Sequence
 from cbatch.core.sampler import SamplingBatch, sample
-from cbatch.core.spec_decode import (AdaptiveDraftLength, Proposer, accepted_tokens,
-                                     ngram_lookup)
+from cbatch.core.spec_decode.adaptive import AdaptiveDraftLength
+from cbatch.core.spec_decode.decoder import accepted_tokens
+from cbatch.core.spec_decode.draft_model import DraftModelProposer
+from cbatch.core.spec_decode.proposer import Proposer, ngram_lookup
 from tests.helpers import STRESS_CONFIGS, Arrival, run_arrivals
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -90,14 +91,14 @@ def test_the_scheduler_gives_drafts_what_is_left_and_never_preempts_for_them():
 
 
 def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_again():
-    rule, seq = AdaptiveDraftLength(k=4), Sequence("0", [1, 2], SamplingParams(), 0)
+    rule, rid = AdaptiveDraftLength(k=4), "0"  # (a request id: its state is the rule's)
     # free drafts (cost 0): drafting 4 pays above a = 0.287 (1 + a + .. + a^4 = 1 + 4 * 0.1)
     assert rule.threshold == pytest.approx(0.2871, abs=1e-3)
     granted = []
     for _ in range(60):  # drafts that never match: k for 4 verifications, then probes
-        granted.append(rule.draft_length(seq))
+        granted.append(rule.draft_length(rid))
         if granted[-1]:
-            rule.observe(seq, granted[-1], 0)
+            rule.observe(rid, granted[-1], 0)
     # (1 -> 0.7 -> 0.49 -> 0.34 -> 0.24); probes of one draft after 16 steps, then 32 (each
     # failed probe doubles the wait, up to 128)
     assert granted[:4] == [4] * 4 and granted[4:] == [0] * 15 + [1] + [0] * 31 + [1] + [0] * 8
@@ -107,25 +108,29 @@ def test_adaptive_draft_length_pauses_a_request_whose_drafts_fail_and_probes_aga
     assert rule.prior == pytest.approx(0.95 ** 6)
     weary = AdaptiveDraftLength(k=4)
     for _ in range(40):
-        weary.observe(Sequence("x", [1], SamplingParams(), 9), 4, 0)
-    late = [Sequence(str(i), [1, 2], SamplingParams(), i) for i in range(9)]
-    granted = [[weary.draft_length(seq) for _ in range(300)] for seq in late]
+        weary.observe("x", 4, 0)
+    late = [str(i) for i in range(9)]
+    granted = [[weary.draft_length(rid) for _ in range(300)] for rid in late]
     assert [sum(g) for g in granted] == [2] + [0] * 7 + [2]  # probes at 64 and 192
     assert granted[0][:64] == [0] * 63 + [1]
     # a probe whose draft holds lifts it back to k (0.12 -> 0.38 >= 0.287)
-    while not rule.draft_length(seq):
+    while not rule.draft_length(rid):
         pass
-    rule.observe(seq, 1, 1)
-    assert [rule.draft_length(seq) for _ in range(3)] == [4] * 3
+    rule.observe(rid, 1, 1)
+    assert [rule.draft_length(rid) for _ in range(3)] == [4] * 3
     # drafts that hold keep k; half of them holding, too; adaptive off: always k
-    kept = Sequence("1", [1, 2], SamplingParams(), 1)
+    kept = "1"
     for accepted in [4, 2] * 20:
         assert rule.draft_length(kept) == 4
         rule.observe(kept, 4, accepted)
-    off, stubborn = AdaptiveDraftLength(k=3, adaptive=False), Sequence("2", [1], None, 2)
+    off, stubborn = AdaptiveDraftLength(k=3, adaptive=False), "2"
     for _ in range(30):
         assert off.draft_length(stubborn) == 3
         off.observe(stubborn, 3, 0)
+    # a request's state is the rule's until it is released (the engine does, as it ends)
+    assert set(rule._requests) == {"0", "1"} and not off._requests
+    rule.release("0")
+    assert set(rule._requests) == {"1"}
 
 
 def test_adaptive_draft_length_weighs_what_drafting_costs():
@@ -135,11 +140,11 @@ def test_adaptive_draft_length_weighs_what_drafting_costs():
     assert rule.cost == pytest.approx(0.5, rel=1e-3)
     # 1 + a + ... + a^4 = 1 + 4 * 0.6 at a = 0.806: drafts held 60% of the time do not pay
     assert rule.threshold == pytest.approx(0.806, abs=2e-3)
-    seq = Sequence("0", [1, 2], SamplingParams(), 0)
+    rid = "0"
     granted = []
     for accepted in [3, 2, 3, 2, 3]:
-        granted.append(rule.draft_length(seq))
-        rule.observe(seq, 4, accepted)
+        granted.append(rule.draft_length(rid))
+        rule.observe(rid, 4, accepted)
     assert granted == [4, 4, 0, 0, 0]  # (1 -> 0.925 -> 0.80: below)
     # the same drafting for one row of eight: it holds up the other seven, and would not
     # pay even if every draft held: probes only
@@ -177,8 +182,9 @@ def test_engine_stops_drafting_for_a_request_whose_drafts_never_hold(adaptive):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": adaptive}
     for proposer, name in [(_Wrong(never), "wrong"), (_Replay(prompt, plain, 4), "replay")]:
         llm = LLM("random:tiny", speculative_config=spec)
-        llm.engine.proposer = proposer
+        llm.engine.spec_decoder.proposer = proposer
         assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == plain
+        assert not llm.engine.spec_decoder.draft_length._requests  # released as it ended
         st = llm.engine.stats()
         if name == "replay":  # always right: k drafts a step (fewer near max_tokens only)
             assert st.spec_decode_acceptance_rate == 1.0
@@ -333,7 +339,7 @@ def _draft(model) -> dict:
 
 def _assert_drafted_by_model(engine: Engine) -> None:
     """The draft model ran, and its KV pool is whole (every request has finished)."""
-    proposer = engine.proposer
+    proposer = engine.spec_decoder.proposer
     assert isinstance(proposer, DraftModelProposer) and proposer.num_passes > 0
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
     proposer.blocks.check_whole()
@@ -505,14 +511,15 @@ def test_steps_padded_to_the_verify_graph_shape_change_no_token(checkpoint, prom
     _assert_speculated(engine, partly=method == "ngram")
     engine.block_manager.check_whole()
     q = 1 + spec["num_speculative_tokens"]
-    runners = [engine.runner] + ([engine.proposer.runner] if method == "draft_model" else [])
+    runners = [engine.runner] + ([engine.spec_decoder.proposer.runner] if method == "draft_model"
+                                 else [])
     for runner in runners:
         shapes = runner.steps_by_shape
         assert runner.query_len == q and any(k == q for _, k in shapes), shapes
         assert all((rows, k) in runner.graph_shapes() for rows, k in shapes)
     if method == "draft_model":
         _assert_drafted_by_model(engine)
-        assert any(k == 1 for _, k in engine.proposer.runner.steps_by_shape)
+        assert any(k == 1 for _, k in engine.spec_decoder.proposer.runner.steps_by_shape)
 
 
 def test_seeded_sampling_in_the_verify_graph_shape_equals_without_speculation(tiny_hf_dir,

@@ -5,8 +5,8 @@ paged KV cache of its own (:mod:`cbatch.core.spec_decode` says how drafts are ve
 The draft model runs through cbatch's own model runner (the same step batches, kernels and
 greedy fast path as the target) on its own :class:`~cbatch.layers.kv_cache.KVCache` and
 :class:`~cbatch.core.block_manager.BlockManager`: a :class:`~cbatch.core.worker.Worker` of its
-own.  Each request it drafts for keeps a block
-table there and the count of its tokens whose draft K/V are written.  Drafting for a set of
+own.  Each request it drafts for keeps a block table there and the count of its tokens whose
+draft K/V are written.  Drafting for a set of
 requests is one pass per draft position:
 
 1. *catch up and draft 1*: each request's tokens that its draft cache lacks (its whole prompt
@@ -34,7 +34,7 @@ import torch
 
 from cbatch.config import EngineConfig, SpeculativeConfig
 from cbatch.core.sampler import SamplingBatch
-from cbatch.core.spec_decode import Proposer
+from cbatch.core.spec_decode.proposer import Proposer
 from cbatch.core.worker import build_worker
 from cbatch.logger import init_logger
 from cbatch.models.loader import load_model
