@@ -318,3 +318,16 @@ def truncate_prompt(ids: list[int], max_model_len: int, max_tokens: int,
         return ids
     keep = max_model_len - max_tokens if truncate == -1 else truncate
     return ids[-keep:] if keep > 0 else ids
+
+
+def tokenize_bad_words(bad_words: list[str] | None, tokenizer: Tokenizer
+                       ) -> list[tuple[int, ...]]:
+    """``SamplingParams.bad_words`` as token ids: each word as it is and with a leading space
+    (a word in mid-text is usually one token with its space), as vLLM does."""
+    words: set[tuple[int, ...]] = set()
+    for word in bad_words or ():
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                words.add(ids)
+    return sorted(words)

@@ -23,7 +23,7 @@ from cbatch.core.stats import EngineStats
 from cbatch.logger import init_logger
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams, check_prompt_logprob_entries
-from cbatch.tokenizer import check_text_fits, truncate_prompt
+from cbatch.tokenizer import check_text_fits, tokenize_bad_words, truncate_prompt
 
 logger = init_logger(__name__)
 
@@ -266,7 +266,7 @@ class AsyncEngine:
                 raise ValueError(f"{_which(i, len(prompts))}{e}") from None
             words = None if p is None or not p.bad_words else p.bad_words
             if words is not None and id(words) not in by_list:
-                by_list[id(words)] = self.engine.bad_words_token_ids(p)
+                by_list[id(words)] = tokenize_bad_words(words, self.tokenizer)
             bad_words.append(None if words is None else by_list[id(words)])
         return encoded, bad_words
 

@@ -46,17 +46,10 @@ from cbatch.core.worker import build_worker
 from cbatch.models.loader import load_model
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
-from cbatch.tokenizer import ByteTokenizer, load_tokenizer, prompt_token_ids
+from cbatch.tokenizer import (ByteTokenizer, load_tokenizer, prompt_token_ids,
+                              tokenize_bad_words)
 
 logger = init_logger(__name__)
-
-
-def _count(n: int) -> str:
-    """124439808 -> "124M" (as a model card says it)."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
 
 
 def freeze_long_lived_objects() -> None:
@@ -99,8 +92,8 @@ class Engine:
     """
 
     def __init__(self, model: str | nn.Module = "random:gpt2", **kwargs):
-        start, num_params = time.perf_counter(), None
-        if isinstance(model, nn.Module):  # an engine around a model already built
+        start, built = time.perf_counter(), isinstance(model, nn.Module)
+        if built:  # an engine around a model already built
             config = EngineConfig.for_model(model, **kwargs)
             tokenizer = ByteTokenizer(model.config.eos_token_id)
         else:
@@ -108,7 +101,6 @@ class Engine:
             torch.manual_seed(config.seed)
             model = load_model(config.model, config.device, config.torch_dtype, config.seed,
                                config.attention_backend)
-            num_params = sum(p.numel() for p in model.parameters())  # before CPU packing
             tokenizer = load_tokenizer(config.model, config.tokenizer,
                                        model.config.eos_token_id)
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -144,10 +136,9 @@ class Engine:
         # long-running server does not)
         self.occupancy_trace: list[int] | None = None
         freeze_long_lived_objects()
-        if num_params is not None:  # loaded by name: the second of its two log lines
-            logger.info("model ready in %.1f s (%s parameters, %s; KV cache %d tokens)",
-                        time.perf_counter() - start, _count(num_params), type(model).__name__,
-                        self.kv_cache.num_tokens)
+        if not built:  # loaded by name: the second of its two log lines
+            logger.info("model ready in %.1f s (%s)", time.perf_counter() - start,
+                        self.worker.summary())
 
     # -------------------------------------------------------------- requests
 
@@ -183,7 +174,7 @@ class Engine:
                     bad_words_token_ids: list[tuple[int, ...]] | None = None) -> str:
         """Queue a request (a string, or token ids); returns its id.  ``stream=False``: the
         request's output comes only once, when it finishes (no snapshot at every step).
-        ``bad_words_token_ids``: :meth:`bad_words_token_ids` of ``params``, when the caller
+        ``bad_words_token_ids``: ``tokenize_bad_words(params.bad_words)``, when the caller
         tokenised them already (once for all the choices of a request, off this thread)."""
         params = SamplingParams() if params is None else params
         if getattr(params, "n", 1) > 1:  # (a wrong type is validate_request's to name)
@@ -197,7 +188,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.config.seed * 7919 + order
         if bad_words_token_ids is None:
-            bad_words_token_ids = self.bad_words_token_ids(params)
+            bad_words_token_ids = tokenize_bad_words(params.bad_words, self.tokenizer)
         seq = Sequence(request_id, ids, params, order, priority, seed, stream,
                        bad_words_token_ids=bad_words_token_ids)
         self._requests[request_id] = seq
@@ -206,17 +197,6 @@ class Engine:
         else:
             self.scheduler.add(seq)
         return request_id
-
-    def bad_words_token_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
-        """``params.bad_words`` as token ids: each word as it is and with a leading space (a
-        word in mid-text is usually one token with its space), as vLLM does."""
-        words: set[tuple[int, ...]] = set()
-        for word in params.bad_words or ():
-            for text in (word, " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    words.add(ids)
-        return sorted(words)
 
     def abort(self, request_id: str, report: bool = True) -> None:
         """Stop an unfinished request; its output (reason "abort") comes from the next step
@@ -405,19 +385,12 @@ class Engine:
         return reason is not None
 
     def stats(self) -> EngineStats:
-        c = self._counters
         return EngineStats(
-            num_steps=c.num_steps,
+            **self._counters.stats(),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_finished=c.num_finished,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prefill_tokens=c.num_prefill_tokens,
-            num_output_tokens=c.num_output_tokens,
-            elapsed=c.elapsed,
-            phase_s=dict(c.phase_s),
             kv_cache_usage=self.block_manager.usage,
-            mean_batch_occupancy=c.occupancy_sum / max(1, c.num_steps),
             graph_capture_s=self.runner.graph_capture_s,
             graph_memory_bytes=self.runner.graph_memory_bytes,
             prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,

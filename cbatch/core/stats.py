@@ -95,3 +95,11 @@ class StepCounters:
         self.phase_s[phase] += now - self._clock
         self._clock = now
         return now
+
+    def stats(self) -> dict:
+        """The counters as :class:`EngineStats`'s fields."""
+        return dict(num_steps=self.num_steps, num_finished=self.num_finished,
+                    num_prefill_tokens=self.num_prefill_tokens,
+                    num_output_tokens=self.num_output_tokens, elapsed=self.elapsed,
+                    phase_s=dict(self.phase_s),
+                    mean_batch_occupancy=self.occupancy_sum / max(1, self.num_steps))

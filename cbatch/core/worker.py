@@ -25,6 +25,13 @@ class Worker:
     kv_cache: KVCache
     block_manager: BlockManager
     runner: ModelRunner
+    num_params: int  # the model's as loaded (before a CPU runner packs its weights)
+
+    def summary(self) -> str:
+        """What the engine's "model ready" line says of it: ``124M parameters,
+        GPT2LMHeadModel; KV cache 9216 tokens``."""
+        return (f"{_count(self.num_params)} parameters, {type(self.model).__name__}; "
+                f"KV cache {self.kv_cache.num_tokens} tokens")
 
     def memory_report(self, max_model_len: int | None = None) -> str:
         """The KV pool's one line (:meth:`KVCache.memory_report`)."""
@@ -61,11 +68,20 @@ def build_worker(model: nn.Module, config: EngineConfig, max_tokens: int,
     pool of :func:`num_kv_blocks` blocks for it, a block manager over the pool (with prefix
     caching, salted by ``config.cache_salt``, if ``prefix_caching``) and its runner
     (:func:`make_runner`, ``max_tokens`` tokens a step)."""
+    num_params = sum(p.numel() for p in model.parameters())
     model.set_batch_invariant(config.batch_invariant)
     num_blocks = num_kv_blocks(config, model.config)
     kv_cache = KVCache(model.config, num_blocks, config.block_size, config.torch_dtype,
                        config.device, zeros=model_runner_class(config.device).kv_cache_zeros)
     block_manager = BlockManager(num_blocks, config.block_size, prefix_caching,
                                  config.cache_salt)
-    return Worker(model, kv_cache, block_manager, make_runner(model, kv_cache, config,
-                                                              max_tokens))
+    runner = make_runner(model, kv_cache, config, max_tokens)
+    return Worker(model, kv_cache, block_manager, runner, num_params)
+
+
+def _count(n: int) -> str:
+    """124439808 -> "124M" (as a model card says it)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
