@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from cbatch.config import EngineConfig
 from cbatch.core.engine import Engine
+from cbatch.core.request_stream import RequestStream
 from cbatch.core.stats import EngineStats
 from cbatch.logger import init_logger
 from cbatch.outputs import RequestOutput
@@ -34,49 +34,6 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine is shutting down or its loop failed; it takes no more requests."""
-
-
-class RequestStream:
-    """The outputs of one request, in order, the last one ``finished``.
-
-    Stopping early (``aclose()``, a cancelled ``await``, or dropping the stream, as a
-    caller does that leaves its ``async for`` and lets go of it) aborts the request and frees
-    its KV blocks.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
-        self.request_id = request_id
-        self._engine = engine
-        self._queue = queue
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the caller went away
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine._post(("abort", self.request_id))
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    def __del__(self) -> None:
-        self.abort()
 
 
 class AsyncEngine:
@@ -116,7 +73,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._deadline = float("inf")  # shutdown aborts what is still running after this
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None  # what killed the engine loop, if it died
         # The engine is built on the thread that steps it, and every torch call of the engine
         # runs there: OpenMP gives each thread that opens a parallel region a team of its own,
         # and with two teams on two cores its workers stop spinning between regions, which
@@ -131,44 +88,20 @@ class AsyncEngine:
         if failed:
             self._thread.join()
             raise failed[0]
-        self.tokenizer = self.engine.tokenizer
+        # what a server reads of the engine (never the engine itself), fixed once it is built
+        e = self.engine
+        self.tokenizer, self.config, self.max_model_len = e.tokenizer, e.config, e.max_model_len
+        self.vocab_size, self.architecture = e.model.config.vocab_size, type(e.model).__name__
 
     # -------------------------------------------------------------- callers' side
 
     @property
-    def max_model_len(self) -> int:
-        """The longest prompt + output a request may have, in tokens."""
-        return self.engine.max_model_len
-
-    @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping and self._error is None
-
-    @property
-    def error(self) -> BaseException | None:
-        """What killed the engine loop (None while it runs, or after a clean shutdown)."""
-        return self._error
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model.config.vocab_size
-
-    @property
-    def architecture(self) -> str:
-        """The model's class name (``LlamaForCausalLM``)."""
-        return type(self.engine.model).__name__
+        return self._thread.is_alive() and not self._stopping and self.error is None
 
     def memory_report(self) -> str:
         """The KV pool's one line, for sequences of :attr:`max_model_len`."""
-        return self.engine.worker.memory_report(self.engine.max_model_len)
+        return self.engine.worker.memory_report(self.max_model_len)
 
     def describe(self) -> dict[str, str]:
         """The fast paths this engine's runner takes (a CPU engine's; empty elsewhere)."""
@@ -201,8 +134,8 @@ class AsyncEngine:
                              f"engine ever admits at once (max_waiting={self.max_waiting}); "
                              "send fewer per request")
         if not self.is_running:
-            raise EngineDeadError("the engine is shut down" if self._error is None else
-                                  f"the engine loop failed: {self._error!r}")
+            raise EngineDeadError("the engine is shut down" if self.error is None else
+                                  f"the engine loop failed: {self.error!r}")
         request_ids = ([uuid.uuid4().hex for _ in prompts] if request_ids is None
                        else [str(r) for r in request_ids])
         # grammars are parsed and compiled in the grammar workers, and the requests admitted
@@ -249,7 +182,7 @@ class AsyncEngine:
             raise
         if admitted is not None:
             raise admitted
-        return [RequestStream(self, r, q) for r, q in zip(request_ids, queues)]
+        return [RequestStream(self.abort, r, q) for r, q in zip(request_ids, queues)]
 
     def _encode_all(self, prompts: list, params: list[SamplingParams | None]
                     ) -> tuple[list, list]:
@@ -314,7 +247,7 @@ class AsyncEngine:
         ``await asyncio.to_thread(engine.shutdown, timeout)``."""
         self.stop(timeout)
         self._thread.join()
-        if self._error is None:
+        if self.error is None:
             self.engine.block_manager.check_whole()
 
     def _post(self, command: tuple) -> None:
@@ -355,7 +288,7 @@ class AsyncEngine:
                         break
                     self._wakeup.wait()
         except BaseException as exc:  # the loop is dead: every caller must hear of it
-            self._error = exc
+            self.error = exc
             logger.critical("the engine loop failed; the engine takes no more requests",
                             exc_info=exc)
             pending = collections.defaultdict(list)

@@ -385,19 +385,10 @@ class Engine:
         return reason is not None
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            **self._counters.stats(),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_usage=self.block_manager.usage,
-            graph_capture_s=self.runner.graph_capture_s,
-            graph_memory_bytes=self.runner.graph_memory_bytes,
-            prefix_cache_queried_tokens=self.scheduler.num_cache_queried_tokens,
-            prefix_cache_hit_tokens=self.scheduler.num_cache_hit_tokens,
-            steps_by_threads=self.runner.steps_by_threads(),
-            **({} if self.spec_decoder is None else self.spec_decoder.stats()),
-        )
+        """Each part's counters: the steps', the scheduler's, the worker's, speculation's."""
+        spec = {} if self.spec_decoder is None else self.spec_decoder.stats()
+        return EngineStats(**self._counters.stats(), **self.scheduler.stats(),
+                           **self.worker.stats(), **spec)
 
 
 def _describe(error: BaseException) -> str:

@@ -115,6 +115,13 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def stats(self) -> dict:
+        """What it counts, as :class:`~cbatch.core.stats.EngineStats`'s fields."""
+        return dict(num_running=len(self.running), num_waiting=len(self.waiting),
+                    num_preemptions=self.num_preemptions,
+                    prefix_cache_queried_tokens=self.num_cache_queried_tokens,
+                    prefix_cache_hit_tokens=self.num_cache_hit_tokens)
+
     # -------------------------------------------------------------- scheduling
 
     def _cache_computed(self, seq: Sequence) -> None:

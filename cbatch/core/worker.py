@@ -41,6 +41,14 @@ class Worker:
         """The runner's fast paths (a CPU runner's; empty elsewhere)."""
         return self.runner.describe()
 
+    def stats(self) -> dict:
+        """Its pool's use and its runner's counts, as
+        :class:`~cbatch.core.stats.EngineStats`'s fields."""
+        return dict(kv_cache_usage=self.block_manager.usage,
+                    graph_capture_s=self.runner.graph_capture_s,
+                    graph_memory_bytes=self.runner.graph_memory_bytes,
+                    steps_by_threads=self.runner.steps_by_threads())
+
 
 def model_runner_class(device: torch.device | str) -> type[ModelRunner]:
     """The model runner of a device: :class:`CPUModelRunner` for the CPU, else the plain one

@@ -218,7 +218,7 @@ def test_prompt_logprobs_are_transformers_log_softmax_at_every_position(tiny_hf_
 def test_min_p_is_the_draws_rule_not_a_logits_rule():
     """min_p acts in the draw (with temperature, top-k and top-p), so a request with it keeps
     the fast paths of requests without logits rules (the greedy screen, speculation)."""
-    from cbatch.core.spec_decode import speculates
+    from cbatch.core.spec_decode.decoder import speculates
 
     params = SamplingParams(temperature=0.8, min_p=0.1)
     assert not params.processes_logits and speculates(params)
