@@ -134,13 +134,12 @@ class SpeculativeConfig:
     ``{"method": "draft_model", "model": "random:distilgpt2", "num_speculative_tokens": 4}``
     for ``random:gpt2``.
 
-    ``adaptive`` (cbatch's own key; vLLM has no such rule): each request's draft length
-    follows its recent acceptance
-    (:class:`cbatch.core.spec_decode.adaptive.AdaptiveDraftLength`): it drafts k tokens
-    while a moving average of its accepted/drafted stays above a threshold, none below it
-    (probing again every few steps), so a request whose drafts the target keeps rejecting
-    decodes as it would without speculation.  Default on; ``false``
-    always drafts k (what the proposer finds).
+    ``adaptive`` (cbatch's own key; vLLM has no such rule): each request's draft length follows
+    its recent acceptance (:class:`cbatch.core.spec_decode.adaptive.AdaptiveDraftLength`): it
+    drafts k tokens while a moving average of its accepted/drafted stays above a threshold, none
+    below it (probing again every few steps), so a request whose drafts the target keeps
+    rejecting decodes as it would without speculation.  Default on; ``false`` always drafts k
+    (what the proposer finds).
     """
 
     method: str = "ngram"
