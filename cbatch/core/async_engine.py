@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -106,6 +107,10 @@ class AsyncEngine:
     def describe(self) -> dict[str, str]:
         """The fast paths this engine's runner takes (a CPU engine's; empty elsewhere)."""
         return self.engine.worker.describe()
+
+    def first_invalid(self, constraints: list) -> concurrent.futures.Future:
+        """Which of ``constraints`` does not parse (``StructuredOutputs.first_invalid``)."""
+        return self.engine.structured.first_invalid(constraints)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,

@@ -202,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         naming the first tool whose parameters schema does not parse, when one does not."""
         schemas = [StructuredOutputsParams(json=tool_parameters(t)) for t in req.tools]
         try:
-            await asyncio.wrap_future(self.engine.engine.structured.first_invalid(schemas))
+            await asyncio.wrap_future(self.engine.first_invalid(schemas))
         except Refused as exc:
             field = f"tools[{exc.index}].function.parameters"
             return OpenAIError(400, f"{field} {exc.problem}", param=field)
