@@ -19,13 +19,13 @@ Methods, k = --k drafts per step:
   draft-adaptive    the same draft model with the adaptive draft length on (issue 40's
                     target: within 5% of plain)
 
-The benchmark-only proposers enter through the engine's documented hook: an engine built
-with a speculative_config gets its ``Engine.spec_decoder.proposer`` replaced by any
+The benchmark-only proposers enter through the engine's documented hook: an engine built with a
+speculative_config gets its ``Engine.spec_decoder.proposer`` replaced by any
 :class:`cbatch.core.spec_decode.proposer.Proposer` (here with ``propose(token_ids) ->
 list[int]``: up to k drafts to follow a request's prompt + output; the engine keeps as many as
-the adaptive rule grants).  The engines live through every round, so the adaptive rule's engine-wide prior
-(spec_decode.adaptive.AdaptiveDraftLength) is learnt in the first: ``vs_plain_first_round`` reports
-that round alone.
+the adaptive rule grants).  The engines live through every round, so the adaptive rule's
+engine-wide prior (spec_decode.adaptive.AdaptiveDraftLength) is learnt in the first:
+``vs_plain_first_round`` reports that round alone.
 
 Each row: decode tokens/s (output tokens after every request has its first token, over the
 time they took), its ratio to plain's at that batch, the acceptance rate and mean accepted
