@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cbatch import devices
+
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -282,9 +284,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
                              f"{self.dtype!r}")
-        self.device = check_device(self.device)
+        self.device = devices.check_device(self.device)
         if self.dtype == "auto":
-            self.dtype = auto_dtype(self.device)
+            self.dtype = devices.auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -373,51 +375,3 @@ def engine_fields(cli_only: bool = True) -> list:
     """The fields of :class:`EngineConfig` (those with a command-line flag when ``cli_only``),
     each with ``.default`` and ``.metadata["help"]``."""
     return [f for f in fields(EngineConfig) if not cli_only or f.metadata.get("cli", True)]
-
-
-def auto_dtype(device: str) -> str:
-    """What ``dtype="auto"`` means on ``device``: float16 on CUDA; bfloat16 on a CPU that
-    computes in it natively (AVX512-BF16 or AMX; weights, activations and KV cache in bf16,
-    matmuls accumulating in fp32: benchmarks/NOTES.md, "bf16 on the CPU"); float32 on other
-    CPUs."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return "float16"
-    if torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
-            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
-        return "bfloat16"
-    return "float32"
-
-
-def available_devices() -> list[str]:
-    """The devices cbatch can run on here: ``cpu``, then each CUDA device."""
-    import torch
-
-    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-
-
-def check_device(device) -> str:
-    """``device`` (a string or torch.device) as a string, if this machine has it; otherwise a
-    ValueError naming what it has (rather than torch's error from deep inside the model)."""
-    import torch
-
-    here = ", ".join(available_devices())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}; "
-                         f"available here: {here}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"cbatch runs on 'cpu' or 'cuda', got device={device!r}; available "
-                         f"here: {here}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = ("this torch was built without CUDA" if torch.version.cuda is None
-                   else "torch sees no CUDA device")
-            raise ValueError(f"device={device!r} but {why} (torch {torch.__version__}); "
-                             f"available here: {here}")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} but there are only "
-                             f"{torch.cuda.device_count()} CUDA devices; available here: {here}")
-    return str(dev)

@@ -27,9 +27,9 @@ def _float32_when_auto(request, monkeypatch):
     "auto" means float32 on every machine, except in tests of the rule itself (marked
     ``real_auto_dtype``)."""
     if request.node.get_closest_marker("real_auto_dtype") is None:
-        import cbatch.config
+        import cbatch.devices
 
-        monkeypatch.setattr(cbatch.config, "auto_dtype", lambda device: "float32")
+        monkeypatch.setattr(cbatch.devices, "auto_dtype", lambda device: "float32")
 
 
 TINY = dict(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4,

@@ -34,7 +34,7 @@ from torch import nn
 
 from cbatch.logger import init_logger
 from cbatch.config import EngineConfig
-from cbatch.core.model_runner import SampledTokens
+from cbatch.core.step_outputs import SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
 from cbatch.core.sequence import Sequence, SequenceStatus

@@ -33,7 +33,7 @@ def test_demo_prints_progress_table_and_writes_plot(tmp_path, capsys):
           "--plot", str(plot)])
     captured = capsys.readouterr()
     out = captured.out
-    from cbatch.config import auto_dtype
+    from cbatch.devices import auto_dtype
 
     # --dtype defaults to auto: bfloat16 on a CPU with native bf16, else float32
     assert f"cbatch: loading random:tiny ({auto_dtype('cpu')}, cpu) ..." in captured.err
@@ -223,7 +223,7 @@ def test_a_user_error_is_one_line_unless_debugging():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
         "cbatch: error: device must be 'cpu', 'cuda' or 'cuda:<index>', got 'banana'; "
-        "available here: " + ", ".join(__import__("cbatch.config").config.available_devices())]
+        "available here: " + ", ".join(__import__("cbatch.devices").devices.available_devices())]
     debug = run_cli("generate", "--model", "random:tiny", "--device", "banana", "--prompt", "x",
                     env={"CBATCH_DEBUG": "1"})
     assert debug.returncode == 1 and "Traceback" in debug.stderr
@@ -341,7 +341,7 @@ def test_serve_takes_the_model_as_its_argument():
 def test_dtype_and_device_auto():
     import torch
 
-    from cbatch.config import auto_dtype
+    from cbatch.devices import auto_dtype
     from cbatch.entrypoints.cli.engine_args import resolve_device_and_dtype
 
     args = build_parser().parse_args(["generate", "--prompt", "x"])
@@ -392,7 +392,7 @@ def test_max_model_len_caps_requests(capsys):
 
 
 def test_chat_template_is_a_file_or_the_template(tmp_path, capsys):
-    from cbatch.entrypoints.openai.serving_chat import read_chat_template
+    from cbatch.entrypoints.openai.chat_utils import read_chat_template
 
     text = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
     path = tmp_path / "chat.jinja"

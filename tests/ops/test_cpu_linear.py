@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from cbatch import LLM, Engine, KVCache, SamplingParams
-from cbatch.config import EngineConfig, auto_dtype
+from cbatch.config import EngineConfig
+from cbatch.devices import auto_dtype
 from cbatch.core.input_batch import make_step_batch
 from cbatch import envs
 from cbatch.ops import cpu

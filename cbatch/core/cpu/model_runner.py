@@ -28,7 +28,8 @@ from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
 from cbatch.core.cpu.packing import pack_linears
 from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
-from cbatch.core.model_runner import ModelRunner, PromptTargets
+from cbatch.core.model_runner import ModelRunner
+from cbatch.core.step_outputs import PromptTargets
 from cbatch.core.sampler import SamplingBatch
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch

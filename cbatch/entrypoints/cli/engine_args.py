@@ -89,10 +89,10 @@ def resolve_model(args: argparse.Namespace) -> None:
 
 def resolve_device_and_dtype(args: argparse.Namespace) -> None:
     """Fill in ``args.device`` ("auto": CUDA when present) and ``args.dtype`` ("auto": see
-    :func:`cbatch.config.auto_dtype`), checking that this machine has the device."""
+    :func:`cbatch.devices.auto_dtype`), checking that this machine has the device."""
     import torch
 
-    from cbatch.config import auto_dtype, check_device
+    from cbatch.devices import auto_dtype, check_device
 
     if args.device in (None, "auto"):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
-    from cbatch.entrypoints.openai.serving_chat import read_chat_template
+    from cbatch.entrypoints.openai.chat_utils import read_chat_template
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     resolve_device_and_dtype(args)

@@ -51,8 +51,8 @@ from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 ModelList, TokenizeChatRequest,
                                                 TokenizeCompletionRequest, TokenizeResponse,
                                                 VersionResponse, ignored_fields)
-from cbatch.entrypoints.openai.serving_chat import (OpenAIServingChat, load_chat_template,
-                                                    load_special_tokens)
+from cbatch.entrypoints.openai.chat_utils import load_chat_template, load_special_tokens
+from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from cbatch.entrypoints.openai.protocol_responses import ResponsesRequest
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
-from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -28,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cbatch.core.async_engine import AsyncEngine
 from cbatch.core.grammar_worker import Refused
 from cbatch.entrypoints.openai.chat_content import render_with_spans
+from cbatch.entrypoints.openai.chat_utils import compile_chat_template
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                                 ChatLogprobToken, ChatTopLogprob,
@@ -47,62 +46,6 @@ from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 from cbatch.tokenizer import check_text_fits
 
 
-def load_chat_template(checkpoint_dir: Path | None) -> str | None:
-    """The Jinja chat template a checkpoint ships (``chat_template.jinja``, or the
-    ``chat_template`` field of ``tokenizer_config.json``), else None."""
-    if checkpoint_dir is None:
-        return None
-    if (checkpoint_dir / "chat_template.jinja").is_file():
-        return (checkpoint_dir / "chat_template.jinja").read_text()
-    config = checkpoint_dir / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text()).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
-
-
-def load_special_tokens(checkpoint_dir: Path | None) -> dict[str, str]:
-    """The ``bos_token`` and ``eos_token`` strings of ``tokenizer_config.json`` (templates
-    write them into the prompt: Llama's begins with ``{{ bos_token }}``); "" when absent."""
-    config = None if checkpoint_dir is None else checkpoint_dir / "tokenizer_config.json"
-    raw = json.loads(config.read_text()) if config is not None and config.is_file() else {}
-    tokens = {}
-    for name in ("bos_token", "eos_token"):
-        value = raw.get(name) or ""
-        tokens[name] = value.get("content", "") if isinstance(value, dict) else value
-    return tokens
-
-
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a file holding a Jinja template, or the template itself; checked
-    (it must parse) before any model loads."""
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    path = Path(value)
-    is_file = len(value) < 4096 and "\n" not in value and path.is_file()
-    template = path.read_text() if is_file else value
-    if not is_file and "{{" not in template and "{%" not in template:
-        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
-    try:
-        ImmutableSandboxedEnvironment().parse(template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"chat template {value!r:.60} does not parse: {e}") from None
-    return template
-
-
-def _raise_template_error(message: str):
-    from jinja2 import TemplateError
-
-    raise TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # transformers' tojson (Jinja's own escapes <, > and & for HTML, which no prompt wants)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  special_tokens: dict[str, str] | None = None, architecture: str | None = None,
@@ -118,17 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         self.special_tokens_in_content = special_tokens_in_content
         self.architecture = architecture  # the model's class, for the no-template error
         self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
-        self._template = None
-        if chat_template is not None:
-            # a sandbox, as transformers renders templates: a template is data, not code
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            # templates refuse messages they cannot render with raise_exception(message)
-            # (Llama-2 and Mistral's do, for roles out of order), as in transformers
-            env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(chat_template)
+        self._template = None if chat_template is None else compile_chat_template(chat_template)
 
     def render(self, req: _ChatTemplateFields, messages: list[dict] | None = None) -> str:
         """The prompt text of ``req.messages`` (a chat completion's, or /tokenize's);
