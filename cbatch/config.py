@@ -186,6 +186,14 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    def describe(self) -> str:
+        """One line for a server's log: the method, its drafts and the rule of their length."""
+        how = (f"prompt lookup {self.prompt_lookup_min}-{self.prompt_lookup_max}"
+               if self.method == "ngram" else f"draft model {self.model}")
+        rule = "adaptive" if self.adaptive else "fixed"
+        return (f"{self.method} ({how}), up to {self.num_speculative_tokens} draft tokens a "
+                f"step, {rule} draft length")
+
     @classmethod
     def of(cls, value) -> SpeculativeConfig | None:
         """``value`` (a SpeculativeConfig, a dict of its fields, its JSON text, or None) as

@@ -108,3 +108,26 @@ def test_a_speculative_server_streams_the_same_text_and_counts_drafts():
     assert value("cbatch_spec_decode_num_drafts_total") > 0
     assert value('cbatch_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",'
                  'position="0"}') > 0
+
+
+@pytest.mark.slow
+def test_the_server_log_says_speculative_decoding_is_on():
+    import subprocess
+    import sys
+
+    from tests.serving_utils import free_port, wait_healthy
+
+    assert SpeculativeConfig(num_speculative_tokens=3).describe() == (
+        "ngram (prompt lookup 5-5), up to 3 draft tokens a step, adaptive draft length")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve", "--model", "random:tiny",
+         "--device", "cpu", "--threads", "1", "--port", str(port), "--speculative-config",
+         json.dumps(NGRAM)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    line = next(line for line in out.splitlines() if line.startswith("speculative decoding:"))
+    assert line == "speculative decoding: " + SpeculativeConfig.of(NGRAM).describe()

@@ -360,6 +360,8 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine.error)
+    if engine.config.speculative_config is not None:
+        print(f"speculative decoding: {engine.config.speculative_config.describe()}", flush=True)
     print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
           "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
           "/health, /metrics)", flush=True)
