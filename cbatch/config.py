@@ -14,6 +14,8 @@ from pathlib import Path
 from cbatch import devices
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
+# online weight quantization (cbatch.layers.quantization holds each one's scheme)
+QUANTIZATION_METHODS = ("int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -217,6 +219,16 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def check_quantization(method: str | None) -> str | None:
+    """``method`` if cbatch runs it (None: no quantization); ValueError naming it otherwise
+    (vLLM's names for checkpoint formats, "gptq", "awq", ..., included: not loaded yet)."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return method
+    raise ValueError(f"quantization={method!r} is not supported; cbatch runs "
+                     f"{', '.join(QUANTIZATION_METHODS)} (online, from a float checkpoint or a "
+                     "random: model)")
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -237,6 +249,10 @@ class EngineConfig:
                        "else float32), float32, float16 or bfloat16", cli=False)
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
+    quantization: str | None = _knob(
+        None, "quantize the decoder layers' linear weights at load (CPU): int8 (per output "
+        "channel) or int4 (groups of 128); the lm_head keeps the model's dtype (default: none)",
+        choices=QUANTIZATION_METHODS)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "
                                    "the longest length, at most 1 GiB on a CPU and half the "
@@ -293,6 +309,7 @@ class EngineConfig:
             raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
                              f"{self.dtype!r}")
         self.device = devices.check_device(self.device)
+        check_quantization(self.quantization)
         if self.dtype == "auto":
             self.dtype = devices.auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -339,7 +356,7 @@ class EngineConfig:
     def for_model(cls, model, **kwargs) -> EngineConfig:
         """The config of an engine around an already built model: its device, dtype,
         attention backend and batch-invariant switch come from the model."""
-        for name in ("device", "dtype", "attention_backend"):
+        for name in ("device", "dtype", "attention_backend", "quantization"):
             if name in kwargs:
                 raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
         kwargs.setdefault("batch_invariant", model.batch_invariant)
@@ -376,7 +393,8 @@ class EngineConfig:
         model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
         weights = f"{self.model}@seed={self.seed}" if self.model.startswith("random:") \
             else self.model
-        return f"{weights}|{self.dtype}"
+        quantized = f"|{self.quantization}" if self.quantization else ""
+        return f"{weights}|{self.dtype}{quantized}"
 
 
 def engine_fields(cli_only: bool = True) -> list:
