@@ -32,6 +32,7 @@ from cbatch.core.model_runner import ModelRunner
 from cbatch.core.step_outputs import PromptTargets
 from cbatch.core.sampler import SamplingBatch
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.step_batch import StepBatch
 from cbatch.ops import cpu
 
@@ -79,11 +80,23 @@ class CPUModelRunner(ModelRunner):
     def steps_by_threads(self) -> dict[int, int]:
         return dict(self.threads.steps_by_threads)
 
+    def _quantized_phrase(self) -> str:
+        """The quantized layers' bits and where they run (cbatch's kernel or the reference)."""
+        layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
+        if not layers:
+            return "none"
+        kinds = sorted({f"int{m.bits}" + (f" g{m.group_size}" if m.bits == 4 else "")
+                        for m in layers})
+        isa = cpu.quantized_linear_isa()
+        where = f"cbatch {isa}" if isa else "the pure-torch reference"
+        return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
+
     def describe(self) -> dict[str, str]:
         """The CPU paths live in this engine, a phrase each: ``isa`` (what the C++ kernels
         use), ``attention`` (the step for the model's head dim), ``linear`` (the route of the
         model's dtype, and whether its weights are packed), ``greedy screen`` (int8, bf16 or
-        off), ``huge pages``, ``threads``."""
+        off), ``quantized linear`` (the quantized layers and their kernel, or none), ``huge
+        pages``, ``threads``."""
         screen, dtype = self.greedy_screen, str(self.model.dtype).removeprefix("torch.")
         kind = None if screen is None else "int8" if screen.scales is not None else "bf16"
         head_dim = self.model.config.head_dim
@@ -93,6 +106,7 @@ class CPUModelRunner(ModelRunner):
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)",
             "greedy screen": screen_phrase(kind),
+            "quantized linear": self._quantized_phrase(),
             "huge pages": "on" if self.huge_pages.enabled else "off",
             "threads": self.threads.describe(),
         }
