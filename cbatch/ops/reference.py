@@ -126,7 +126,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     """The fp32 ``[N, K]`` weight of cbatch's packed quantized layout (``cbatch::
     quantized_linear``'s operands; :mod:`cbatch.layers.quantization.weight`):
     ``W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``, with
-    ``q - zeros`` exact in integers and one fp32 rounding, as the kernel computes it."""
+    ``q - zeros`` exact in integers, then one fp32 rounding."""
     N, K = out_features, in_features
     blocks = qweight.shape[0]
     if bits == 8:  # [blocks, K, 16] int8

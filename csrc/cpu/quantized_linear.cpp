@@ -10,12 +10,15 @@
 //   none (8);
 // - scales fp32 [G, N16], G = ceil(K / group_size) (group_size even for int4, or K).
 //
-// The arithmetic is the fp32 reference's: q - z in integers (exact), converted, times the
-// scale (one rounding: the fp32 weight of dequantize(), bit for bit), then fp32 fmas with x
-// (bf16 x widened to fp32), each output summed in k order in two interleaved partial sums
-// (even and odd k) that keep two fma chains in flight per row.  So a row's result depends
-// neither on the other rows nor on the thread count.  A tile is up to kRows rows times two
-// vectors of columns (AVX-512: two blocks of 16; AVX2: one block's two halves of 8).
+// The arithmetic: q - z in integers (exact), converted to fp32, and within a group fp32 fmas
+// with x (bf16 x widened to fp32) in k order, in two interleaved partial sums (even and odd
+// k: two fma chains in flight per row); at the group's end its sum times the group's scale is
+// added to the output's (one fma), so the scale costs one multiply per group, not per weight.
+// Every product is exact inside its fma, so each output is within gamma_{K+3} sum |x| |W| of
+// the exact one (tests/ops/test_quantized_linear.py).  Each output's order of operations is
+// fixed by k alone: a row's result depends neither on the other rows nor on the thread count.
+// A tile is up to kRows rows times two vectors of columns (AVX-512: two blocks of 16; AVX2:
+// one block's two halves of 8); its loop, quantized_tile.h, is one source for both ISAs.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -58,241 +61,108 @@ inline int64_t block_bytes(const QArgs& a) {
 }
 
 #ifdef CBATCH_X86
-// ---- AVX-512: vectors of 16 columns; a tile's two vectors are two blocks (V = 2) or the
-// last block alone (V = 1). ----------------------------------------------------------------
+// ---- AVX-512: vectors of 16 columns; a tile's two vectors are two blocks, or the last block
+// alone. ------------------------------------------------------------------------------------
 namespace avx512q {
 
+using Vec = __m512;
+using IVec = __m512i;
+constexpr int64_t kLanes = 16;
 constexpr int kRows = 4;  // rows per tile: 4 rows x 2 vectors x 2 partial sums = 16 zmm
+constexpr int64_t kBlocksPerItem = 2;
+constexpr int kPrefetchVectors = 2;  // each vector is its own block's stream
 
-CBATCH_AVX512 CBATCH_INLINE __m512 dequant(__m512i q, __m512i z, __m512 s) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, z)), s);
+CBATCH_AVX512 CBATCH_INLINE Vec zero() { return _mm512_setzero_ps(); }
+CBATCH_AVX512 CBATCH_INLINE Vec set1(float v) { return _mm512_set1_ps(v); }
+CBATCH_AVX512 CBATCH_INLINE IVec set1i(int32_t v) { return _mm512_set1_epi32(v); }
+CBATCH_AVX512 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+CBATCH_AVX512 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// kLanes bytes, sign- or zero-extended to int32 lanes
+CBATCH_AVX512 CBATCH_INLINE IVec load_i8(const void* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
 }
-
-template <int R, int V, int kBits>
-CBATCH_AVX512 void tile(const QArgs& a, int64_t m, int64_t block) {
-  __m512 acc[kRows][2][2];  // [row][vector][even / odd k]
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = _mm512_setzero_ps();
-  }
-  const int64_t bb = block_bytes(a);
-  const uint8_t* w[2] = {a.q + block * bb, a.q + (block + V - 1) * bb};
-  const float* x = a.x + m * a.ldx;
-  const int32_t default_zero = kBits == 4 ? 8 : 0;
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    __m512 s[2];
-    __m512i z[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) {
-      const int64_t col = (block + v) * kQBlock;
-      s[v] = _mm512_loadu_ps(a.scales + g * a.N16 + col);
-      z[v] = a.zeros ? _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                           reinterpret_cast<const __m128i*>(a.zeros + g * a.N16 + col)))
-                     : _mm512_set1_epi32(default_zero);
-    }
-    int64_t k = k0;
-    for (; k + 1 < k1; k += 2) {  // a pair of k: int8, two rows of 16; int4, one
-      __m512 w0[2], w1[2];
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) {
-        if constexpr (kBits == 8) {
-          const int8_t* p = reinterpret_cast<const int8_t*>(w[v]) + k * kQBlock;
-          _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-          w0[v] = dequant(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                              reinterpret_cast<const __m128i*>(p))), z[v], s[v]);
-          w1[v] = dequant(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                              reinterpret_cast<const __m128i*>(p + kQBlock))), z[v], s[v]);
-        } else {
-          const uint8_t* p = w[v] + (k / 2) * kQBlock;
-          _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(p)));
-          w0[v] = dequant(_mm512_and_si512(b, _mm512_set1_epi32(15)), z[v], s[v]);
-          w1[v] = dequant(_mm512_srli_epi32(b, 4), z[v], s[v]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512 x0 = _mm512_set1_ps(x[r * a.ldx + k]);
-        const __m512 x1 = _mm512_set1_ps(x[r * a.ldx + k + 1]);
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) {
-          acc[r][v][0] = _mm512_fmadd_ps(x0, w0[v], acc[r][v][0]);
-          acc[r][v][1] = _mm512_fmadd_ps(x1, w1[v], acc[r][v][1]);
-        }
-      }
-    }
-    if (k < k1) {  // an odd group's (or K's) last k
-      __m512 w0[2];
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) {
-        __m512i qk;
-        if constexpr (kBits == 8) {
-          qk = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w[v] + k * kQBlock)));
-        } else {
-          qk = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w[v] + (k / 2) * kQBlock)));
-          qk = (k % 2) ? _mm512_srli_epi32(qk, 4) : _mm512_and_si512(qk, _mm512_set1_epi32(15));
-        }
-        w0[v] = dequant(qk, z[v], s[v]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 x0 = _mm512_set1_ps(x[r * a.ldx + k]);
-        for (int v = 0; v < V; ++v) acc[r][v][0] = _mm512_fmadd_ps(x0, w0[v], acc[r][v][0]);
-      }
-    }
-  }
-  for (int v = 0; v < V; ++v) {
-    const int64_t col = (block + v) * kQBlock;
-    const __mmask16 mask = avx512::first_lanes(a.N - col);
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]), bias);
-      _mm512_mask_storeu_ps(a.out + (m + r) * a.N + col, mask, y);
-    }
-  }
+CBATCH_AVX512 CBATCH_INLINE IVec load_u8(const void* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
 }
-
-template <int V, int kBits>
-void rows(const QArgs& a, int64_t block, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kRows <= m1; m += kRows) tile<kRows, V, kBits>(a, m, block);
-  switch (m1 - m) {
-    case 3: return tile<3, V, kBits>(a, m, block);
-    case 2: return tile<2, V, kBits>(a, m, block);
-    case 1: return tile<1, V, kBits>(a, m, block);
-    default: return;
-  }
+CBATCH_AVX512 CBATCH_INLINE IVec low_nibbles(IVec b) {
+  return _mm512_and_si512(b, _mm512_set1_epi32(15));
 }
+CBATCH_AVX512 CBATCH_INLINE IVec high_nibbles(IVec b) { return _mm512_srli_epi32(b, 4); }
+// q - z as fp32 (exact); kSub false: z is 0 (symmetric int8), nothing to subtract
+template <bool kSub>
+CBATCH_AVX512 CBATCH_INLINE Vec to_float(IVec q, IVec z) {
+  return _mm512_cvtepi32_ps(kSub ? _mm512_sub_epi32(q, z) : q);
+}
+// The first min(n, kLanes) lanes (n >= 1); the others are zero and not read or written.
+CBATCH_AVX512 CBATCH_INLINE Vec load_first(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(avx512::first_lanes(n), p);
+}
+CBATCH_AVX512 CBATCH_INLINE void store_first(float* p, Vec v, int64_t n) {
+  _mm512_mask_storeu_ps(p, avx512::first_lanes(n), v);
+}
+// The tile's geometry: vector v is block + v.
+inline int vectors(int64_t block, int64_t blocks) { return block + 1 < blocks ? 2 : 1; }
+inline const uint8_t* vec_weights(const QArgs& a, int64_t block, int v) {
+  return a.q + (block + v) * block_bytes(a);
+}
+inline int64_t vec_column(int64_t block, int v) { return (block + v) * kQBlock; }
 
-struct Isa {
-  static constexpr int64_t kItemBlocks = 2;
-  template <int kBits>
-  static void item(const QArgs& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
-    if (block + 1 < blocks) {
-      rows<2, kBits>(a, block, m0, m1);
-    } else {
-      rows<1, kBits>(a, block, m0, m1);
-    }
-  }
-};
+#define CBATCH_Q_TARGET CBATCH_AVX512
+#include "quantized_tile.h"
+#undef CBATCH_Q_TARGET
 
 }  // namespace avx512q
 
 // ---- AVX2: vectors of 8 columns; a tile's two vectors are one block's halves. -------------
 namespace avx2q {
 
+using Vec = __m256;
+using IVec = __m256i;
+constexpr int64_t kLanes = 8;
 constexpr int kRows = 2;  // rows per tile: 2 rows x 2 halves x 2 partial sums = 8 ymm
+constexpr int64_t kBlocksPerItem = 1;
+constexpr int kPrefetchVectors = 1;  // the two halves share each 16-byte row
 
-CBATCH_AVX2 CBATCH_INLINE __m256 dequant(__m256i q, __m256i z, __m256 s) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, z)), s);
+CBATCH_AVX2 CBATCH_INLINE Vec zero() { return _mm256_setzero_ps(); }
+CBATCH_AVX2 CBATCH_INLINE Vec set1(float v) { return _mm256_set1_ps(v); }
+CBATCH_AVX2 CBATCH_INLINE IVec set1i(int32_t v) { return _mm256_set1_epi32(v); }
+CBATCH_AVX2 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+CBATCH_AVX2 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+CBATCH_AVX2 CBATCH_INLINE IVec load_i8(const void* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
 }
-CBATCH_AVX2 CBATCH_INLINE __m128i load8(const void* p) {
-  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+CBATCH_AVX2 CBATCH_INLINE IVec load_u8(const void* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
 }
+CBATCH_AVX2 CBATCH_INLINE IVec low_nibbles(IVec b) {
+  return _mm256_and_si256(b, _mm256_set1_epi32(15));
+}
+CBATCH_AVX2 CBATCH_INLINE IVec high_nibbles(IVec b) { return _mm256_srli_epi32(b, 4); }
+template <bool kSub>
+CBATCH_AVX2 CBATCH_INLINE Vec to_float(IVec q, IVec z) {
+  return _mm256_cvtepi32_ps(kSub ? _mm256_sub_epi32(q, z) : q);
+}
+CBATCH_AVX2 CBATCH_INLINE Vec load_first(const float* p, int64_t n) {
+  return _mm256_maskload_ps(p, avx2::first_lanes(n));
+}
+CBATCH_AVX2 CBATCH_INLINE void store_first(float* p, Vec v, int64_t n) {
+  _mm256_maskstore_ps(p, avx2::first_lanes(n), v);
+}
+// The tile's geometry: vector v is the block's half v (columns 8 v to 8 v + 7 of each row).
+inline int vectors(int64_t, int64_t) { return 2; }
+inline const uint8_t* vec_weights(const QArgs& a, int64_t block, int v) {
+  return a.q + block * block_bytes(a) + kLanes * v;
+}
+inline int64_t vec_column(int64_t block, int v) { return block * kQBlock + kLanes * v; }
 
-template <int R, int kBits>
-CBATCH_AVX2 void tile(const QArgs& a, int64_t m, int64_t block) {
-  __m256 acc[kRows][2][2];  // [row][half][even / odd k]
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) {
-    for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_ps();
-  }
-  const uint8_t* w = a.q + block * block_bytes(a);
-  const float* x = a.x + m * a.ldx;
-  const int32_t default_zero = kBits == 4 ? 8 : 0;
-  const __m256i fifteen = _mm256_set1_epi32(15);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    const int64_t col = block * kQBlock;
-    __m256 s[2];
-    __m256i z[2];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      s[h] = _mm256_loadu_ps(a.scales + g * a.N16 + col + 8 * h);
-      z[h] = a.zeros ? _mm256_cvtepi8_epi32(load8(a.zeros + g * a.N16 + col + 8 * h))
-                     : _mm256_set1_epi32(default_zero);
-    }
-    int64_t k = k0;
-    for (; k + 1 < k1; k += 2) {
-      __m256 w0[2], w1[2];
-      if constexpr (kBits == 8) {
-        const int8_t* p = reinterpret_cast<const int8_t*>(w) + k * kQBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          w0[h] = dequant(_mm256_cvtepi8_epi32(load8(p + 8 * h)), z[h], s[h]);
-          w1[h] = dequant(_mm256_cvtepi8_epi32(load8(p + kQBlock + 8 * h)), z[h], s[h]);
-        }
-      } else {
-        const uint8_t* p = w + (k / 2) * kQBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m256i b = _mm256_cvtepu8_epi32(load8(p + 8 * h));
-          w0[h] = dequant(_mm256_and_si256(b, fifteen), z[h], s[h]);
-          w1[h] = dequant(_mm256_srli_epi32(b, 4), z[h], s[h]);
-        }
-      }
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(x + r * a.ldx + k);
-        const __m256 x1 = _mm256_broadcast_ss(x + r * a.ldx + k + 1);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h][0] = _mm256_fmadd_ps(x0, w0[h], acc[r][h][0]);
-          acc[r][h][1] = _mm256_fmadd_ps(x1, w1[h], acc[r][h][1]);
-        }
-      }
-    }
-    if (k < k1) {  // an odd group's (or K's) last k
-      __m256 w0[2];
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256i qk;
-        if constexpr (kBits == 8) {
-          qk = _mm256_cvtepi8_epi32(load8(w + k * kQBlock + 8 * h));
-        } else {
-          qk = _mm256_cvtepu8_epi32(load8(w + (k / 2) * kQBlock + 8 * h));
-          qk = (k % 2) ? _mm256_srli_epi32(qk, 4) : _mm256_and_si256(qk, fifteen);
-        }
-        w0[h] = dequant(qk, z[h], s[h]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(x + r * a.ldx + k);
-        for (int h = 0; h < 2; ++h) acc[r][h][0] = _mm256_fmadd_ps(x0, w0[h], acc[r][h][0]);
-      }
-    }
-  }
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    const int64_t col = block * kQBlock + 8 * h;
-    if (col >= a.N) continue;
-    const __m256i mask = avx2::first_lanes(a.N - col);
-    const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + col, mask) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m256 y = _mm256_add_ps(_mm256_add_ps(acc[r][h][0], acc[r][h][1]), bias);
-      _mm256_maskstore_ps(a.out + (m + r) * a.N + col, mask, y);
-    }
-  }
-}
-
-struct Isa {
-  static constexpr int64_t kItemBlocks = 1;
-  template <int kBits>
-  static void item(const QArgs& a, int64_t block, int64_t, int64_t m0, int64_t m1) {
-    int64_t m = m0;
-    for (; m + kRows <= m1; m += kRows) tile<kRows, kBits>(a, m, block);
-    if (m < m1) tile<1, kBits>(a, m, block);
-  }
-};
+#define CBATCH_Q_TARGET CBATCH_AVX2
+#include "quantized_tile.h"
+#undef CBATCH_Q_TARGET
 
 }  // namespace avx2q
 
 // Chunks of rows, each over every column item, the items shared out among threads.
-template <typename Isa, int kBits>
+template <typename Isa, int kBits, bool kSub>
 void run(const QArgs& a) {
   const int64_t blocks = a.N16 / kQBlock;
   const int64_t items = (blocks + Isa::kItemBlocks - 1) / Isa::kItemBlocks;
@@ -300,7 +170,7 @@ void run(const QArgs& a) {
     const int64_t m1 = std::min(a.M, m0 + kChunkRows);
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        Isa::template item<kBits>(a, i * Isa::kItemBlocks, blocks, m0, m1);
+        Isa::template item<kBits, kSub>(a, i * Isa::kItemBlocks, blocks, m0, m1);
       }
     });
   }
@@ -366,10 +236,13 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                  : CpuPath::kQuantizedLinearW8Avx2)
                        : (avx512 ? CpuPath::kQuantizedLinearW4Avx512
                                  : CpuPath::kQuantizedLinearW4Avx2));
+  // int4 always subtracts its zero point (8 when none is given); int8 only a given one
   if (avx512) {
-    bits == 8 ? run<avx512q::Isa, 8>(a) : run<avx512q::Isa, 4>(a);
+    bits == 4 ? run<avx512q::Isa, 4, true>(a)
+              : zeros ? run<avx512q::Isa, 8, true>(a) : run<avx512q::Isa, 8, false>(a);
   } else {
-    bits == 8 ? run<avx2q::Isa, 8>(a) : run<avx2q::Isa, 4>(a);
+    bits == 4 ? run<avx2q::Isa, 4, true>(a)
+              : zeros ? run<avx2q::Isa, 8, true>(a) : run<avx2q::Isa, 8, false>(a);
   }
 #endif
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

@@ -2,11 +2,12 @@
 dequantize-then-matmul: the weight that cbatch.ops.reference.dequantize reads from the packed
 layout (checked here against s * (q - z) of the unpacked integers), times x in float64.
 
-The bound: the kernel's weights are the reference's fp32 weights bit for bit (q - z exact in
-integers, one rounding times the scale), and each output is an fp32 sum of the K products, so
-|y - y_fp64| <= gamma_n * (|x| @ |W|^T + |bias|) with gamma_n = n u / (1 - n u), n = K + 2,
-u = 2^-24 (any summation order of the K products, the bias and one more add); bf16 outputs
-add their rounding, 2^-8 |y|.  Both ISAs run every case
+The bound: the kernel sums x (q - z) over a group in fp32 fmas (each product exact in its
+fma), multiplies the group's sum by its scale, adds the groups and the bias; every term of
+the exact result then meets at most K + 3 roundings, and the reference's fp32 weight
+s * (q - z) one more, so |y - y_fp64| <= gamma_n * (|x| @ |W|^T + |bias|) with
+gamma_n = n u / (1 - n u), n = K + 4, u = 2^-24; bf16 outputs add their rounding, 2^-8 |y|.
+Both ISAs run every case
 (set_cpu_options("avx2") caps the kernel at its AVX2 path in this process), and each call
 asserts that the kernel path of its ISA ran.
 """
@@ -61,7 +62,7 @@ def _check(x, qw, bias, ours):
     w = qw.dequantize().double()
     b = 0 if bias is None else bias.double()
     truth = x.double() @ w.t() + b
-    n = x.shape[1] + 2  # the K products, the two partial sums' add, the bias
+    n = x.shape[1] + 4  # see the module docstring
     bound = n * U / (1 - n * U) * (x.double().abs() @ w.abs().t() + abs(b))
     if x.dtype == torch.bfloat16:
         bound = bound + truth.abs() * 2.0 ** -8 + 1e-30
