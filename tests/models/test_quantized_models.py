@@ -70,6 +70,8 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     after = cpu.kernel_paths()
     assert [len(o.token_ids) for o in outs] == [6, 6]
     assert after[path] > before[path]
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.placed for m in quantized)  # on the runner's huge pages
     described = llm.engine.runner.describe()
     assert described["quantized linear"].startswith(
         "int8" if method == "int8" else "int4 g128")

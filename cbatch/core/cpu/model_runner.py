@@ -5,9 +5,10 @@ sampler) it adds, for a CPU:
 
 - **packing**: every linear layer's weight in its route's layout, once
   (:func:`~cbatch.core.cpu.packing.pack_linears`), the lm_head's greedy screen beside it;
-- **huge pages**: the packed weights, their screens and the KV pool, the bytes every decode
-  step streams, on 2 MB transparent huge pages (:mod:`cbatch.core.cpu.memory`), and malloc
-  keeping a step's freed activations for the next step;
+- **huge pages**: the packed weights (quantized ones too), their screens and the KV pool, the
+  bytes every decode step streams, on 2 MB transparent huge pages
+  (:mod:`cbatch.core.cpu.memory`), and malloc keeping a step's freed activations for the next
+  step;
 - **the thread policy**: each step on the cores other processes leave free
   (:mod:`cbatch.core.cpu.threads`; fixed in batch-invariant mode);
 - **the greedy-screen branch**: a step whose every row is greedy without logprobs takes its
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
-from cbatch.core.cpu.packing import pack_linears
+from cbatch.core.cpu.packing import pack_linears, place_quantized
 from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.core.model_runner import ModelRunner
@@ -49,6 +50,7 @@ class CPUModelRunner(ModelRunner):
         self.route = cpu.cpu_linear_route(model.dtype)
         self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
                                    place=self.huge_pages.copy)
+        place_quantized(model, self.huge_pages.copy)
         keep_freed_memory()
         super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs,
                          num_speculative_tokens)

@@ -28,6 +28,7 @@ class QuantizedLinear(Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.placed = False  # qweight and scales moved to a CPU runner's huge pages
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None
