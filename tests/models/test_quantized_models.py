@@ -86,6 +86,8 @@ def test_quantization_methods_are_refused_by_name():
         LLM("random:llama-tiny", quantization="gptq")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model("random:llama-tiny", device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="quantization comes from the model given"):
+        LLM(load_model("random:tiny"), quantization="int8")
 
 
 @pytest.mark.slow
