@@ -8,8 +8,11 @@ Two numbers per method, on the same token-id prompts:
 - greedy agreement: both engines generate greedily; the share of requests whose tokens are
   identical and the mean length of the common prefix.
 
+A method may also be a dtype (``float32``): the model unquantized in that dtype, against the
+same reference, which shows how far the reference's own rounding moves the same numbers.
+
     python benchmarks/quant_accuracy.py --model random:smollm2-360m --dtype bfloat16 \\
-        --methods int8 int4 --prompts 8 --prompt-len 32 --max-tokens 32
+        --methods int8 int4 float32 --prompts 8 --prompt-len 32 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def main() -> None:
     print(f"{args.model} ({args.dtype}), {args.prompts} prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} greedy tokens each")
     for method in args.methods:
-        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.prompts,
-                  quantization=method)
+        quantized = method in ("int8", "int4")
+        llm = LLM(args.model, dtype=args.dtype if quantized else method, seed=args.seed,
+                  max_num_seqs=args.prompts, quantization=method if quantized else None)
         tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         logits = _logits(llm.engine.model, seqs)
         n = args.prompt_len - 1  # the generated positions (and the last prompt token)

@@ -125,6 +125,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     if quantization is not None and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only (cbatch has no "
                          f"quantized GPU kernel yet), not on {device}")
+    if quantization is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={quantization!r} runs float32 or bfloat16 activations, "
+                         f"not {str(dtype).removeprefix('torch.')}")
     what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
         (f", {quantization})" if quantization else ")")
     if name_or_path.startswith("random:"):

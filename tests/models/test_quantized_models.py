@@ -51,6 +51,7 @@ def test_quantized_logits_are_the_dequantized_models(name, method):
             module.weight.copy_(q.weight.dequantize())
         replaced += 1
     assert replaced >= 4 * quantized.config.num_layers - (name == "random:tiny")
+    assert quantized.num_parameters() == dense.num_parameters()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
     torch.testing.assert_close(_logits(quantized, prompts), _logits(dense, prompts),
@@ -86,6 +87,8 @@ def test_quantization_methods_are_refused_by_name():
         LLM("random:llama-tiny", quantization="gptq")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model("random:llama-tiny", device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
+        load_model("random:llama-tiny", dtype=torch.float16, quantization="int4")
     with pytest.raises(ValueError, match="quantization comes from the model given"):
         LLM(load_model("random:tiny"), quantization="int8")
 

@@ -152,6 +152,16 @@ def test_opcheck():
                               (x, qw.qweight, qw.scales, qw.zeros, bits, 32, 24, None))
 
 
+def test_pack_refuses_integers_out_of_range():
+    s = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="4-bit q must be in \\[0, 15\\]"):
+        pack(torch.full((4, 6), 16), s, None, 4, 6)
+    with pytest.raises(ValueError, match="4-bit zero points must be in \\[0, 15\\]"):
+        pack(torch.zeros(4, 6), s, torch.full((1, 4), -1), 4, 6)
+    with pytest.raises(ValueError, match="8-bit q must be in \\[-128, 127\\]"):
+        pack(torch.full((4, 6), 128), s, None, 8, 6)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(bits=5), "bits must be 8 or 4"),
     (dict(out_features=40), "does not hold 4-bit 40 x 66"),

@@ -110,6 +110,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     scales = F.pad(scales.float(), (0, pad)).contiguous()
+    low, high = (-128, 127) if bits == 8 else (0, 15)
+    if zeros is not None and (int(zeros.min()) < low or int(zeros.max()) > high):
+        raise ValueError(f"{bits}-bit zero points must be in [{low}, {high}]")
     if zeros is not None:
         zeros = F.pad(zeros.to(torch.int8), (0, pad)).contiguous()
     return QuantizedWeight(bits, group_size, N, K, qweight, scales, zeros)
