@@ -35,6 +35,7 @@ through it that a fast path ran), :func:`cpu_isa` which ISA the kernels use.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -139,10 +140,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.cache
 def quantized_linear_available() -> bool:
     """Whether cbatch's quantized CPU kernel (``cbatch::quantized_linear``, int8 and int4
     weights, :mod:`cbatch.layers.quantization`) runs here: x86 with AVX2 and FMA, or
-    AVX-512; elsewhere quantized layers run the pure-torch reference."""
+    AVX-512; elsewhere quantized layers run the pure-torch reference.  Asked once (every
+    quantized layer asks on every call; no ISA cap changes the answer)."""
     return "cpu" in compiled.compiled_backends() and \
         torch.ops.cbatch.quantized_linear_supported()
 
