@@ -7,9 +7,9 @@ fma), multiplies the group's sum by its scale, adds the groups and the bias; eve
 the exact result then meets at most K + 3 roundings, and the reference's fp32 weight
 s * (q - z) one more, so |y - y_fp64| <= gamma_n * (|x| @ |W|^T + |bias|) with
 gamma_n = n u / (1 - n u), n = K + 4, u = 2^-24; bf16 outputs add their rounding, 2^-8 |y|.
-Both ISAs run every case
-(set_cpu_options("avx2") caps the kernel at its AVX2 path in this process), and each call
-asserts that the kernel path of its ISA ran.
+Both ISAs run every case (set_cpu_options("avx2") caps the kernel at its AVX2 path in this
+process; the AVX-512 cases skip on a CPU without it), and each call asserts that the kernel
+path of its ISA ran.
 """
 
 import pytest
