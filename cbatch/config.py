@@ -14,8 +14,7 @@ from pathlib import Path
 from cbatch import devices
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
-# online weight quantization (cbatch.layers.quantization holds each one's scheme)
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4")  # online; the schemes: cbatch.layers.quantization
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -220,8 +219,7 @@ class SpeculativeConfig:
 
 
 def check_quantization(method: str | None) -> str | None:
-    """``method`` if cbatch runs it (None: no quantization); ValueError naming it otherwise
-    (vLLM's names for checkpoint formats, "gptq", "awq", ..., included: not loaded yet)."""
+    """``method`` if cbatch runs it (None: none); else a ValueError that names it."""
     if method is None or method in QUANTIZATION_METHODS:
         return method
     raise ValueError(f"quantization={method!r} is not supported; cbatch runs "
@@ -393,8 +391,7 @@ class EngineConfig:
         model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
         weights = f"{self.model}@seed={self.seed}" if self.model.startswith("random:") \
             else self.model
-        quantized = f"|{self.quantization}" if self.quantization else ""
-        return f"{weights}|{self.dtype}{quantized}"
+        return "|".join([weights, self.dtype] + ([self.quantization] if self.quantization else []))
 
 
 def engine_fields(cli_only: bool = True) -> list:
