@@ -14,6 +14,7 @@ from pathlib import Path
 from cbatch import devices
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
+QUANTIZATION_METHODS = ("int8", "int4")  # online; the schemes: cbatch.layers.quantization
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -217,6 +218,15 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def check_quantization(method: str | None) -> str | None:
+    """``method`` if cbatch runs it (None: none); else a ValueError that names it."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return method
+    raise ValueError(f"quantization={method!r} is not supported; cbatch runs "
+                     f"{', '.join(QUANTIZATION_METHODS)} (online, from a float checkpoint or a "
+                     "random: model)")
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -237,6 +247,10 @@ class EngineConfig:
                        "else float32), float32, float16 or bfloat16", cli=False)
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
+    quantization: str | None = _knob(
+        None, "quantize the decoder layers' linear weights at load (CPU): int8 (per output "
+        "channel) or int4 (groups of 128); the lm_head keeps the model's dtype (default: none)",
+        choices=QUANTIZATION_METHODS)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "
                                    "the longest length, at most 1 GiB on a CPU and half the "
@@ -293,6 +307,7 @@ class EngineConfig:
             raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
                              f"{self.dtype!r}")
         self.device = devices.check_device(self.device)
+        check_quantization(self.quantization)
         if self.dtype == "auto":
             self.dtype = devices.auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -339,7 +354,7 @@ class EngineConfig:
     def for_model(cls, model, **kwargs) -> EngineConfig:
         """The config of an engine around an already built model: its device, dtype,
         attention backend and batch-invariant switch come from the model."""
-        for name in ("device", "dtype", "attention_backend"):
+        for name in ("device", "dtype", "attention_backend", "quantization"):
             if name in kwargs:
                 raise ValueError(f"{name} comes from the model given to the engine; got {name}=")
         kwargs.setdefault("batch_invariant", model.batch_invariant)
@@ -376,7 +391,7 @@ class EngineConfig:
         model's depend on the seed) and the dtype.  Prefix-cache hashes start from it."""
         weights = f"{self.model}@seed={self.seed}" if self.model.startswith("random:") \
             else self.model
-        return f"{weights}|{self.dtype}"
+        return "|".join([weights, self.dtype] + ([self.quantization] if self.quantization else []))
 
 
 def engine_fields(cli_only: bool = True) -> list:

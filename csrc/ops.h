@@ -68,6 +68,18 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       const std::optional<at::Tensor>& residual, const std::string& activation,
                       bool amx);
 
+// Linear layers on quantized weights (cpu/quantized_linear.cpp): x @ W^T + bias with
+// W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n]), g = k / group_size, dequantized in
+// registers.  x: [M, K] float32 or bfloat16; qweight: bits 8: int8 [N16 / 16, K, 16]; bits 4:
+// uint8 [N16 / 16, ceil(K / 2), 16], two k per byte (low nibble first); scales: float32
+// [G, N16]; zeros: int8 [G, N16] or none (8-bit: 0, 4-bit: 8); bias: [N].  N16: N rounded up
+// to 16.  Returns a new [M, N] in x's dtype.  Supported wherever AVX2 + FMA or AVX-512 is.
+bool quantized_linear_supported();
+at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                                int64_t bits, int64_t group_size, int64_t out_features,
+                                const std::optional<at::Tensor>& bias);
+
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`
 // (a smaller copy of the weight, packed alike) and the kernel's sums of the few columns it

@@ -21,6 +21,10 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? residual, "
       "str activation, bool amx=False) -> Tensor");
+  m.def("quantized_linear_supported() -> bool", &cbatch::quantized_linear_supported);
+  m.def(
+      "quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, "
+      "int group_size, int out_features, Tensor? bias) -> Tensor");
   m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
@@ -46,6 +50,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("paged_decode_attention", &cbatch::paged_decode_attention_cpu);
   m.impl("paged_prefill_attention", &cbatch::paged_prefill_attention_cpu);
   m.impl("linear", &cbatch::linear_cpu);
+  m.impl("quantized_linear", &cbatch::quantized_linear_cpu);
   m.impl("greedy_head", &cbatch::greedy_head_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
   m.impl("sample", &cbatch::sample_cpu);

@@ -100,7 +100,7 @@ class Engine:
             config = EngineConfig(model=model, **kwargs)
             torch.manual_seed(config.seed)
             model = load_model(config.model, config.device, config.torch_dtype, config.seed,
-                               config.attention_backend)
+                               config.attention_backend, config.quantization)
             tokenizer = load_tokenizer(config.model, config.tokenizer,
                                        model.config.eos_token_id)
         self.config, self.model, self.tokenizer = config, model, tokenizer

@@ -76,7 +76,7 @@ def build_worker(model: nn.Module, config: EngineConfig, max_tokens: int,
     pool of :func:`num_kv_blocks` blocks for it, a block manager over the pool (with prefix
     caching, salted by ``config.cache_salt``, if ``prefix_caching``) and its runner
     (:func:`make_runner`, ``max_tokens`` tokens a step)."""
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = model.num_parameters()  # quantized weights counted too
     model.set_batch_invariant(config.batch_invariant)
     num_blocks = num_kv_blocks(config, model.config)
     kv_cache = KVCache(model.config, num_blocks, config.block_size, config.torch_dtype,

@@ -9,6 +9,7 @@ from torch import nn
 from cbatch import ops
 from cbatch.layers.attention import PagedAttention
 from cbatch.layers.linear import Linear
+from cbatch.layers.quantization import QuantizedLinear
 
 
 class PagedCausalLM(nn.Module):
@@ -39,6 +40,13 @@ class PagedCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, PagedAttention)):
                 module.batch_invariant = enabled
+
+    def num_parameters(self) -> int:
+        """The model's weights and biases; a quantized layer's weight counts its N x K values
+        (it is held in buffers, not parameters)."""
+        quantized = sum(m.in_features * m.out_features for m in self.modules()
+                        if isinstance(m, QuantizedLinear))
+        return sum(p.numel() for p in self.parameters()) + quantized
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` hidden states → ``[N, vocab_size]`` logits."""

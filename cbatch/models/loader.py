@@ -24,6 +24,7 @@ from torch import nn
 from cbatch.logger import init_logger
 from cbatch.config import MODEL_CONFIGS, GPT2Config
 from cbatch.hub import resolve_checkpoint_dir
+from cbatch.layers.quantization import check_quantization, quantize_model
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
@@ -105,7 +106,8 @@ def random_model_names() -> list[str]:
 
 def load_model(name_or_path: str, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, seed: int = 0,
-               attention_backend: str | None = None) -> nn.Module:
+               attention_backend: str | None = None, quantization: str | None = None
+               ) -> nn.Module:
     """Build a model and load its weights.
 
     ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
@@ -113,8 +115,21 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     supported architecture, plus weights: see :func:`load_state_dict`), or a hub id fetched
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
+
+    ``quantization`` (``"int8"``, ``"int4"``; CPU only): the decoder layers' linear weights
+    quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`).  A checkpoint
+    that is quantized already (a ``quantization_config`` in config.json) is refused, naming
+    its method: cbatch loads no GPTQ, AWQ or compressed-tensors weights yet.
     """
-    what = f"({str(dtype).removeprefix('torch.')}, {device})"
+    check_quantization(quantization)
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only (cbatch has no "
+                         f"quantized GPU kernel yet), not on {device}")
+    if quantization is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={quantization!r} runs float32 or bfloat16 activations, "
+                         f"not {str(dtype).removeprefix('torch.')}")
+    what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
+        (f", {quantization})" if quantization else ")")
     if name_or_path.startswith("random:"):
         logger.info("loading %s %s ...", name_or_path, what)
         name = name_or_path.removeprefix("random:")
@@ -128,7 +143,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             _init_random(model, seed)
         else:
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
-        return model.to(device=device, dtype=dtype).eval()
+        return _quantized(model.to(device=device, dtype=dtype).eval(), quantization)
 
     path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
     logger.info("loading %s %s ...", name_or_path, what)
@@ -136,6 +151,12 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
     raw = read_json_object(path / "config.json")
     architecture = architecture_of(raw, path / "config.json")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "unknown") \
+            if isinstance(raw["quantization_config"], dict) else "unknown"
+        raise ValueError(f"{path / 'config.json'}: a {method!r} checkpoint (quantization_config)"
+                         " is not supported; cbatch loads float checkpoints and quantizes them "
+                         "online (quantization='int8' or 'int4')")
     cls = model_class(architecture)
     try:
         if cls is GPT2LMHeadModel:
@@ -160,7 +181,14 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     with torch.device("meta"):
         model = cls(config, attention_backend)
     _assign(model, state, path, tied, device, dtype)
-    return model.eval()
+    return _quantized(model.eval(), quantization)
+
+
+def _quantized(model: nn.Module, quantization: str | None) -> nn.Module:
+    if quantization is not None:
+        count = quantize_model(model, quantization)
+        logger.info("quantized %d linear layers to %s", count, quantization)
+    return model
 
 
 def read_json_object(path: Path) -> dict:

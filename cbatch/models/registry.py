@@ -75,6 +75,32 @@ def random_llama_configs() -> dict:
             max_position_embeddings=8192, rms_norm_eps=1e-5,
             rope={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
             bos_token_id=0, eos_token_id=0)),
+        # HuggingFaceTB/SmolLM2-360M's shape: 32 layers, 15 heads over 5 KV heads of 64, tied
+        "smollm2-360m": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+            num_attention_heads=15, num_key_value_heads=5, head_dim=64,
+            max_position_embeddings=8192, rms_norm_eps=1e-5,
+            rope={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=0)),
+        # Qwen/Qwen2.5-0.5B's shape: 24 layers, 14 heads over 2 KV heads of 64, q/k/v bias,
+        # tied
+        "qwen2.5-0.5b": ("Qwen2ForCausalLM", LlamaConfig(
+            architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
+            intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True, qkv_bias=True, bos_token_id=151643,
+            eos_token_id=151643)),
+        # meta-llama/Llama-3.2-1B's shape: 16 layers, 32 heads over 8 KV heads of 64, Llama
+        # 3.1's rope scaling, tied
+        "llama-3.2-1b": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+            max_position_embeddings=131072, rms_norm_eps=1e-5,
+            rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+            tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
     }
 
 

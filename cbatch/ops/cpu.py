@@ -35,6 +35,7 @@ through it that a fast path ran), :func:`cpu_isa` which ISA the kernels use.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,24 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if gelu is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], gelu)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def quantized_linear_available() -> bool:
+    """Whether cbatch's quantized CPU kernel (``cbatch::quantized_linear``, int8 and int4
+    weights, :mod:`cbatch.layers.quantization`) runs here: x86 with AVX2 and FMA, or
+    AVX-512; elsewhere quantized layers run the pure-torch reference.  Asked once (every
+    quantized layer asks on every call; no ISA cap changes the answer)."""
+    return "cpu" in compiled.compiled_backends() and \
+        torch.ops.cbatch.quantized_linear_supported()
+
+
+def quantized_linear_isa() -> str:
+    """The ISA cbatch's quantized CPU kernel runs here now (after ``$CBATCH_CPU_ISA``'s cap):
+    ``"avx512"``, ``"avx2"``, or "" where it does not run."""
+    if not quantized_linear_available():
+        return ""
+    return "avx512" if "avx512" in cpu_isa().split() else "avx2"
 
 
 @dataclass(frozen=True)
@@ -263,9 +282,10 @@ def attention_step(head_dim: int) -> str:
 
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
-    ``<op>.<path>`` (``linear.avx512``, ``greedy_head.int8``, ``decode_attention.avx512``,
-    ...; ``greedy_head.unsettled_rows`` counts rows the screen left to the kernel, not
-    calls); empty without the extension.  Counts only grow: compare two readings."""
+    ``<op>.<path>`` (``linear.avx512``, ``quantized_linear.w4.avx2``, ``greedy_head.int8``,
+    ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
+    left to the kernel, not calls); empty without the extension.  Counts only grow: compare
+    two readings."""
     if "cpu" not in compiled.compiled_backends():
         return {}
     return dict(zip(torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()))
@@ -276,6 +296,12 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
     @torch.library.register_fake("cbatch::linear")
     def _(x, packed, out_features, bias, residual, activation, amx=False):
         check_no_meta_mix("cbatch::linear", x=x, packed=packed, bias=bias, residual=residual)
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("cbatch::quantized_linear")
+    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
+        check_no_meta_mix("cbatch::quantized_linear", x=x, qweight=qweight, scales=scales,
+                          zeros=zeros, bias=bias)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")

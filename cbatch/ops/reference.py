@@ -119,3 +119,35 @@ def paged_decode_attention(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
         compute_dtype,
     )
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               bits: int, group_size: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The fp32 ``[N, K]`` weight of cbatch's packed quantized layout (``cbatch::
+    quantized_linear``'s operands; :mod:`cbatch.layers.quantization.weight`):
+    ``W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``, with
+    ``q - zeros`` exact in integers, then one fp32 rounding."""
+    N, K = out_features, in_features
+    blocks = qweight.shape[0]
+    if bits == 8:  # [blocks, K, 16] int8
+        q = qweight.permute(0, 2, 1).reshape(blocks * 16, K)
+    else:  # [blocks, ceil(K / 2), 16] uint8, k = 2i in the low nibble, 2i + 1 in the high one
+        pairs = qweight.permute(0, 2, 1).reshape(blocks * 16, -1).to(torch.int32)
+        q = torch.stack((pairs & 15, pairs >> 4), dim=-1).flatten(1)[:, :K]
+    group = torch.arange(K, device=q.device) // group_size  # [K]
+    zero = 0 if bits == 8 else 8
+    z = zeros.to(torch.int32)[group].t() if zeros is not None else zero  # [N16, K]
+    s = scales[group].t()  # [N16, K]
+    return (s * (q.to(torch.int32) - z).float())[:N]
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` :func:`dequantize`'s, in fp32, returned in x's dtype:
+    what ``cbatch::quantized_linear`` computes (x ``[M, K]``)."""
+    w = dequantize(qweight, scales, zeros, bits, group_size, out_features, x.shape[-1])
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

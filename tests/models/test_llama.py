@@ -168,15 +168,20 @@ def test_logprobs_match_transformers(checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["random:llama-tiny", "random:qwen3-tiny"])
-def test_batch_invariant_mode_is_bitwise(model):
+@pytest.mark.parametrize("model,quantization", [("random:llama-tiny", None),
+                                                ("random:qwen3-tiny", None),
+                                                ("random:llama-tiny", "int4")])
+def test_batch_invariant_mode_is_bitwise(model, quantization):
     """A probe's logits (all-vocabulary logprobs) alone and among batch-mates, chunked by a
-    small token budget and preempted by a small pool: bitwise the same."""
+    small token budget and preempted by a small pool: bitwise the same (int4 weights too: the
+    quantized kernel sums each row alike whatever the others)."""
     probe = [(7 * i + 3) % 500 for i in range(37)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=512)
-    alone = Engine(model, batch_invariant=True, block_size=4, max_logprobs=512)
+    alone = Engine(model, batch_invariant=True, block_size=4, max_logprobs=512,
+                   quantization=quantization)
     crowded = Engine(model, batch_invariant=True, block_size=4, num_blocks=14,
-                     max_num_batched_tokens=11, max_num_seqs=4, max_logprobs=512)
+                     max_num_batched_tokens=11, max_num_seqs=4, max_logprobs=512,
+                     quantization=quantization)
     crowded.occupancy_trace = []
     results = []
     for engine, mates in ((alone, 0), (crowded, 5)):

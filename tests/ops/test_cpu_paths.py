@@ -60,7 +60,9 @@ def test_path_names_and_counts():
     names, counts = torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()
     assert len(names) == len(set(names)) == len(counts)
     assert all(count >= 0 for count in counts)
-    assert {"linear.avx512", "linear.avx2", "linear.amx", "greedy_head.int8",
+    assert {"linear.avx512", "linear.avx2", "linear.amx", "quantized_linear.w8.avx512",
+            "quantized_linear.w8.avx2", "quantized_linear.w4.avx512",
+            "quantized_linear.w4.avx2", "greedy_head.int8",
             "greedy_head.bf16.avx512", "greedy_head.bf16.avx2", "greedy_head.kernel",
             "greedy_head.unsettled_rows",
             "decode_attention.avx512",

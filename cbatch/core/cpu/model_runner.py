@@ -5,9 +5,10 @@ sampler) it adds, for a CPU:
 
 - **packing**: every linear layer's weight in its route's layout, once
   (:func:`~cbatch.core.cpu.packing.pack_linears`), the lm_head's greedy screen beside it;
-- **huge pages**: the packed weights, their screens and the KV pool, the bytes every decode
-  step streams, on 2 MB transparent huge pages (:mod:`cbatch.core.cpu.memory`), and malloc
-  keeping a step's freed activations for the next step;
+- **huge pages**: the packed weights (quantized ones too), their screens and the KV pool, the
+  bytes every decode step streams, on 2 MB transparent huge pages
+  (:mod:`cbatch.core.cpu.memory`), and malloc keeping a step's freed activations for the next
+  step;
 - **the thread policy**: each step on the cores other processes leave free
   (:mod:`cbatch.core.cpu.threads`; fixed in batch-invariant mode);
 - **the greedy-screen branch**: a step whose every row is greedy without logprobs takes its
@@ -25,13 +26,14 @@ import torch
 from torch import nn
 
 from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
-from cbatch.core.cpu.packing import pack_linears
+from cbatch.core.cpu.packing import pack_linears, place_quantized
 from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.core.model_runner import ModelRunner
 from cbatch.core.step_outputs import PromptTargets
 from cbatch.core.sampler import SamplingBatch
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.step_batch import StepBatch
 from cbatch.ops import cpu
 
@@ -48,6 +50,7 @@ class CPUModelRunner(ModelRunner):
         self.route = cpu.cpu_linear_route(model.dtype)
         self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
                                    place=self.huge_pages.copy)
+        place_quantized(model, self.huge_pages.copy)
         keep_freed_memory()
         super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs,
                          num_speculative_tokens)
@@ -79,11 +82,23 @@ class CPUModelRunner(ModelRunner):
     def steps_by_threads(self) -> dict[int, int]:
         return dict(self.threads.steps_by_threads)
 
+    def _quantized_phrase(self) -> str:
+        """The quantized layers' bits and where they run (cbatch's kernel or the reference)."""
+        layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
+        if not layers:
+            return "none"
+        kinds = sorted({f"int{m.bits}" + (f" g{m.group_size}" if m.bits == 4 else "")
+                        for m in layers})
+        isa = cpu.quantized_linear_isa()
+        where = f"cbatch {isa}" if isa else "the pure-torch reference"
+        return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
+
     def describe(self) -> dict[str, str]:
         """The CPU paths live in this engine, a phrase each: ``isa`` (what the C++ kernels
         use), ``attention`` (the step for the model's head dim), ``linear`` (the route of the
         model's dtype, and whether its weights are packed), ``greedy screen`` (int8, bf16 or
-        off), ``huge pages``, ``threads``."""
+        off), ``quantized linear`` (the quantized layers and their kernel, or none), ``huge
+        pages``, ``threads``."""
         screen, dtype = self.greedy_screen, str(self.model.dtype).removeprefix("torch.")
         kind = None if screen is None else "int8" if screen.scales is not None else "bf16"
         head_dim = self.model.config.head_dim
@@ -93,6 +108,7 @@ class CPUModelRunner(ModelRunner):
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)",
             "greedy screen": screen_phrase(kind),
+            "quantized linear": self._quantized_phrase(),
             "huge pages": "on" if self.huge_pages.enabled else "off",
             "threads": self.threads.describe(),
         }

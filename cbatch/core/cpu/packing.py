@@ -5,6 +5,8 @@ except for a weight shared with another module (a ``lm_head`` tied to the token 
 which needs the dense rows), which keeps its dense weight and gets a packed copy beside it.
 The lm_head also gets its greedy screen (:class:`cbatch.ops.cpu.GreedyScreen`) where one runs
 here.  Checkpoints saved from a packed model hold the dense layout (:class:`Linear`).
+Quantized layers (:mod:`cbatch.layers.quantization`) are packed at load; their packed weights
+only move to the runner's huge pages (:func:`place_quantized`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from cbatch.layers.linear import Linear
+from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
 
 
@@ -80,6 +83,20 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
                 layer.weight = nn.Parameter(packed, requires_grad=False)
                 layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
     return True
+
+
+def place_quantized(model: nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Move each :class:`QuantizedLinear`'s packed weight and scales (packed at load, the
+    bytes a decode step streams instead of a dense weight's) to ``place``'s memory (the model
+    runner's huge pages), once; the number of layers moved."""
+    moved = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, QuantizedLinear) and not layer.placed:
+                layer.qweight, layer.scales = place(layer.qweight), place(layer.scales)
+                layer.placed = True
+                moved += 1
+    return moved
 
 
 def unpack_linears(model: nn.Module) -> None:

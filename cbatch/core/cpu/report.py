@@ -63,10 +63,19 @@ def cpu_paths() -> dict[str, str]:
         "attention": _attention(),
         "linear": ", ".join(f"{_name(d)} {_route(d)}" for d in DTYPES),
         "greedy screen": ", ".join(f"{_name(d)} {_screen(d)}" for d in DTYPES),
+        "quantized linear": quantized_phrase(),
         "huge pages": "on" if huge_pages_available() else
                       "off" + (" (CBATCH_HUGE_PAGES=0)" if not envs.CBATCH_HUGE_PAGES else ""),
         "threads": ThreadPolicy().describe(),
     }
+
+
+def quantized_phrase() -> str:
+    """Where int8 and int4 weights run: cbatch's kernel and its ISA, or the reference."""
+    isa = cpu.quantized_linear_isa()
+    if isa:
+        return f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
+    return "int8, int4: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 
 
 def isa_phrase() -> str:

@@ -28,7 +28,8 @@ def test_version_lists_the_cpu_fast_paths():
     assert out.returncode == 0, out.stderr
     section = out.stdout.split("cpu fast paths:\n", 1)[1].splitlines()
     names = [line.split("  ")[1].strip() for line in section]
-    assert names == ["isa", "attention", "linear", "greedy screen", "huge pages", "threads"]
+    assert names == ["isa", "attention", "linear", "greedy screen", "quantized linear",
+                     "huge pages", "threads"]
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
 
 
@@ -49,8 +50,9 @@ def test_an_engine_describes_and_runs_its_paths():
     counters show that route's kernel ran in its steps."""
     llm = LLM("random:tiny", max_num_seqs=4)
     described = llm.engine.runner.describe()
-    assert set(described) == {"isa", "attention", "linear", "greedy screen", "huge pages",
-                              "threads"}
+    assert set(described) == {"isa", "attention", "linear", "greedy screen",
+                              "quantized linear", "huge pages", "threads"}
+    assert described["quantized linear"] == "none"
     head_dim = llm.engine.model.config.head_dim
     step = cpu.attention_step(head_dim)
     assert described["attention"] == f"{step} (head dim {head_dim})"

@@ -1,0 +1,45 @@
+"""Quantized weights: cbatch's packed representation (:mod:`.weight`), the linear layer that
+runs on it (:mod:`.linear`), and online quantization at load (:func:`quantize_model`).
+
+``quantization="int8"``: every linear layer of the decoder layers int8, per output channel,
+symmetric; ``"int4"``: int4 in groups of 128 along k, symmetric.  The lm_head stays in the
+model's dtype (as llama.cpp keeps ``output.weight`` at higher precision), so that its greedy
+screen keeps working (:mod:`cbatch.ops.cpu`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cbatch import config
+from cbatch.config import check_quantization
+from cbatch.layers.linear import Linear
+from cbatch.layers.quantization.linear import QuantizedLinear
+from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
+
+# method (config.QUANTIZATION_METHODS) -> (bits, group_size; None: one per output channel)
+QUANTIZATION_METHODS = {"int8": (8, None), "int4": (4, 128)}
+assert tuple(QUANTIZATION_METHODS) == config.QUANTIZATION_METHODS
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "QuantizedWeight", "check_quantization",
+           "pack", "quantize", "quantize_model"]
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace every :class:`Linear` of ``model`` except the lm_head (and any layer whose
+    weight another module shares) with a :class:`QuantizedLinear` of ``method``; the number
+    replaced."""
+    bits, group_size = QUANTIZATION_METHODS[check_quantization(method)]
+    head = getattr(model, "lm_head", None)
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and child is not head \
+                    and owners[id(child.weight)] == 1:
+                setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size))
+                count += 1
+    return count

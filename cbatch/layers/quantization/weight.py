@@ -1,0 +1,139 @@
+"""cbatch's one quantized-weight representation, packed for its CPU kernel.
+
+A weight ``W [N, K]`` (``out_features``, ``in_features``) is stored as integers ``q`` with
+scales (and, optionally, zero points) per group of ``group_size`` consecutive k of a column:
+
+    W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n]),   g = k // group_size
+
+- ``bits=8``: ``q`` signed int8; ``zeros`` None (symmetric: 0) or int8.  Per output channel
+  is ``group_size = K`` (one group).
+- ``bits=4``: ``q`` unsigned, 0..15; ``zeros`` None (symmetric: 8) or int8 in 0..15;
+  ``group_size`` even (or K), so that the two k of a byte share a group.
+
+Packed as the dense CPU linear packs (:func:`cbatch.ops.cpu.pack`): blocks of 16 output
+columns, N padded to a multiple of 16 (``N16``), each block its rows of k one after the other:
+
+- ``qweight``: bits 8, int8 ``[N16 / 16, K, 16]``; bits 4, uint8 ``[N16 / 16, ceil(K / 2),
+  16]``, byte ``[b, i, j]`` holding column ``16 b + j``'s ``q`` of k = 2i in its low nibble and
+  of k = 2i + 1 in its high one (0 past K);
+- ``scales``: fp32 ``[G, N16]``, ``G = ceil(K / group_size)``; ``zeros``: int8 ``[G, N16]``
+  or None.  Padded columns have scale 0.
+
+A decode step reads one byte (int8) or half a byte (int4) per weight, plus 4 (and 1) bytes per
+group and column.  :func:`quantize` makes one from a float weight (online quantization);
+checkpoint loaders (GPTQ, AWQ, compressed-tensors) convert their integers, scales and zero
+points into the same form with :func:`pack`: GPTQ's and AWQ's uint4 with zero points map to
+bits 4 as they are (their ``qzeros`` unpacked, GPTQ's stored zero minus one added back),
+8-bit GPTQ's uint8 to int8 by subtracting 128 from ``q`` and zeros, compressed-tensors'
+int8 per-channel to bits 8 with ``zeros`` None.  Not represented: a permutation of k
+(GPTQ's ``desc_act`` ``g_idx``), which a loader must either apply to the weight's rows with
+its inverse on x or refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cbatch.ops import reference
+
+BLOCK = 16  # output columns per packed block
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A packed quantized weight (see the module docstring for the layout)."""
+
+    bits: int
+    group_size: int
+    out_features: int
+    in_features: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        N, K = self.out_features, self.in_features
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.bits == 4 and self.groups > 1 and self.group_size % 2:
+            raise ValueError(f"int4 groups hold pairs of k: group_size must be even, got "
+                             f"{self.group_size}")
+        blocks = -(-N // BLOCK)
+        rows = K if self.bits == 8 else -(-K // 2)
+        dtype = torch.int8 if self.bits == 8 else torch.uint8
+        if self.qweight.dtype != dtype or tuple(self.qweight.shape) != (blocks, rows, BLOCK):
+            raise ValueError(f"a {self.bits}-bit qweight of {N} x {K} is {dtype} "
+                             f"[{blocks}, {rows}, {BLOCK}], got {self.qweight.dtype} "
+                             f"{list(self.qweight.shape)}")
+        shape = (self.groups, blocks * BLOCK)
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != shape:
+            raise ValueError(f"scales must be float32 {list(shape)}, got {self.scales.dtype} "
+                             f"{list(self.scales.shape)}")
+        if self.zeros is not None and (self.zeros.dtype != torch.int8
+                                       or tuple(self.zeros.shape) != shape):
+            raise ValueError(f"zeros must be int8 {list(shape)}, got {self.zeros.dtype} "
+                             f"{list(self.zeros.shape)}")
+
+    @property
+    def groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 ``[N, K]`` weight this stands for."""
+        return reference.dequantize(self.qweight, self.scales, self.zeros, self.bits,
+                                    self.group_size, self.out_features, self.in_features)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+         group_size: int) -> QuantizedWeight:
+    """A :class:`QuantizedWeight` from unpacked integers: ``q [N, K]`` (bits 8: -128..127;
+    bits 4: 0..15), ``scales [G, N]`` (any float dtype), ``zeros [G, N]`` or None."""
+    N, K = q.shape
+    pad = -N % BLOCK
+    blocks = (N + pad) // BLOCK
+    if bits == 8:
+        if int(q.min()) < -128 or int(q.max()) > 127:
+            raise ValueError("8-bit q must be in [-128, 127]")
+        qp = F.pad(q.to(torch.int8), (0, 0, 0, pad))
+        qweight = qp.view(blocks, BLOCK, K).permute(0, 2, 1).contiguous()
+    elif bits == 4:
+        if int(q.min()) < 0 or int(q.max()) > 15:
+            raise ValueError("4-bit q must be in [0, 15]")
+        qp = F.pad(q.to(torch.uint8), (0, K % 2, 0, pad))
+        bytes_ = qp[:, 0::2] | (qp[:, 1::2] << 4)  # [N16, ceil(K / 2)]
+        qweight = bytes_.view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    scales = F.pad(scales.float(), (0, pad)).contiguous()
+    low, high = (-128, 127) if bits == 8 else (0, 15)
+    if zeros is not None and (int(zeros.min()) < low or int(zeros.max()) > high):
+        raise ValueError(f"{bits}-bit zero points must be in [{low}, {high}]")
+    if zeros is not None:
+        zeros = F.pad(zeros.to(torch.int8), (0, pad)).contiguous()
+    return QuantizedWeight(bits, group_size, N, K, qweight, scales, zeros)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None
+             ) -> QuantizedWeight:
+    """Symmetric round-to-nearest quantization of a float ``[N, K]`` weight (online
+    quantization): per group (``group_size``; None: one group, per output channel) the scale
+    is the largest magnitude over 127 (int8) or 7 (int4; q = round(w / s) + 8 in 0..15, zero
+    point 8), 1 for an all-zero group."""
+    w = weight.detach().float()
+    N, K = w.shape
+    gs = K if group_size is None else group_size
+    G = -(-K // gs)
+    padded = F.pad(w, (0, G * gs - K)).view(N, G, gs)
+    top = padded.abs().amax(dim=2)  # [N, G]
+    levels = 127 if bits == 8 else 7
+    scales = torch.where(top > 0, top / levels, torch.ones_like(top))  # [N, G]
+    q = (padded / scales[:, :, None]).round().clamp(-levels - (bits == 4), levels)
+    q = q.view(N, G * gs)[:, :K]
+    if bits == 4:
+        q = q + 8
+    return pack(q.to(torch.int16), scales.t(), None, bits, gs)

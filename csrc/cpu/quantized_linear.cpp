@@ -1,0 +1,251 @@
+// The CPU linear op on quantized weights (W8A16, W4A16): y = x @ W^T + bias, where
+// W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n]) for the group g = k / group_size, dequantized
+// in registers from cbatch's packed layout (cbatch/layers/quantization/weight.py), so that a
+// decode step streams 1 (int8) or 1/2 (int4) byte per weight instead of bf16's 2.
+//
+// Layout, blocks of 16 output columns as the dense linear's (gemm.h), padded to N16 columns:
+// - bits 8: q int8 [N16 / 16, K, 16], signed; zeros int8 [G, N16] or none (0);
+// - bits 4: q uint8 [N16 / 16, ceil(K / 2), 16], byte j of row i holding column j's q[2i] in
+//   its low nibble and q[2i + 1] in its high one (0 past K); zeros int8 [G, N16] in [0, 15] or
+//   none (8);
+// - scales fp32 [G, N16], G = ceil(K / group_size) (group_size even for int4, or K).
+//
+// The arithmetic: q - z in integers (exact), converted to fp32, and within a group fp32 fmas
+// with x (bf16 x widened to fp32) in k order, in two interleaved partial sums (even and odd
+// k: two fma chains in flight per row); at the group's end its sum times the group's scale is
+// added to the output's (one fma), so the scale costs one multiply per group, not per weight.
+// Every product is exact inside its fma, so each output is within gamma_{K+3} sum |x| |W| of
+// the exact one (tests/ops/test_quantized_linear.py).  Each output's order of operations is
+// fixed by k alone: a row's result depends neither on the other rows nor on the thread count.
+// A tile is up to kRows rows times two vectors of columns (AVX-512: two blocks of 16; AVX2:
+// one block's two halves of 8); its loop, quantized_tile.h, is one source for both ISAs.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+#include "../ops.h"
+#include "avx2.h"
+#include "avx512.h"
+
+namespace cbatch {
+
+bool quantized_linear_supported() {
+#ifdef CBATCH_X86
+  return cpu_has_avx512() || cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+constexpr int64_t kQBlock = 16;     // output columns per packed block
+constexpr int64_t kChunkRows = 64;  // rows per pass over the weights (they stay in L2)
+
+struct QArgs {
+  const float* x;  // [M, K] fp32, rows ldx apart
+  int64_t ldx, M, K, N, N16;
+  int bits;
+  int64_t group_size, groups;
+  const uint8_t* q;      // packed (int8 or uint8 bytes)
+  const float* scales;   // [G, N16]
+  const int8_t* zeros;   // [G, N16] or null
+  const float* bias;     // [N] fp32 or null
+  float* out;            // [M, N] fp32
+};
+
+// Bytes of one block's run of packed rows.
+inline int64_t block_bytes(const QArgs& a) {
+  return (a.bits == 8 ? a.K : (a.K + 1) / 2) * kQBlock;
+}
+
+#ifdef CBATCH_X86
+// ---- AVX-512: vectors of 16 columns; a tile's two vectors are two blocks, or the last block
+// alone. ------------------------------------------------------------------------------------
+namespace avx512q {
+
+using Vec = __m512;
+using IVec = __m512i;
+constexpr int64_t kLanes = 16;
+constexpr int kRows = 4;  // rows per tile: 4 rows x 2 vectors x 2 partial sums = 16 zmm
+constexpr int64_t kBlocksPerItem = 2;
+constexpr int kPrefetchVectors = 2;  // each vector is its own block's stream
+
+CBATCH_AVX512 CBATCH_INLINE Vec zero() { return _mm512_setzero_ps(); }
+CBATCH_AVX512 CBATCH_INLINE Vec set1(float v) { return _mm512_set1_ps(v); }
+CBATCH_AVX512 CBATCH_INLINE IVec set1i(int32_t v) { return _mm512_set1_epi32(v); }
+CBATCH_AVX512 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+CBATCH_AVX512 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// kLanes bytes, sign- or zero-extended to int32 lanes
+CBATCH_AVX512 CBATCH_INLINE IVec load_i8(const void* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+CBATCH_AVX512 CBATCH_INLINE IVec load_u8(const void* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+CBATCH_AVX512 CBATCH_INLINE IVec low_nibbles(IVec b) {
+  return _mm512_and_si512(b, _mm512_set1_epi32(15));
+}
+CBATCH_AVX512 CBATCH_INLINE IVec high_nibbles(IVec b) { return _mm512_srli_epi32(b, 4); }
+// q - z as fp32 (exact); kSub false: z is 0 (symmetric int8), nothing to subtract
+template <bool kSub>
+CBATCH_AVX512 CBATCH_INLINE Vec to_float(IVec q, IVec z) {
+  return _mm512_cvtepi32_ps(kSub ? _mm512_sub_epi32(q, z) : q);
+}
+// The first min(n, kLanes) lanes (n >= 1); the others are zero and not read or written.
+CBATCH_AVX512 CBATCH_INLINE Vec load_first(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(avx512::first_lanes(n), p);
+}
+CBATCH_AVX512 CBATCH_INLINE void store_first(float* p, Vec v, int64_t n) {
+  _mm512_mask_storeu_ps(p, avx512::first_lanes(n), v);
+}
+// The tile's geometry: vector v is block + v.
+inline int vectors(int64_t block, int64_t blocks) { return block + 1 < blocks ? 2 : 1; }
+inline const uint8_t* vec_weights(const QArgs& a, int64_t block, int v) {
+  return a.q + (block + v) * block_bytes(a);
+}
+inline int64_t vec_column(int64_t block, int v) { return (block + v) * kQBlock; }
+
+#define CBATCH_Q_TARGET CBATCH_AVX512
+#include "quantized_tile.h"
+#undef CBATCH_Q_TARGET
+
+}  // namespace avx512q
+
+// ---- AVX2: vectors of 8 columns; a tile's two vectors are one block's halves. -------------
+namespace avx2q {
+
+using Vec = __m256;
+using IVec = __m256i;
+constexpr int64_t kLanes = 8;
+constexpr int kRows = 2;  // rows per tile: 2 rows x 2 halves x 2 partial sums = 8 ymm
+constexpr int64_t kBlocksPerItem = 1;
+constexpr int kPrefetchVectors = 1;  // the two halves share each 16-byte row
+
+CBATCH_AVX2 CBATCH_INLINE Vec zero() { return _mm256_setzero_ps(); }
+CBATCH_AVX2 CBATCH_INLINE Vec set1(float v) { return _mm256_set1_ps(v); }
+CBATCH_AVX2 CBATCH_INLINE IVec set1i(int32_t v) { return _mm256_set1_epi32(v); }
+CBATCH_AVX2 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+CBATCH_AVX2 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+CBATCH_AVX2 CBATCH_INLINE IVec load_i8(const void* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+CBATCH_AVX2 CBATCH_INLINE IVec load_u8(const void* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+CBATCH_AVX2 CBATCH_INLINE IVec low_nibbles(IVec b) {
+  return _mm256_and_si256(b, _mm256_set1_epi32(15));
+}
+CBATCH_AVX2 CBATCH_INLINE IVec high_nibbles(IVec b) { return _mm256_srli_epi32(b, 4); }
+template <bool kSub>
+CBATCH_AVX2 CBATCH_INLINE Vec to_float(IVec q, IVec z) {
+  return _mm256_cvtepi32_ps(kSub ? _mm256_sub_epi32(q, z) : q);
+}
+CBATCH_AVX2 CBATCH_INLINE Vec load_first(const float* p, int64_t n) {
+  return _mm256_maskload_ps(p, avx2::first_lanes(n));
+}
+CBATCH_AVX2 CBATCH_INLINE void store_first(float* p, Vec v, int64_t n) {
+  _mm256_maskstore_ps(p, avx2::first_lanes(n), v);
+}
+// The tile's geometry: vector v is the block's half v (columns 8 v to 8 v + 7 of each row).
+inline int vectors(int64_t, int64_t) { return 2; }
+inline const uint8_t* vec_weights(const QArgs& a, int64_t block, int v) {
+  return a.q + block * block_bytes(a) + kLanes * v;
+}
+inline int64_t vec_column(int64_t block, int v) { return block * kQBlock + kLanes * v; }
+
+#define CBATCH_Q_TARGET CBATCH_AVX2
+#include "quantized_tile.h"
+#undef CBATCH_Q_TARGET
+
+}  // namespace avx2q
+
+// Chunks of rows, each over every column item, the items shared out among threads.
+template <typename Isa, int kBits, bool kSub>
+void run(const QArgs& a) {
+  const int64_t blocks = a.N16 / kQBlock;
+  const int64_t items = (blocks + Isa::kItemBlocks - 1) / Isa::kItemBlocks;
+  for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(a.M, m0 + kChunkRows);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        Isa::template item<kBits, kSub>(a, i * Isa::kItemBlocks, blocks, m0, m1);
+      }
+    });
+  }
+}
+#endif  // CBATCH_X86
+
+}  // namespace
+
+at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                                int64_t bits, int64_t group_size, int64_t out_features,
+                                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK_VALUE(quantized_linear_supported(),
+                    "cbatch's quantized CPU linear runs only on an x86 CPU with AVX2 and FMA, "
+                    "or AVX-512");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK_VALUE(N >= 1 && K >= 1, "empty weight: ", N, " x ", K);
+  const int64_t N16 = (N + kQBlock - 1) / kQBlock * kQBlock;
+  const int64_t rows = bits == 8 ? K : (K + 1) / 2;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+                   "a ", bits, "-bit qweight is ", bits == 8 ? "int8" : "uint8", ", got ",
+                   qweight.scalar_type());
+  TORCH_CHECK_VALUE(qweight.is_contiguous() && qweight.dim() == 3 &&
+                        qweight.size(0) == N16 / kQBlock && qweight.size(1) == rows &&
+                        qweight.size(2) == kQBlock,
+                    "qweight ", qweight.sizes(), " does not hold ", bits, "-bit ", N, " x ", K,
+                    " (expected [", N16 / kQBlock, ", ", rows, ", 16])");
+  TORCH_CHECK_VALUE(group_size >= 1, "group_size must be >= 1, got ", group_size);
+  const int64_t groups = (K + group_size - 1) / group_size;
+  TORCH_CHECK_VALUE(bits == 8 || groups == 1 || group_size % 2 == 0,
+                    "int4 groups hold pairs of k: group_size must be even, got ", group_size);
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                        scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N16,
+                    "scales must be a dense float32 [", groups, ", ", N16, "], got ",
+                    scales.scalar_type(), " ", scales.sizes());
+  if (zeros) {
+    TORCH_CHECK_VALUE(zeros->scalar_type() == at::kChar && zeros->is_contiguous() &&
+                          zeros->dim() == 2 && zeros->size(0) == groups &&
+                          zeros->size(1) == N16,
+                      "zeros must be a dense int8 [", groups, ", ", N16, "], got ",
+                      zeros->scalar_type(), " ", zeros->sizes());
+  }
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
+                      bias->sizes());
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bf =
+      bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out.to(x.scalar_type());
+#ifdef CBATCH_X86
+  const QArgs a{xf.data_ptr<float>(), K, M, K, N, N16, int(bits), group_size, groups,
+                static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                zeros ? zeros->data_ptr<int8_t>() : nullptr, bf ? bf->data_ptr<float>() : nullptr,
+                out.data_ptr<float>()};
+  const bool avx512 = cpu_has_avx512();
+  count_path(bits == 8 ? (avx512 ? CpuPath::kQuantizedLinearW8Avx512
+                                 : CpuPath::kQuantizedLinearW8Avx2)
+                       : (avx512 ? CpuPath::kQuantizedLinearW4Avx512
+                                 : CpuPath::kQuantizedLinearW4Avx2));
+  // int4 always subtracts its zero point (8 when none is given); int8 only a given one
+  if (avx512) {
+    bits == 4 ? run<avx512q::Isa, 4, true>(a)
+              : zeros ? run<avx512q::Isa, 8, true>(a) : run<avx512q::Isa, 8, false>(a);
+  } else {
+    bits == 4 ? run<avx2q::Isa, 4, true>(a)
+              : zeros ? run<avx2q::Isa, 8, true>(a) : run<avx2q::Isa, 8, false>(a);
+  }
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace cbatch

@@ -1,0 +1,124 @@
+// The tile loop of cbatch::quantized_linear (quantized_linear.cpp), written once for both
+// ISAs: quantized_linear.cpp includes this file twice, inside namespace avx512q and inside
+// namespace avx2q, each time after defining CBATCH_Q_TARGET (the ISA's target attribute) and
+// the ISA's wrappers this body calls: Vec / IVec, kLanes, kRows, the one-instruction helpers
+// (zero, set1, set1i, load_i8, load_u8, low_nibbles, high_nibbles, to_float, fmadd, add,
+// load_first, store_first) and the tile's geometry (vectors, vec_weights, vec_column).  So
+// the AVX2 path, which every x86 test machine runs, runs this same code as the AVX-512 one.
+// No include guard: it is meant to be included once per ISA.
+
+// Rows [m, m + R) times the tile's V vectors of columns from `block` on: out = x @ W^T + bias.
+template <int R, int V, int kBits, bool kSub>
+CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
+  Vec out[kRows][2];     // [row][vector]: the groups' scaled sums
+  Vec acc[kRows][2][2];  // [row][vector][even / odd k]: this group's sums
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = zero();
+  const uint8_t* w[2];
+  int64_t col[2];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) w[v] = vec_weights(a, block, v), col[v] = vec_column(block, v);
+  const float* x = a.x + m * a.ldx;
+  const int32_t default_zero = kBits == 4 ? 8 : 0;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
+    Vec s[2];
+    IVec z[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
+      z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(default_zero);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = zero();
+    }
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {  // a pair of k: int8, two rows of 16 bytes; int4, one
+      Vec w0[2], w1[2];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* p = w[v] + (kBits == 8 ? k : k / 2) * kQBlock;
+        if (v < kPrefetchVectors) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+        }
+        if constexpr (kBits == 8) {
+          w0[v] = to_float<kSub>(load_i8(p), z[v]);
+          w1[v] = to_float<kSub>(load_i8(p + kQBlock), z[v]);
+        } else {
+          const IVec b = load_u8(p);
+          w0[v] = to_float<kSub>(low_nibbles(b), z[v]);
+          w1[v] = to_float<kSub>(high_nibbles(b), z[v]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Vec x0 = set1(x[r * a.ldx + k]), x1 = set1(x[r * a.ldx + k + 1]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) {
+          acc[r][v][0] = fmadd(x0, w0[v], acc[r][v][0]);
+          acc[r][v][1] = fmadd(x1, w1[v], acc[r][v][1]);
+        }
+      }
+    }
+    if (k < k1) {  // an odd group's (or K's) last k
+      Vec w0[2];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        if constexpr (kBits == 8) {
+          w0[v] = to_float<kSub>(load_i8(w[v] + k * kQBlock), z[v]);
+        } else {
+          const IVec b = load_u8(w[v] + (k / 2) * kQBlock);
+          w0[v] = to_float<kSub>(k % 2 ? high_nibbles(b) : low_nibbles(b), z[v]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec x0 = set1(x[r * a.ldx + k]);
+        for (int v = 0; v < V; ++v) acc[r][v][0] = fmadd(x0, w0[v], acc[r][v][0]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        out[r][v] = fmadd(add(acc[r][v][0], acc[r][v][1]), s[v], out[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = a.N - col[v];  // valid lanes (a vector past N has none)
+    if (n <= 0) continue;
+    const Vec bias = a.bias ? load_first(a.bias + col[v], n) : zero();
+    for (int r = 0; r < R; ++r) {
+      store_first(a.out + (m + r) * a.N + col[v], add(out[r][v], bias), n);
+    }
+  }
+}
+
+// Rows [m0, m1) times the V vectors from `block` on, kRows at a time, then the rest.
+template <int V, int kBits, bool kSub>
+void rows(const QArgs& a, int64_t block, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kRows <= m1; m += kRows) tile<kRows, V, kBits, kSub>(a, m, block);
+  const int64_t rest = m1 - m;  // < kRows
+  if constexpr (kRows > 3) {
+    if (rest == 3) return tile<3, V, kBits, kSub>(a, m, block);
+  }
+  if constexpr (kRows > 2) {
+    if (rest == 2) return tile<2, V, kBits, kSub>(a, m, block);
+  }
+  if (rest == 1) tile<1, V, kBits, kSub>(a, m, block);
+}
+
+// One work item: the blocks from `block` on that one tile's vectors cover.
+struct Isa {
+  static constexpr int64_t kItemBlocks = kBlocksPerItem;
+  template <int kBits, bool kSub>
+  static void item(const QArgs& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
+    if (vectors(block, blocks) == 2) {
+      rows<2, kBits, kSub>(a, block, m0, m1);
+    } else {
+      rows<1, kBits, kSub>(a, block, m0, m1);
+    }
+  }
+};

@@ -1,0 +1,117 @@
+"""Online quantization (``quantization="int8" | "int4"``): which layers it replaces, that a
+quantized model's logits are those of the same model with the dequantized weights in fp32
+(the oracle: F.linear on cbatch.ops.reference.dequantize's weights), that an engine runs the
+quantized kernel and keeps the lm_head's greedy screen, and what is refused, by name."""
+
+import json
+
+import pytest
+import torch
+
+from cbatch import LLM, KVCache, SamplingParams, load_model
+from cbatch.core.input_batch import make_step_batch
+from cbatch.layers.linear import Linear
+from cbatch.layers.quantization import QuantizedLinear
+from cbatch.ops import cpu
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _logits(model, prompts):
+    block_size = 16
+    blocks = [-(-len(p) // block_size) for p in prompts]
+    cache = KVCache(model.config, sum(blocks), block_size, dtype=model.dtype)
+    tables, start = [], 0
+    for n in blocks:
+        tables.append(list(range(start, start + n)))
+        start += n
+    batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
+    with torch.no_grad():
+        return model.compute_logits(model(batch, cache))
+
+
+@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_logits_are_the_dequantized_models(name, method):
+    """Every linear but the lm_head is replaced; the logits equal those of the float model
+    whose linear weights are the dequantized ones (fp32, so only summation order differs)."""
+    quantized = load_model(name, quantization=method, seed=3)
+    dense = load_model(name, seed=3)
+    layers = dict(quantized.named_modules())
+    replaced = 0
+    for path, module in dense.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        if path == "lm_head":
+            assert isinstance(layers[path], Linear)
+            continue
+        q = layers[path]
+        assert isinstance(q, QuantizedLinear) and q.bits == (8 if method == "int8" else 4)
+        with torch.no_grad():
+            module.weight.copy_(q.weight.dequantize())
+        replaced += 1
+    assert replaced >= 4 * quantized.config.num_layers - (name == "random:tiny")
+    assert quantized.num_parameters() == dense.num_parameters()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
+    torch.testing.assert_close(_logits(quantized, prompts), _logits(dense, prompts),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
+    if not cpu.quantized_linear_available():
+        pytest.skip("cbatch's quantized CPU kernel does not run here")
+    llm = LLM("random:llama-tiny", dtype="bfloat16" if cpu.int8_screens() else "float32",
+              quantization=method, max_num_seqs=4)
+    path = f"quantized_linear.w{8 if method == 'int8' else 4}.{cpu.quantized_linear_isa()}"
+    before = cpu.kernel_paths()
+    outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    after = cpu.kernel_paths()
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert after[path] > before[path]
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.placed for m in quantized)  # on the runner's huge pages
+    described = llm.engine.runner.describe()
+    assert described["quantized linear"].startswith(
+        "int8" if method == "int8" else "int4 g128")
+    if llm.engine.runner.greedy_screen is not None:  # the lm_head stays float and screened
+        screened = [k for k in after if k.startswith("greedy_head.") and "rows" not in k]
+        assert sum(after[k] - before[k] for k in screened) > 0
+
+
+def test_quantization_methods_are_refused_by_name():
+    with pytest.raises(ValueError, match="quantization='gptq' is not supported; cbatch runs "
+                                         "int8, int4"):
+        LLM("random:llama-tiny", quantization="gptq")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        load_model("random:llama-tiny", device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
+        load_model("random:llama-tiny", dtype=torch.float16, quantization="int4")
+    with pytest.raises(ValueError, match="quantization comes from the model given"):
+        LLM(load_model("random:tiny"), quantization="int8")
+
+
+@pytest.mark.slow
+def test_quantized_checkpoints_are_refused_by_method(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="a 'awq' checkpoint \\(quantization_config\\) is not "
+                                         "supported"):
+        load_model(str(tmp_path))
+
+
+def test_quantization_flag():
+    from cbatch.entrypoints.cli.engine_args import engine_kwargs
+    from cbatch.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4"])
+    assert engine_kwargs(args)["quantization"] == "int4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "fp8"])

@@ -1,0 +1,179 @@
+"""cbatch::quantized_linear (W8A16, W4A16: csrc/cpu/quantized_linear.cpp) against its oracle,
+dequantize-then-matmul: the weight that cbatch.ops.reference.dequantize reads from the packed
+layout (checked here against s * (q - z) of the unpacked integers), times x in float64.
+
+The bound: the kernel sums x (q - z) over a group in fp32 fmas (each product exact in its
+fma), multiplies the group's sum by its scale, adds the groups and the bias; every term of
+the exact result then meets at most K + 3 roundings, and the reference's fp32 weight
+s * (q - z) one more, so |y - y_fp64| <= gamma_n * (|x| @ |W|^T + |bias|) with
+gamma_n = n u / (1 - n u), n = K + 4, u = 2^-24; bf16 outputs add their rounding, 2^-8 |y|.
+Both ISAs run every case (set_cpu_options("avx2") caps the kernel at its AVX2 path in this
+process; the AVX-512 cases skip on a CPU without it), and each call asserts that the kernel
+path of its ISA ran.
+"""
+
+import pytest
+import torch
+
+from cbatch.layers.quantization import pack, quantize
+from cbatch.ops import compiled, cpu, reference
+from tests.helpers import CPU_FLAGS as FLAGS
+
+pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
+                                reason="cbatch's quantized CPU kernel does not run here")
+
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
+ISAS = [pytest.param("avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512")),
+        "avx2"]
+U = 2.0 ** -24
+
+
+@pytest.fixture
+def isa(request):
+    """Run the test with the kernel capped at ``request.param``; restore the options after."""
+    torch.ops.cbatch.set_cpu_options("avx2" if request.param == "avx2" else "", "")
+    yield request.param
+    torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def _random_quantized(N, K, bits, group_size, zeros, gen):
+    """A packed weight of random integers, scales and (maybe) zero points, and its unpacked
+    parts (q [N, K], scales [G, N], zeros [G, N] or None)."""
+    G = -(-K // group_size)
+    if bits == 8:
+        q = torch.randint(-128, 128, (N, K), generator=gen)
+        z = torch.randint(-20, 21, (G, N), generator=gen) if zeros else None
+    else:
+        q = torch.randint(0, 16, (N, K), generator=gen)
+        z = torch.randint(0, 16, (G, N), generator=gen) if zeros else None
+    s = torch.rand(G, N, generator=gen) * 0.02 + 1e-3
+    return pack(q, s, z, bits, group_size), (q, s, z)
+
+
+def _unpacked_weight(q, s, z, bits, group_size):
+    """W = s * (q - z) from the unpacked integers, in float64: the oracle's own weight."""
+    K = q.shape[1]
+    g = torch.arange(K) // group_size
+    zero = (8 if bits == 4 else 0) if z is None else z[g].t().double()
+    return s[g].t().double() * (q.double() - zero)
+
+
+def _check(x, qw, bias, ours):
+    w = qw.dequantize().double()
+    b = 0 if bias is None else bias.double()
+    truth = x.double() @ w.t() + b
+    n = x.shape[1] + 4  # see the module docstring
+    bound = n * U / (1 - n * U) * (x.double().abs() @ w.abs().t() + abs(b))
+    if x.dtype == torch.bfloat16:
+        bound = bound + truth.abs() * 2.0 ** -8 + 1e-30
+    err = (ours.double() - truth).abs()
+    assert (err <= bound * 1.001 + 1e-30).all(), (err - bound).max()
+
+
+# (N, K): odd K and N, one column, K of one element, K across group edges
+SHAPES = [(1, 1), (5, 3), (33, 129), (17, 300), (130, 257), (64, 512)]
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("bits,group_size", [(8, None), (8, 7), (8, 128), (4, 128), (4, 32),
+                                             (4, None)])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_quantized_linear_matches_dequantize_then_matmul(isa, bits, group_size, N, K):
+    """Row counts 1..69 (one tile, partial tiles, past a 64-row chunk), fp32 and bf16 x,
+    with and without zero points and bias."""
+    gen = torch.Generator().manual_seed(N * 1000 + K + bits)
+    gs = K if group_size is None else group_size
+    for zeros, dtype, M, bias in ((False, torch.float32, 1, False), (True, torch.float32, 5, True),
+                                  (False, torch.bfloat16, 8, True),
+                                  (True, torch.bfloat16, 69, False)):
+        qw, (q, s, z) = _random_quantized(N, K, bits, gs, zeros, gen)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        b = (torch.randn(N, generator=gen) * 0.1).to(dtype) if bias else None
+        before = cpu.kernel_paths()
+        ours = torch.ops.cbatch.quantized_linear(x, qw.qweight, qw.scales, qw.zeros, bits, gs,
+                                                 N, b)
+        after = cpu.kernel_paths()
+        path = f"quantized_linear.w{bits}.{isa}"
+        assert after[path] == before[path] + 1, path
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        # the reference's dequantization is the unpacked formula, in fp32
+        torch.testing.assert_close(qw.dequantize().double(), _unpacked_weight(q, s, z, bits, gs),
+                                   rtol=U, atol=0)
+        _check(x, qw, b, ours)
+        torch.testing.assert_close(ours, reference.quantized_linear(
+            x, qw.qweight, qw.scales, qw.zeros, bits, gs, N, b), rtol=1e-4 if dtype ==
+            torch.float32 else 1e-2, atol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_and_rows_are_independent(isa, bits):
+    """2048 rows (32 chunks of 64) on a decode-sized layer: within the bound, and each row
+    bitwise the row computed alone (no row's sum depends on its batch-mates)."""
+    gen = torch.Generator().manual_seed(bits)
+    N, K = 40, 256
+    qw, _ = _random_quantized(N, K, bits, 128, True, gen)
+    x = torch.randn(2048, K, generator=gen).to(torch.bfloat16)
+    args = (qw.qweight, qw.scales, qw.zeros, bits, 128, N, None)
+    ours = torch.ops.cbatch.quantized_linear(x, *args)
+    _check(x, qw, None, ours)
+    for m in (0, 3, 64, 2047):
+        assert torch.equal(torch.ops.cbatch.quantized_linear(x[m:m + 1], *args), ours[m:m + 1])
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 128), (4, 32)])
+def test_online_quantization_round_trips_within_half_a_step(bits, group_size):
+    """quantize(): every weight within half a quantization step of its dequantized value
+    (a group's largest magnitude exactly), all-zero groups kept zero."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 300, generator=gen)
+    w[3] = 0
+    qw = quantize(w, bits, group_size)
+    assert qw.bits == bits and qw.group_size == (300 if group_size is None else group_size)
+    deq = qw.dequantize()
+    gs = qw.group_size
+    g = torch.arange(300) // gs
+    step = qw.scales[:, :37][g].t()
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(deq[3], torch.zeros(300))
+    levels = 127 if bits == 8 else 7
+    top = w.abs().view(37, -1, gs).amax(-1) if 300 % gs == 0 else None
+    if top is not None:
+        torch.testing.assert_close(qw.scales[:, :37].t()[top > 0], top[top > 0] / levels)
+
+
+@pytest.mark.slow
+def test_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    for bits in (8, 4):
+        qw, _ = _random_quantized(24, 66, bits, 32, bits == 4, gen)
+        x = torch.randn(3, 66, generator=gen)
+        torch.library.opcheck(torch.ops.cbatch.quantized_linear,
+                              (x, qw.qweight, qw.scales, qw.zeros, bits, 32, 24, None))
+
+
+def test_pack_refuses_integers_out_of_range():
+    s = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="4-bit q must be in \\[0, 15\\]"):
+        pack(torch.full((4, 6), 16), s, None, 4, 6)
+    with pytest.raises(ValueError, match="4-bit zero points must be in \\[0, 15\\]"):
+        pack(torch.zeros(4, 6), s, torch.full((1, 4), -1), 4, 6)
+    with pytest.raises(ValueError, match="8-bit q must be in \\[-128, 127\\]"):
+        pack(torch.full((4, 6), 128), s, None, 8, 6)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(bits=5), "bits must be 8 or 4"),
+    (dict(out_features=40), "does not hold 4-bit 40 x 66"),
+    (dict(group_size=33), "group_size must be even"),
+    (dict(scales=torch.zeros(3, 32, dtype=torch.float16)), "scales must be a dense float32"),
+    (dict(zeros=torch.zeros(2, 32, dtype=torch.int8)), "zeros must be a dense int8 \\[3, 32\\]"),
+    (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
+])
+def test_bad_operands_get_a_sentence(change, match):
+    qw, _ = _random_quantized(24, 66, 4, 32, True, torch.Generator().manual_seed(0))
+    args = dict(x=torch.zeros(3, 66), qweight=qw.qweight, scales=qw.scales, zeros=qw.zeros,
+                bits=4, group_size=32, out_features=24, bias=None)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.cbatch.quantized_linear(*args.values())
