@@ -40,3 +40,15 @@ def assert_follows(kind: str, text: str) -> None:
         assert text in CHOICE, text
     else:
         assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3}){0,2}\)", text), text
+
+
+# two tools' parameters: a short city with a unit, and two small integers (their outputs are
+# cut short by no random model's max_tokens)
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                          "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object",
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}

@@ -19,19 +19,11 @@ from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from cbatch.entrypoints.openai.serving_chat import _ChoiceStream
 from cbatch.outputs import RequestMetrics, RequestOutput
 from tests.serving_utils import running_server
-from tests.structured_utils import CONSTRAINTS, PERSON, assert_follows
+from tests.structured_utils import ADD, CONSTRAINTS, PERSON, WEATHER, assert_follows
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-                          "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object",
-       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                      "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}

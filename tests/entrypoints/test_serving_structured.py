@@ -19,7 +19,7 @@ from cbatch.entrypoints.openai.protocol import ChatCompletionRequest
 from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat
 from cbatch.entrypoints.openai.tool_parsers import HermesToolParser
 from tests.serving_utils import running_server
-from tests.structured_utils import CONSTRAINTS, PERSON, assert_follows
+from tests.structured_utils import ADD, CONSTRAINTS, PERSON, WEATHER, assert_follows
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
@@ -36,14 +36,6 @@ TEMPLATE = (
     "{% else %}{{ m.role }}: {{ m.content }}{{ nl }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}").replace("{{ nl }}", "{{ '\\n' }}")
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-                          "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object",
-       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                      "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "a + b",
                                            "parameters": ADD}},
