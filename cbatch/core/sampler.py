@@ -302,7 +302,12 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.to(torch.float32, copy=True)
         apply_rules(logits, batch.rules, batch.bitmask)
     tokens = sampling.argmax(logits)
-    rows = [r for r, t in enumerate(batch.temperatures) if t > 0]
+    # a row whose top_p is at most 1 / V keeps its most likely token alone, whatever its
+    # temperature (that token's probability is at least 1 / V): its draw is the argmax, which
+    # float32 weights tied at a huge temperature would not tell apart
+    V = logits.shape[-1]
+    rows = [r for r, (t, p) in enumerate(zip(batch.temperatures, batch.top_ps))
+            if t > 0 and p * V > 1]
     if rows:
         tokens[to_device(rows, logits.device)] = _draw(logits, rows, batch)
     rules = batch.rules

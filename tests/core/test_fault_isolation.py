@@ -495,10 +495,12 @@ def test_values_float32_cannot_carry_are_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_top_k_one_is_greedy_at_any_temperature():
-    """At a huge temperature float32 weights tie; top_k=1 still keeps the argmax alone."""
-    llm = LLM("random:tiny", **KW)
-    hot, greedy = (llm.generate([[1, 2, 3]], SamplingParams(
-        temperature=t, top_k=k, max_tokens=8, ignore_eos=True, seed=5), use_tqdm=False)[0]
-        for t, k in ((1e30, 1), (0.0, 0)))
-    assert hot.token_ids == greedy.token_ids
+@pytest.mark.parametrize("rule", [dict(top_k=1), dict(top_p=1e-9), dict(top_p=1 / 512)])
+def test_a_rule_that_keeps_one_token_is_greedy_at_any_temperature(rule):
+    """At a huge temperature float32 weights tie; top_k=1, or a top_p of at most 1 / V (the
+    most likely token holds at least that), still keeps the argmax alone."""
+    llm = LLM("random:tiny", **KW)  # V = 512
+    hottest, hot, greedy = (llm.generate([[1, 2, 3]], SamplingParams(
+        temperature=t, max_tokens=8, ignore_eos=True, seed=5, **r), use_tqdm=False)[0]
+        for t, r in ((1e30, rule), (1e7, rule), (0.0, {})))
+    assert hottest.token_ids == hot.token_ids == greedy.token_ids
