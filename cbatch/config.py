@@ -1,9 +1,7 @@
 """Configurations: the model's (GPT-2 sizes) and the engine's, each a validated dataclass.
-
 :class:`EngineConfig` is the one place that holds the engine's defaults and checks them: the
-command line derives its engine flags from its fields (:func:`engine_fields`).  This module
-imports no torch at import time, so ``cbatch --help`` answers at once.
-"""
+command line derives its engine flags from its fields (:func:`engine_fields`).  No torch at
+import time, so ``cbatch --help`` answers at once."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from pathlib import Path
 from cbatch import devices
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
+DEFAULT_MODEL = "random:gpt2"  # LLM's, Engine's, AsyncEngine's and the CLI's
 QUANTIZATION_METHODS = ("int8", "int4")  # online; the schemes: cbatch.layers.quantization
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -240,7 +239,7 @@ def _knob(default, help: str, **metadata):
 class EngineConfig:
     """Keywords shared by :class:`cbatch.LLM` and :class:`cbatch.Engine` (docs/design.md)."""
 
-    model: str = _knob("random:gpt2", "random:<size>, a local Hugging Face checkpoint "
+    model: str = _knob(DEFAULT_MODEL, "random:<size>, a local Hugging Face checkpoint "
                        "directory, or a hub id", cli=False)
     device: str = _knob("cpu", "cpu, cuda or cuda:N", cli=False)
     dtype: str = _knob("auto", "auto (bfloat16 on a CPU that computes in it, float16 on CUDA, "

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
+from cbatch.config import DEFAULT_MODEL
 from cbatch.core.engine import Engine
 from cbatch.core.request_stream import RequestStream
 from cbatch.core.stats import EngineStats
@@ -61,7 +62,7 @@ class AsyncEngine:
     'length'
     """
 
-    def __init__(self, model: str = "random:gpt2", *, max_waiting: int = 1024,
+    def __init__(self, model: str = DEFAULT_MODEL, *, max_waiting: int = 1024,
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None, **engine_kwargs):
         if max_waiting < 1:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from cbatch.logger import init_logger
-from cbatch.config import EngineConfig
+from cbatch.config import DEFAULT_MODEL, EngineConfig
 from cbatch.core.step_outputs import SampledTokens
 from cbatch.core.output_processor import OutputProcessor
 from cbatch.core.scheduler import ScheduledSequence, Scheduler
@@ -91,7 +91,7 @@ class Engine:
     'length'
     """
 
-    def __init__(self, model: str | nn.Module = "random:gpt2", **kwargs):
+    def __init__(self, model: str | nn.Module = DEFAULT_MODEL, **kwargs):
         start, built = time.perf_counter(), isinstance(model, nn.Module)
         if built:  # an engine around a model already built
             config = EngineConfig.for_model(model, **kwargs)

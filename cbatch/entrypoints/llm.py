@@ -7,6 +7,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+from cbatch.config import DEFAULT_MODEL
 from cbatch.core.engine import Engine
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ class LLM:
     'length'
     """
 
-    def __init__(self, model="random:gpt2", **kwargs):
+    def __init__(self, model=DEFAULT_MODEL, **kwargs):
         self.engine = Engine(model, **kwargs)
         self.engine.occupancy_trace = []  # offline runs are bounded: record every step
         self.tokenizer = self.engine.tokenizer

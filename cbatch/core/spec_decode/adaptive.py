@@ -38,8 +38,9 @@ class AdaptiveDraftLength:
     verifies k drafts gains 1 + a + ... + a^k tokens, and costs 1 + k (c + v) steps: c is
     :attr:`cost`, the engine's measured drafting seconds per draft position over the
     verifying step's seconds, times the step's rows per row that drafted (drafting holds up
-    the whole step; about 0 for prompt lookup, about 0.4 for a random distilgpt2 drafting for
-    every row of gpt2's), and v = :attr:`VERIFY_COST` what a verified draft adds to a step.
+    the whole step; near 0 for prompt lookup, far more for a draft model: benchmarks/NOTES.md,
+    "Speculative decoding on the CPU"), and v = :attr:`VERIFY_COST` what a verified draft adds
+    to a step.
     The threshold is the a where the two are equal, and never below :attr:`THRESHOLD`.
 
     So drafts that never match cost a new engine's first requests a few verifications each,
@@ -56,8 +57,8 @@ class AdaptiveDraftLength:
     PROBING_SHARE = 8
     NEVER = 1 << 62  # (steps before the probe of a request that starts paused and never probes)
     COST_WEIGHT = 0.2
-    # a verified draft's share of a step: the verifier's ceiling on random:gpt2 (every draft
-    # right, k = 4) gives 5 tokens for 1.35 (batch 1) to 1.7 (batch 8) steps' time
+    # a verified draft's share of a step, from the verifier's ceiling (every draft right:
+    # benchmarks/NOTES.md, "Speculative decoding on the CPU")
     VERIFY_COST = 0.1
 
     def __init__(self, k: int, adaptive: bool = True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cbatch.config import engine_fields
+from cbatch.config import DEFAULT_MODEL, engine_fields
 
 
 def model_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,6 @@ def model_parser() -> argparse.ArgumentParser:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_MODEL = "random:gpt2"
 
 
 def json_object(text: str) -> dict:
