@@ -286,8 +286,10 @@ void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     bound[m] = b * (1 + 1e-6);  // the double arithmetic's own rounding
   }
   at::Tensor approx = at::empty({M, N}, x.options());
-  const Args<B16, float> args{xb.data_ptr<B16>(), K, M, K, N, nullptr, screen.data_ptr<B16>(),
-                              nullptr, nullptr, 0, false, approx.data_ptr<float>()};
+  const Args<B16, float> args{.x = xb.data_ptr<B16>(), .ldx = K, .M = M, .K = K, .N = N,
+                              .xp = nullptr, .w = screen.data_ptr<B16>(), .bias = nullptr,
+                              .residual = nullptr, .ldr = 0, .gelu = false,
+                              .out = approx.data_ptr<float>()};
   if (cpu_linear_supported(at::kBFloat16)) {  // vdpbf16ps
     count_path(CpuPath::kGreedyHeadBf16Avx512);
     run_gemm<avx512::Gemm>(args);
@@ -357,10 +359,11 @@ void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     }
   });
   at::Tensor approx = at::empty({M, N}, x.options().dtype(at::kFloat));
-  Args<int8_t, float> args{p.data_ptr<int16_t>(), K, M, K, N, nullptr,
-                           screen.data_ptr<int8_t>(), nullptr, nullptr, 0, false,
-                           approx.data_ptr<float>()};
-  args.scale = scales.data_ptr<float>();
+  const Args<int8_t, float> args{.x = p.data_ptr<int16_t>(), .ldx = K, .M = M, .K = K, .N = N,
+                                 .xp = nullptr, .w = screen.data_ptr<int8_t>(), .bias = nullptr,
+                                 .residual = nullptr, .ldr = 0, .gelu = false,
+                                 .out = approx.data_ptr<float>(),
+                                 .scale = scales.data_ptr<float>()};
   count_path(CpuPath::kGreedyHeadInt8);
   run_gemm<avx512::Gemm>(args);
   const at::Tensor top = argmax_rows_cpu(approx);

@@ -71,11 +71,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                      : avx512 ? CpuPath::kLinearAvx512 : CpuPath::kLinearAvx2);
   }
   if (x.scalar_type() == at::kFloat) {
-    const Args<float> args{x.data_ptr<float>(), x.stride(0), M, K, N, nullptr,
-                           packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-                           residual ? residual->data_ptr<float>() : nullptr,
-                           residual ? residual->stride(0) : 0, activation == "gelu_tanh",
-                           out.data_ptr<float>()};
+    const Args<float> args{.x = x.data_ptr<float>(), .ldx = x.stride(0), .M = M, .K = K, .N = N,
+                           .xp = nullptr, .w = packed.data_ptr<float>(),
+                           .bias = bias ? bias->data_ptr<float>() : nullptr,
+                           .residual = residual ? residual->data_ptr<float>() : nullptr,
+                           .ldr = residual ? residual->stride(0) : 0,
+                           .gelu = activation == "gelu_tanh", .out = out.data_ptr<float>()};
     if (avx512) {
       run_gemm<avx512::Gemm>(args);
     } else {
@@ -83,10 +84,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
     }
   } else {
     using B16 = c10::BFloat16;
-    const Args<B16> args{
-        x.data_ptr<B16>(), x.stride(0), M, K, N, nullptr, packed.data_ptr<B16>(),
-        bias ? bias->data_ptr<B16>() : nullptr, residual ? residual->data_ptr<B16>() : nullptr,
-        residual ? residual->stride(0) : 0, activation == "gelu_tanh", out.data_ptr<B16>()};
+    const Args<B16> args{.x = x.data_ptr<B16>(), .ldx = x.stride(0), .M = M, .K = K, .N = N,
+                         .xp = nullptr, .w = packed.data_ptr<B16>(),
+                         .bias = bias ? bias->data_ptr<B16>() : nullptr,
+                         .residual = residual ? residual->data_ptr<B16>() : nullptr,
+                         .ldr = residual ? residual->stride(0) : 0,
+                         .gelu = activation == "gelu_tanh", .out = out.data_ptr<B16>()};
     if (tiles) {
       amx::run(args);
     } else {

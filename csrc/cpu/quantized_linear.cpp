@@ -227,10 +227,12 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
 #ifdef CBATCH_X86
-  const QArgs a{xf.data_ptr<float>(), K, M, K, N, N16, int(bits), group_size, groups,
-                static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                zeros ? zeros->data_ptr<int8_t>() : nullptr, bf ? bf->data_ptr<float>() : nullptr,
-                out.data_ptr<float>()};
+  const QArgs a{.x = xf.data_ptr<float>(), .ldx = K, .M = M, .K = K, .N = N, .N16 = N16,
+                .bits = int(bits), .group_size = group_size, .groups = groups,
+                .q = static_cast<const uint8_t*>(qweight.data_ptr()),
+                .scales = scales.data_ptr<float>(),
+                .zeros = zeros ? zeros->data_ptr<int8_t>() : nullptr,
+                .bias = bf ? bf->data_ptr<float>() : nullptr, .out = out.data_ptr<float>()};
   const bool avx512 = cpu_has_avx512();
   count_path(bits == 8 ? (avx512 ? CpuPath::kQuantizedLinearW8Avx512
                                  : CpuPath::kQuantizedLinearW8Avx2)
