@@ -21,30 +21,14 @@ import argparse
 
 import torch
 
-from cbatch import LLM, KVCache, SamplingParams
-from cbatch.core.input_batch import make_step_batch
+from cbatch import LLM, SamplingParams
+from cbatch.core.input_batch import prefill_logits
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, min(vocab, 50000), (length,), generator=gen).tolist()
             for _ in range(n)]
-
-
-def _logits(model, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's logits at every position, fp32, from one prefill step."""
-    block_size = 16
-    blocks = [-(-len(s) // block_size) for s in seqs]
-    cache = KVCache(model.config, sum(blocks), block_size, dtype=model.dtype)
-    tables, start = [], 0
-    for n in blocks:
-        tables.append(list(range(start, start + n)))
-        start += n
-    batch = make_step_batch(seqs, [0] * len(seqs), tables, block_size)
-    with torch.no_grad():
-        logits = model.compute_logits(model(batch, cache)).float()
-    cu = batch.cu_seqlens_q.tolist()
-    return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
 
 
 def main() -> None:
@@ -64,7 +48,7 @@ def main() -> None:
                        args.seed)
     base_tokens = [o.token_ids for o in base.generate(prompts, params, use_tqdm=False)]
     seqs = [p + t[:-1] for p, t in zip(prompts, base_tokens)]
-    base_logits = _logits(base.engine.model, seqs)
+    base_logits = [x.float() for x in prefill_logits(base.engine.model, seqs)]
     del base
     print(f"{args.model} ({args.dtype}), {args.prompts} prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} greedy tokens each")
@@ -73,7 +57,7 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype if quantized else method, seed=args.seed,
                   max_num_seqs=args.prompts, quantization=method if quantized else None)
         tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        logits = _logits(llm.engine.model, seqs)
+        logits = [x.float() for x in prefill_logits(llm.engine.model, seqs)]
         n = args.prompt_len - 1  # the generated positions (and the last prompt token)
         diffs, rel, top1 = [], [], []
         for ours, ref in zip(logits, base_logits):

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch
 
 _PAD_TABLE = [0]  # a padding row's context: its tokens in block 0
@@ -204,3 +205,20 @@ def make_step_batch(
                                max(map(len, block_tables)), block_size, device)
     return builder.build([(list(t), c, list(b)) for t, c, b in
                           zip(new_tokens, num_cached, block_tables)])
+
+
+@torch.inference_mode()
+def prefill_logits(model, prompts: Sequence[Sequence[int]], block_size: int = 16
+                   ) -> list[torch.Tensor]:
+    """Each prompt's logits at every position (``[len(prompt), vocab]`` each), from one
+    prefill step of all of them on a KV cache of their own: for checks and benchmarks that
+    compare models on the same tokens, not for the engine."""
+    blocks = [-(-len(p) // block_size) for p in prompts]
+    cache = KVCache(model.config, sum(blocks), block_size, dtype=model.dtype,
+                    device=model.device)
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    tables = [list(range(start, start + n)) for start, n in zip(starts, blocks)]
+    batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size, model.device)
+    logits = model.compute_logits(model(batch, cache))
+    cu = batch.cu_seqlens_q.tolist()
+    return [logits[cu[i]:cu[i + 1]] for i in range(len(prompts))]

@@ -8,26 +8,13 @@ import json
 import pytest
 import torch
 
-from cbatch import LLM, KVCache, SamplingParams, load_model
-from cbatch.core.input_batch import make_step_batch
+from cbatch import LLM, SamplingParams, load_model
+from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _logits(model, prompts):
-    block_size = 16
-    blocks = [-(-len(p) // block_size) for p in prompts]
-    cache = KVCache(model.config, sum(blocks), block_size, dtype=model.dtype)
-    tables, start = [], 0
-    for n in blocks:
-        tables.append(list(range(start, start + n)))
-        start += n
-    batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
-    with torch.no_grad():
-        return model.compute_logits(model(batch, cache))
 
 
 @pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2
@@ -54,7 +41,8 @@ def test_quantized_logits_are_the_dequantized_models(name, method):
     assert quantized.num_parameters() == dense.num_parameters()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
-    torch.testing.assert_close(_logits(quantized, prompts), _logits(dense, prompts),
+    torch.testing.assert_close(torch.cat(prefill_logits(quantized, prompts)),
+                               torch.cat(prefill_logits(dense, prompts)),
                                atol=2e-5, rtol=1e-4)
 
 
