@@ -1,6 +1,8 @@
-"""One GPT-2 decode step at batch 1…256 beside its memory roofline.
+"""One decode step (GPT-2 by default, any model with ``--model``, its weights quantized with
+``--quantization``) at batch 1…256 beside its memory roofline.
 
-    python benchmarks/bench_decode_step.py [--quick] [--context 512]
+    python benchmarks/bench_decode_step.py [--quick] [--context 512] [--model random:smollm2-360m
+        --dtype bfloat16 --quantization int4 --modes eager]
 
 Times the engine's whole decode step, ``Engine.step()`` with every running request
 decoding (schedule, step buffers, embedding, all layers with KV write and paged attention,
@@ -14,7 +16,9 @@ final norm, lm_head, greedy sampling, tokens on the host; requests not streamed,
 
 Beside each: ``host_ms``, the step's time outside the model and the wait for the device
 (``Engine.stats().phase_s``), and the floor: the bytes a decode step must read (every weight
-once plus every sequence's KV cache) divided by the device's measured copy bandwidth.
+once plus every sequence's KV cache) divided by the device's measured copy bandwidth; and the
+time of reading the weights alone at the measured read bandwidth (``weight_read_ms``, issue 50's
+yardstick for quantized weights: packed integers, scales and zero points counted).
 Results in decode_step.*, written to a new folder under benchmarks/runs/ or to --out.
 """
 
@@ -29,10 +33,12 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    base_parser, copy_bandwidth, environment, publish, pyplot, save_figure)
+    base_parser, copy_bandwidth, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: E402
+from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
+           "weight_read_ms", "ratio_to_weight_read",
            "weight_MB", "kv_MB", "tokens_per_s"]
 MODES = {"eager": dict(cuda_graphs=False, async_scheduling=False),
          "graphs": dict(cuda_graphs=True, async_scheduling=False),
@@ -73,13 +79,26 @@ def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
     return seconds / reps, host / reps
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every weight a decode step reads once: the parameters, and a quantized
+    layer's packed integers, scales and zero points (buffers of
+    :class:`cbatch.layers.quantization.QuantizedLinear`)."""
+    from cbatch.layers.quantization import QuantizedLinear
+
+    packed = sum(b.numel() * b.element_size() for m in model.modules()
+                 if isinstance(m, QuantizedLinear) for b in m.buffers(recurse=False))
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def run(args) -> Path:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, device=device, dtype=dtype, attention_backend=args.backend)
+    model = load_model(args.model, device=device, dtype=dtype, attention_backend=args.backend,
+                       quantization=args.quantization)
     cfg = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model_weight_bytes(model)
     bw = copy_bandwidth(device, (64 << 20) if args.quick else None)
+    read_bw = read_bandwidth(device, (64 << 20) if args.quick else None)
     reps = 3 if args.quick else args.reps
     batches = [1, 4] if args.quick else args.batches
     context = 24 if args.quick else args.context
@@ -87,7 +106,7 @@ def run(args) -> Path:
     longest = context + -(-max(batches) * context // budget) + reps + 8  # see time_decode_steps
     blocks = max(batches) * -(-longest // 16)
     rows = []
-    for mode, switches in MODES.items():
+    for mode, switches in ((m, MODES[m]) for m in args.modes):
         engine = Engine(model, max_num_seqs=max(batches), max_num_batched_tokens=budget,
                         num_blocks=blocks, block_size=16, enable_prefix_caching=False,
                         **switches)
@@ -99,22 +118,27 @@ def run(args) -> Path:
             rows.append({"mode": mode, "batch": batch, "context": context,
                          "step_ms": seconds * 1e3, "host_ms": host * 1e3,
                          "floor_ms": floor * 1e3, "ratio_to_floor": seconds / floor,
+                         "weight_read_ms": weight_bytes / read_bw * 1e3,
+                         "ratio_to_weight_read": seconds * read_bw / weight_bytes,
                          "weight_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
                          "tokens_per_s": batch / seconds})
             print(f"{mode:6s} batch {batch:4d}: {seconds * 1e3:8.2f} ms/step "
                   f"(host {host * 1e3:6.2f} ms), floor {floor * 1e3:7.2f} ms "
-                  f"({seconds / floor:.1f}x)", flush=True)
+                  f"({seconds / floor:.1f}x; {seconds * read_bw / weight_bytes:.2f}x the "
+                  f"weights' read)", flush=True)
         stats = engine.stats()
         print(f"{mode}: graph capture {stats.graph_capture_s:.2f} s, "
               f"{stats.graph_memory_bytes / 1e6:.1f} MB", flush=True)
         engine = None  # its cache and graph pool go before the next mode builds its own
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
-            "copy_bandwidth_GBps": bw / 1e9,
+            "quantization": args.quantization,
+            "copy_bandwidth_GBps": bw / 1e9, "read_bandwidth_GBps": read_bw / 1e9,
             "attention_backend": args.backend or "auto", "reps": reps,
             "step": "Engine.step() with every request decoding, wall time over reps "
                     "consecutive steps",
             "host_ms": "Engine.stats(): elapsed - phase_s['execute'] per step",
-            "floor": "(weight bytes + KV bytes read) / measured copy bandwidth"}
+            "floor": "(weight bytes + KV bytes read) / measured copy bandwidth",
+            "weight_read": "weight bytes / measured read bandwidth (a sum over 256 MiB)"}
     return publish("decode_step", device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 
@@ -143,6 +167,10 @@ def main(argv=None):
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--dtype", default="float16" if cuda else "float32")
     parser.add_argument("--backend", default=None, help="attention backend (default: auto)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="which step modes to time (default: all three)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                        help="online weight quantization of the decoder layers (CPU)")
     parser.add_argument("--context", type=int, default=512 if cuda else 128)
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16, 64])

@@ -18,7 +18,9 @@
 // the exact one (tests/ops/test_quantized_linear.py).  Each output's order of operations is
 // fixed by k alone: a row's result depends neither on the other rows nor on the thread count.
 // A tile is up to kRows rows times two vectors of columns (AVX-512: two blocks of 16; AVX2:
-// one block's two halves of 8); its loop, quantized_tile.h, is one source for both ISAs.
+// one block's two halves of 8); its loop, quantized_tile.h, is one source for both ISAs.  More
+// rows than a tile holds (a batch, a prefill) take tile_rows: each chunk of k is dequantized
+// once into a buffer that every row tile then reads, in the very order of the one-tile loop.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -42,6 +44,7 @@ namespace {
 
 constexpr int64_t kQBlock = 16;     // output columns per packed block
 constexpr int64_t kChunkRows = 64;  // rows per pass over the weights (they stay in L2)
+constexpr int64_t kChunkK = 256;    // k dequantized at a time for many rows (even)
 
 struct QArgs {
   const float* x;  // [M, K] fp32, rows ldx apart

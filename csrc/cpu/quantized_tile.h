@@ -95,9 +95,122 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
   }
 }
 
-// Rows [m0, m1) times the V vectors from `block` on, kRows at a time, then the rest.
+// k [c0, c1) of rows [0, R) of x times the dequantized weights buf (k - c0, vector): the fmas
+// of tile()'s pair loop (and, at a group's odd end, its last k), on partial sums kept in acc.
+template <int R, int V>
+CBATCH_Q_TARGET void accumulate(const float* x, int64_t ldx, const Vec (*buf)[2], int64_t c0,
+                                int64_t c1, Vec (*acc)[2][2]) {
+  Vec s[kRows][2][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) s[r][v][0] = acc[r][v][0], s[r][v][1] = acc[r][v][1];
+  }
+  int64_t k = c0;
+  for (; k + 1 < c1; k += 2) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const Vec x0 = set1(x[r * ldx + k]), x1 = set1(x[r * ldx + k + 1]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        s[r][v][0] = fmadd(x0, buf[k - c0][v], s[r][v][0]);
+        s[r][v][1] = fmadd(x1, buf[k - c0 + 1][v], s[r][v][1]);
+      }
+    }
+  }
+  if (k < c1) {
+    for (int r = 0; r < R; ++r) {
+      const Vec x0 = set1(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) s[r][v][0] = fmadd(x0, buf[k - c0][v], s[r][v][0]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v][0] = s[r][v][0], acc[r][v][1] = s[r][v][1];
+  }
+}
+
+// Rows [m0, m1) (at most kChunkRows) times the tile's V vectors from `block` on, for more rows
+// than one tile holds: each chunk of k's weights is dequantized once (q - z as fp32, exact) into
+// buf and read by every row tile, instead of once per tile.  Every output is the same fmas in
+// the same order as tile()'s: the partial sums wait in acc between chunks and the groups' scaled
+// sums in out, stored and reloaded exactly, so a row's result does not depend on M.
+template <int V, int kBits, bool kSub>
+CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t block) {
+  const int64_t M = m1 - m0;
+  Vec out[kChunkRows][2];
+  Vec acc[kChunkRows][2][2];
+  Vec buf[kChunkK][2];
+  const uint8_t* w[2];
+  int64_t col[2];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) w[v] = vec_weights(a, block, v), col[v] = vec_column(block, v);
+  for (int64_t m = 0; m < M; ++m) out[m][0] = out[m][1] = zero();
+  const float* x = a.x + m0 * a.ldx;
+  const int32_t default_zero = kBits == 4 ? 8 : 0;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
+    Vec s[2];
+    IVec z[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
+      z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(default_zero);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = zero();
+    }
+    for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {  // kChunkK is even: pairs stay tile()'s
+      const int64_t c1 = std::min(k1, c0 + kChunkK);
+      for (int64_t k = c0; k < c1; k += 2) {
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) {
+          if constexpr (kBits == 8) {
+            buf[k - c0][v] = to_float<kSub>(load_i8(w[v] + k * kQBlock), z[v]);
+            if (k + 1 < c1) {
+              buf[k - c0 + 1][v] = to_float<kSub>(load_i8(w[v] + (k + 1) * kQBlock), z[v]);
+            }
+          } else {  // c0 and k are even: k's byte holds k and k + 1
+            const IVec b = load_u8(w[v] + (k / 2) * kQBlock);
+            buf[k - c0][v] = to_float<kSub>(low_nibbles(b), z[v]);
+            if (k + 1 < c1) buf[k - c0 + 1][v] = to_float<kSub>(high_nibbles(b), z[v]);
+          }
+        }
+      }
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) {
+        accumulate<kRows, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+      }
+      switch (M - m) {  // < kRows left
+        case 3: accumulate<3 < kRows ? 3 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+                break;
+        case 2: accumulate<2 < kRows ? 2 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+                break;
+        case 1: accumulate<1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m); break;
+        default: break;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        out[m][v] = fmadd(add(acc[m][v][0], acc[m][v][1]), s[v], out[m][v]);
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = a.N - col[v];
+    if (n <= 0) continue;
+    const Vec bias = a.bias ? load_first(a.bias + col[v], n) : zero();
+    for (int64_t m = 0; m < M; ++m) {
+      store_first(a.out + (m0 + m) * a.N + col[v], add(out[m][v], bias), n);
+    }
+  }
+}
+
+// Rows [m0, m1) times the V vectors from `block` on: more than a tile's rows through
+// tile_rows (the weights dequantized once for all of them), else one tile.
 template <int V, int kBits, bool kSub>
 void rows(const QArgs& a, int64_t block, int64_t m0, int64_t m1) {
+  if (m1 - m0 > kRows) return tile_rows<V, kBits, kSub>(a, m0, m1, block);
   int64_t m = m0;
   for (; m + kRows <= m1; m += kRows) tile<kRows, V, kBits, kSub>(a, m, block);
   const int64_t rest = m1 - m;  // < kRows

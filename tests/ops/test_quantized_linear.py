@@ -106,18 +106,22 @@ def test_quantized_linear_matches_dequantize_then_matmul(isa, bits, group_size, 
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_many_rows_and_rows_are_independent(isa, bits):
-    """2048 rows (32 chunks of 64) on a decode-sized layer: within the bound, and each row
-    bitwise the row computed alone (no row's sum depends on its batch-mates)."""
-    gen = torch.Generator().manual_seed(bits)
-    N, K = 40, 256
-    qw, _ = _random_quantized(N, K, bits, 128, True, gen)
-    x = torch.randn(2048, K, generator=gen).to(torch.bfloat16)
-    args = (qw.qweight, qw.scales, qw.zeros, bits, 128, N, None)
+@pytest.mark.parametrize("bits,K,group_size,M", [(8, 256, 128, 2048), (4, 256, 128, 2048),
+                                                 (8, 601, None, 67), (8, 300, 7, 13),
+                                                 (4, 601, None, 67), (4, 514, 32, 9)])
+def test_many_rows_and_rows_are_independent(isa, bits, K, group_size, M):
+    """Up to 2048 rows (32 chunks of 64; more rows than a tile: the weights dequantized once per
+    chunk of k, tile_rows) on a decode-sized layer: within the bound, and each row bitwise the
+    row computed alone by the one-tile loop (no row's sum depends on its batch-mates), across
+    odd groups, odd K and k chunks of 256."""
+    gen = torch.Generator().manual_seed(bits + K)
+    N, gs = 40, K if group_size is None else group_size
+    qw, _ = _random_quantized(N, K, bits, gs, True, gen)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    args = (qw.qweight, qw.scales, qw.zeros, bits, gs, N, None)
     ours = torch.ops.cbatch.quantized_linear(x, *args)
     _check(x, qw, None, ours)
-    for m in (0, 3, 64, 2047):
+    for m in sorted({0, 3, 64 % M, M - 1}):
         assert torch.equal(torch.ops.cbatch.quantized_linear(x[m:m + 1], *args), ours[m:m + 1])
 
 
