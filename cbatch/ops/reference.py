@@ -151,3 +151,46 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token symmetric int8 quantization (vLLM's ``scaled_int8_quant`` without a
+    given scale; compressed-tensors' dynamic "token" strategy), exactly as ``cbatch::
+    quantized_linear_w8a8`` does it: per row of x ``[M, K]``, in fp32, ``a = max |x|``,
+    ``q = round(x * (127 / a))`` (ties to even; every |q| <= 127) and ``scale = a / 127``; a
+    row of zeros gets q 0 and scale 0.  Returns int8 ``[M, K]`` and fp32 ``[M]``."""
+    xf = x.float()
+    top = xf.abs().amax(dim=-1)  # [M]
+    # tensor / tensor: one correctly rounded division (a scalar's would multiply by a
+    # reciprocal, a second rounding)
+    levels = torch.full_like(top, 127.0)
+    inv = torch.where(top > 0, levels / top, torch.zeros_like(top))
+    q = (xf * inv[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, top / levels
+
+
+def unpack_w8a8(qweight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """int32 ``q [N, K]`` from the W8A8 layout (``cbatch::quantized_linear_w8a8``'s weight,
+    :func:`cbatch.layers.quantization.weight.pack_w8a8`): uint8 ``[N16 / 16, ceil(K / 4),
+    64]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j, 4 i + t] + 128``."""
+    blocks, quads, _ = qweight.shape
+    q = qweight.view(blocks, quads, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, quads * 4)
+    return q[:out_features, :in_features].to(torch.int32) - 128
+
+
+def quantized_linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8: x ``[M, K]`` quantized per token (:func:`quantize_per_token`: ``xq``, ``s_x``),
+    the exact integer sums ``acc = xq @ q^T`` (in float64, exact below 2^53), then in fp32
+    ``y = (acc * s_w[n]) * s_x[m] + bias[n]``, returned in x's dtype: what ``cbatch::
+    quantized_linear_w8a8`` computes, bit for bit without a bias (with one, the kernel fuses
+    the last multiply and the add into one rounding).  qweight: :func:`unpack_w8a8`'s
+    layout; scales: fp32 ``[1, N16]``, one per output channel."""
+    N = out_features
+    q = unpack_w8a8(qweight, N, x.shape[-1])
+    xq, sx = quantize_per_token(x)
+    acc = xq.double() @ q.double().t()  # [M, N], exact
+    y = acc.float() * scales[0, :N] * sx[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

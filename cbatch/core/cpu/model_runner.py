@@ -87,8 +87,8 @@ class CPUModelRunner(ModelRunner):
         layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if not layers:
             return "none"
-        kinds = sorted({f"int{m.bits}" + (f" g{m.group_size}" if m.bits == 4 else "")
-                        for m in layers})
+        kinds = sorted({("w8a8" if m.act_bits else f"int{m.bits}")
+                        + (f" g{m.group_size}" if m.bits == 4 else "") for m in layers})
         isa = cpu.quantized_linear_isa()
         where = f"cbatch {isa}" if isa else "the pure-torch reference"
         return f"{', '.join(kinds)}, {len(layers)} layers ({where})"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch.layers.module import Module
-from cbatch.layers.quantization.weight import QuantizedWeight, quantize
+from cbatch.layers.quantization.weight import QuantizedWeight, pack_w8a8, quantize, unpack_w8a8
 from cbatch.ops import cpu, reference
 
 
@@ -16,44 +16,73 @@ class QuantizedLinear(Module):
     quantized_linear``, dequantizing in registers) where it runs
     (:func:`cbatch.ops.cpu.quantized_linear_available`), else the pure-torch reference.
 
+    ``act_bits=8`` (W8A8, as vLLM runs compressed-tensors' int8 checkpoints): x is quantized
+    too, to int8 per token on every call (:func:`cbatch.ops.reference.quantize_per_token`),
+    and the sums run in integers (``cbatch::quantized_linear_w8a8``); the weight must be
+    symmetric int8 with one group per output channel, and ``qweight`` holds it in the W8A8
+    layout (:func:`~cbatch.layers.quantization.weight.pack_w8a8`; :attr:`weight` unpacks it).
+
     ``forward(x, gelu=None, residual=None)`` as :class:`cbatch.layers.linear.Linear`'s (the
     GELU and the add run after the matmul).  The packed tensors are buffers: they follow
     ``.to(device)`` and are in the state dict under their own names."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 act_bits: int | None = None):
         super().__init__()
-        self.bits, self.group_size = weight.bits, weight.group_size
+        if act_bits not in (None, 8):
+            raise ValueError(f"act_bits must be None or 8, got {act_bits}")
+        if act_bits == 8 and (weight.bits != 8 or weight.groups != 1
+                              or weight.zeros is not None):
+            raise ValueError(f"act_bits=8 (W8A8) takes symmetric int8 weights with one group "
+                             f"per output channel, got bits={weight.bits}, group_size="
+                             f"{weight.group_size} of in_features={weight.in_features}"
+                             + (", zero points" if weight.zeros is not None else ""))
+        self.bits, self.group_size, self.act_bits = weight.bits, weight.group_size, act_bits
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("qweight", weight.qweight if act_bits is None
+                             else pack_w8a8(weight))
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.placed = False  # qweight and scales moved to a CPU runner's huge pages
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None
-                    ) -> QuantizedLinear:
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None,
+                    act_bits: int | None = None) -> QuantizedLinear:
         """``linear``'s weight quantized (:func:`quantize`), its bias kept as it is."""
-        return cls(quantize(linear.weight, bits, group_size), linear.bias)
+        return cls(quantize(linear.weight, bits, group_size), linear.bias, act_bits)
 
     @property
     def weight(self) -> QuantizedWeight:
+        if self.act_bits == 8:
+            return unpack_w8a8(self.qweight, self.scales, self.out_features, self.in_features)
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,
                                self.qweight, self.scales, self.zeros)
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        args = (self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                self.out_features, self.bias)
-        if x.device.type == "cpu" and cpu.quantized_linear_available():
-            y = torch.ops.cbatch.quantized_linear(x if x.stride(-1) == 1 else x.contiguous(),
-                                                  *args)
+        if self.act_bits == 8:
+            y = self._forward_w8a8(x)
         else:
-            y = reference.quantized_linear(x, *args)
+            y = self._forward_w16(x)
         if gelu is not None:
             y = F.gelu(y, approximate=gelu)
         return y if residual is None else residual + y
 
+    def _forward_w16(self, x: torch.Tensor) -> torch.Tensor:
+        args = (self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                self.out_features, self.bias)
+        if x.device.type == "cpu" and cpu.quantized_linear_available():
+            return torch.ops.cbatch.quantized_linear(
+                x if x.stride(-1) == 1 else x.contiguous(), *args)
+        return reference.quantized_linear(x, *args)
+
+    def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.quantized_linear_w8a8(x, self.qweight, self.scales, self.out_features,
+                                               self.bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
+                f"bits={self.bits}, group_size={self.group_size}, "
+                + (f"act_bits={self.act_bits}, " if self.act_bits else "")
+                + f"bias={self.bias is not None}")

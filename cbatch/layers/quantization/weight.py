@@ -28,6 +28,15 @@ bits 4 as they are (their ``qzeros`` unpacked, GPTQ's stored zero minus one adde
 int8 per-channel to bits 8 with ``zeros`` None.  Not represented: a permutation of k
 (GPTQ's ``desc_act`` ``g_idx``), which a loader must either apply to the weight's rows with
 its inverse on x or refuse.
+
+W8A8 (``QuantizedLinear(..., act_bits=8)``: x quantized to int8 per token, int8 dot products
+in int32) takes symmetric int8 with one group per column, repacked (:func:`pack_w8a8`) for
+the kernel's 4-byte dot products (``vpdpbusd``'s u8 x s8 quads; AVX2's ``vpmaddwd`` pairs):
+uint8 ``[N16 / 16, ceil(K / 4), 64]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j, 4 i + t]
++ 128`` (128 past K), so that each 4-byte lane is one column's four k.  The weight is unsigned
+and x signed: ``sum (q + 128) x = sum q x + 128 sum x``, and the kernel subtracts 128 times
+each row's sum of x, one number per row (no per-column correction).  :func:`unpack_w8a8`
+gives the :class:`QuantizedWeight` back (bitwise).
 """
 
 from __future__ import annotations
@@ -137,3 +146,26 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None
     if bits == 4:
         q = q + 8
     return pack(q.to(torch.int16), scales.t(), None, bits, gs)
+
+
+def pack_w8a8(weight: QuantizedWeight) -> torch.Tensor:
+    """``weight``'s integers in the W8A8 layout (the module docstring); ``weight`` symmetric
+    int8 with one group per output channel."""
+    if weight.bits != 8 or weight.groups != 1 or weight.zeros is not None:
+        raise ValueError(f"W8A8 takes symmetric int8 weights with one group per output "
+                         f"channel, got bits={weight.bits}, group_size={weight.group_size} "
+                         f"of K={weight.in_features}, zeros={weight.zeros is not None}")
+    blocks, K, _ = weight.qweight.shape
+    quads = -(-K // 4)
+    q = F.pad(weight.qweight, (0, 0, 0, 4 * quads - K)).to(torch.int16) + 128  # [b, 4i+t, j]
+    q = q.to(torch.uint8).view(blocks, quads, 4, BLOCK).permute(0, 1, 3, 2)  # [b, i, j, t]
+    return q.reshape(blocks, quads, 4 * BLOCK).contiguous()
+
+
+def unpack_w8a8(qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
+                in_features: int) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` whose :func:`pack_w8a8` is ``qweight``."""
+    blocks = qweight.shape[0]
+    q = reference.unpack_w8a8(qweight, blocks * BLOCK, in_features).to(torch.int8)
+    q = q.view(blocks, BLOCK, in_features).permute(0, 2, 1).contiguous()
+    return QuantizedWeight(8, in_features, out_features, in_features, q, scales)
