@@ -63,6 +63,18 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def trim_heap() -> None:
+    """Give the memory freed so far back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere): once the model is loaded, quantized and placed, what loading freed (a float
+    copy of every quantized weight) would otherwise stay resident under the trim threshold
+    above (benchmarks/model_memory.py measures it).  (The grammar worker has its own copy: it
+    imports nothing of cbatch.)"""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # HugePages maps this much at a time (a larger tensor gets its own mapping)
 ALIGN = 4096  # each tensor starts on its own 4 KB page

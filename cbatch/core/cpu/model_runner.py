@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory
+from cbatch.core.cpu.memory import HugePages, huge_page_zeros, keep_freed_memory, trim_heap
 from cbatch.core.cpu.packing import pack_linears, place_quantized
 from cbatch.core.cpu.report import isa_phrase, screen_phrase
 from cbatch.core.cpu.threads import ThreadPolicy
@@ -51,6 +51,7 @@ class CPUModelRunner(ModelRunner):
         self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
                                    place=self.huge_pages.copy)
         place_quantized(model, self.huge_pages.copy)
+        trim_heap()  # what loading, quantizing and placing freed
         keep_freed_memory()
         super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs,
                          num_speculative_tokens)
