@@ -79,6 +79,14 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                 int64_t bits, int64_t group_size, int64_t out_features,
                                 const std::optional<at::Tensor>& bias);
+// W8A8 (cpu/quantized_linear_w8a8.cpp): x quantized to int8 per token in the kernel, int8 dot
+// products summed exactly in int32, y = acc * s_w[n] * s_x[m] + bias.  qweight: uint8
+// [N16 / 16, ceil(K / 4), 64], each column's q + 128 in quads of k; scales: float32 [1, N16];
+// K <= 65536.  Supported where quantized_linear is (AVX512-VNNI's vpdpbusd where the CPU has
+// it, else AVX2).
+at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                     const at::Tensor& scales, int64_t out_features,
+                                     const std::optional<at::Tensor>& bias);
 
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`

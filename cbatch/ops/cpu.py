@@ -142,10 +142,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @functools.cache
 def quantized_linear_available() -> bool:
-    """Whether cbatch's quantized CPU kernel (``cbatch::quantized_linear``, int8 and int4
-    weights, :mod:`cbatch.layers.quantization`) runs here: x86 with AVX2 and FMA, or
-    AVX-512; elsewhere quantized layers run the pure-torch reference.  Asked once (every
-    quantized layer asks on every call; no ISA cap changes the answer)."""
+    """Whether cbatch's quantized CPU kernels (``cbatch::quantized_linear``, int8 and int4
+    weights, and ``cbatch::quantized_linear_w8a8``; :mod:`cbatch.layers.quantization`) run
+    here: x86 with AVX2 and FMA, or AVX-512; elsewhere quantized layers run the pure-torch
+    reference.  Asked once (every quantized layer asks on every call; no ISA cap changes the
+    answer)."""
     return "cpu" in compiled.compiled_backends() and \
         torch.ops.cbatch.quantized_linear_supported()
 
@@ -156,6 +157,15 @@ def quantized_linear_isa() -> str:
     if not quantized_linear_available():
         return ""
     return "avx512" if "avx512" in cpu_isa().split() else "avx2"
+
+
+def quantized_linear_w8a8_isa() -> str:
+    """The path cbatch's W8A8 CPU kernel (``cbatch::quantized_linear_w8a8``, which runs where
+    :func:`quantized_linear_available`) takes here now, after ``$CBATCH_CPU_ISA``'s cap:
+    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddwd``), or ""."""
+    if not quantized_linear_available():
+        return ""
+    return "avx512vnni" if "avx512vnni" in cpu_isa().split() else "avx2"
 
 
 @dataclass(frozen=True)
@@ -282,7 +292,8 @@ def attention_step(head_dim: int) -> str:
 
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
-    ``<op>.<path>`` (``linear.avx512``, ``quantized_linear.w4.avx2``, ``greedy_head.int8``,
+    ``<op>.<path>`` (``linear.avx512``, ``quantized_linear.w4.avx2``,
+    ``quantized_linear.w8a8.avx512vnni``, ``greedy_head.int8``,
     ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
     left to the kernel, not calls); empty without the extension.  Counts only grow: compare
     two readings."""
@@ -302,6 +313,12 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
     def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
         check_no_meta_mix("cbatch::quantized_linear", x=x, qweight=qweight, scales=scales,
                           zeros=zeros, bias=bias)
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("cbatch::quantized_linear_w8a8")
+    def _(x, qweight, scales, out_features, bias):
+        check_no_meta_mix("cbatch::quantized_linear_w8a8", x=x, qweight=qweight,
+                          scales=scales, bias=bias)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")

@@ -29,6 +29,8 @@ enum class CpuPath : int {
   kQuantizedLinearW8Avx2,
   kQuantizedLinearW4Avx512,
   kQuantizedLinearW4Avx2,
+  kQuantizedLinearW8A8Vnni,
+  kQuantizedLinearW8A8Avx2,
   kGreedyHeadInt8,
   kGreedyHeadBf16Avx512,
   kGreedyHeadBf16Avx2,

@@ -71,11 +71,13 @@ def cpu_paths() -> dict[str, str]:
 
 
 def quantized_phrase() -> str:
-    """Where int8 and int4 weights run: cbatch's kernel and its ISA, or the reference."""
+    """Where int8 and int4 weights (W8A16, W4A16) and W8A8 run: cbatch's kernels and their
+    ISA, or the reference."""
     isa = cpu.quantized_linear_isa()
     if isa:
-        return f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
-    return "int8, int4: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
+        return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers; w8a8: "
+                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products")
+    return "int8, int4, w8a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 
 
 def isa_phrase() -> str:

@@ -13,8 +13,9 @@ from cbatch.ops import cpu, reference
 
 class QuantizedLinear(Module):
     """``x @ W.T + bias`` with ``W`` quantized: cbatch's CPU kernel (``cbatch::
-    quantized_linear``, dequantizing in registers) where it runs
-    (:func:`cbatch.ops.cpu.quantized_linear_available`), else the pure-torch reference.
+    quantized_linear``, dequantizing in registers; W8A8: ``cbatch::quantized_linear_w8a8``)
+    where it runs (:func:`cbatch.ops.cpu.quantized_linear_available`), else the pure-torch
+    reference.
 
     ``act_bits=8`` (W8A8, as vLLM runs compressed-tensors' int8 checkpoints): x is quantized
     too, to int8 per token on every call (:func:`cbatch.ops.reference.quantize_per_token`),
@@ -78,8 +79,11 @@ class QuantizedLinear(Module):
         return reference.quantized_linear(x, *args)
 
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        return reference.quantized_linear_w8a8(x, self.qweight, self.scales, self.out_features,
-                                               self.bias)
+        args = (self.qweight, self.scales, self.out_features, self.bias)
+        if x.device.type == "cpu" and cpu.quantized_linear_available():
+            return torch.ops.cbatch.quantized_linear_w8a8(
+                x if x.stride(-1) == 1 else x.contiguous(), *args)
+        return reference.quantized_linear_w8a8(x, *args)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

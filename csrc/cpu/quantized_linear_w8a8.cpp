@@ -1,0 +1,285 @@
+// The CPU W8A8 linear op: int8 weights per output channel (symmetric), x quantized to int8 per
+// token on every call, integer dot products summed exactly in int32, then
+//   y[m, n] = fl(fl(fl(acc[m, n]) * s_w[n]) * s_x[m]) (+ bias[n], fused into the last multiply)
+// as vLLM's int8 GEMM epilogue scales (the weight's scale first, then the token's).
+//
+// The activation quantization, per row of x in fp32 (cbatch/ops/reference.py,
+// quantize_per_token, computes the same): a = max |x|, q = nearbyint(x * fl(127 / a)) (the
+// default rounding: ties to even; |q| <= 127), s_x = fl(a / 127); a row of zeros has q 0 and
+// s_x 0.
+//
+// The weight's layout (cbatch/layers/quantization/weight.py, pack_w8a8): uint8
+// [N16 / 16, ceil(K / 4), 64], byte [b, i, 4 j + t] = q[16 b + j, 4 i + t] + 128 (128 past K):
+// each 4-byte lane is one column's four k, the operand of vpdpbusd (u8 x s8 quads) as it is,
+// and of AVX2's vpmaddwd after a zero extension to 16 bits.  The weight is the unsigned operand
+// and x the signed one, so sum (q + 128) x = sum q x + 128 sum x: one correction per row,
+// 128 times the row's sum of its q, none per column.  Every product and sum is an integer
+// below 255 * 127 * 4 * ceil(K / 4) < 2^31 (K <= 65536), so the sums are exact whatever the
+// order, and the output is the reference's bit for bit but for the fused bias add (within one
+// fp32 rounding of it: tests/ops/test_quantized_linear_w8a8.py).  A row's result depends on
+// nothing but that row.
+//
+// Paths: AVX512-VNNI (vpdpbusd, 4 rows x 4 blocks of 16 columns per tile) where the CPU has
+// it, else AVX2 (vpmaddwd on 16-bit lanes, 2 rows x 16 columns per tile).  AMX-INT8 tiles are
+// not used.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../ops.h"
+#include "avx2.h"
+#include "avx512.h"
+
+namespace cbatch {
+
+namespace {
+
+constexpr int64_t kBlock = 16;      // output columns per packed block
+constexpr int64_t kChunkRows = 64;  // rows per pass over the weights (they stay in L2)
+constexpr int64_t kMaxK = 65536;    // sums of 255 * 127 * K stay below 2^31
+
+struct W8A8Args {
+  const int8_t* xq;      // [M, K4 * 4] the quantized rows, 0 past K
+  const int16_t* xq16;   // the same as int16 (AVX2's vpmaddwd operand), or null
+  const int32_t* xsum;   // [M] each row's sum of q
+  const float* xscale;   // [M] s_x
+  int64_t M, K4, N;      // K4: quads of k
+  const uint8_t* w;      // [N16 / 16, K4, 64]
+  const float* wscale;   // [N16] s_w
+  const float* bias;     // [N] fp32 or null
+  float* out;            // [M, N] fp32
+};
+
+// Per-token quantization of rows [m0, m1) of xf [M, K] (fp32) into a's buffers.
+void quantize_rows(const float* xf, int64_t K, int64_t m0, int64_t m1, int8_t* xq,
+                   int16_t* xq16, int32_t* xsum, float* xscale, int64_t K4) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* x = xf + m * K;
+    float a = 0.f;
+    for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(x[k]));
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    xscale[m] = a / 127.f;
+    int32_t sum = 0;
+    int8_t* q = xq + m * K4 * 4;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(x[k] * inv);
+      q[k] = int8_t(std::clamp(v, -127.f, 127.f));
+      sum += q[k];
+    }
+    xsum[m] = sum;
+    if (xq16) {
+      for (int64_t k = 0; k < K4 * 4; ++k) xq16[m * K4 * 4 + k] = q[k];
+    }
+  }
+}
+
+#ifdef CBATCH_X86
+// ---- AVX2: a block of 16 columns is 4 vectors of 4 columns x (k 0+1, k 2+3) int32 pairs. ----
+constexpr int kAvx2Rows = 2;  // 2 rows x 4 vectors = 8 sums, 4 weight vectors, 1 x
+
+template <int R>
+CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
+  __m256i acc[kAvx2Rows][4];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+  }
+  const uint8_t* w = a.w + block * a.K4 * 64;
+  const int16_t* x = a.xq16 + m * a.K4 * 4;
+  for (int64_t i = 0; i < a.K4; ++i) {
+    __m256i wv[4];  // 4 columns x 4 k as int16, 0..255
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      wv[c] = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 64 + 16 * c)));
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * 64) + 1024, _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      int64_t quad;  // the row's four k as int16
+      std::memcpy(&quad, x + r * a.K4 * 4 + 4 * i, sizeof quad);
+      const __m256i xv = _mm256_set1_epi64x(quad);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wv[c], xv));
+      }
+    }
+  }
+  const int64_t col = block * kBlock;
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    const __m256i shift = _mm256_set1_epi32(128 * a.xsum[m + r]);
+    const __m256 sx = _mm256_set1_ps(a.xscale[m + r]);
+    float* out = a.out + (m + r) * a.N;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
+      // hadd: [c0, c1, c4, c5 | c2, c3, c6, c7] of the half; 0xD8 puts them in order
+      const __m256i sum = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
+      const int64_t n = col + 8 * h, left = a.N - n;
+      if (left <= 0) break;
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, shift)),
+                                     _mm256_loadu_ps(a.wscale + n));
+      const __m256i lanes = avx2::first_lanes(left);
+      const __m256 y = a.bias ? _mm256_fmadd_ps(t, sx, _mm256_maskload_ps(a.bias + n, lanes))
+                              : _mm256_mul_ps(t, sx);
+      _mm256_maskstore_ps(out + n, lanes, y);
+    }
+  }
+}
+
+void item_avx2(const W8A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kAvx2Rows <= m1; m += kAvx2Rows) tile_avx2<kAvx2Rows>(a, m, block);
+  if (m < m1) tile_avx2<1>(a, m, block);
+}
+
+// ---- AVX512-VNNI: a block of 16 columns is one vector of int32 sums. ----------------------
+#define CBATCH_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+constexpr int kVnniRows = 4;    // 4 rows x 4 blocks = 16 sums, 4 weight vectors, 1 x
+constexpr int kVnniBlocks = 4;  // blocks per column item
+
+template <int R, int V>
+CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
+  __m512i acc[kVnniRows][kVnniBlocks];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+  }
+  const uint8_t* w = a.w + block * a.K4 * 64;
+  const int8_t* x = a.xq + m * a.K4 * 4;
+  for (int64_t i = 0; i < a.K4; ++i) {
+    __m512i wv[kVnniBlocks];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const uint8_t* p = w + (v * a.K4 + i) * 64;
+      wv[v] = _mm512_loadu_si512(p);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;  // the row's four k as int8
+      std::memcpy(&quad, x + r * a.K4 * 4 + 4 * i, sizeof quad);
+      const __m512i xv = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wv[v], xv);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i shift = _mm512_set1_epi32(128 * a.xsum[m + r]);
+    const __m512 sx = _mm512_set1_ps(a.xscale[m + r]);
+    float* out = a.out + (m + r) * a.N;
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = (block + v) * kBlock;
+      const __mmask16 lanes = avx512::first_lanes(a.N - n);
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], shift)),
+                                     _mm512_loadu_ps(a.wscale + n));
+      const __m512 y = a.bias ? _mm512_fmadd_ps(t, sx, _mm512_maskz_loadu_ps(lanes, a.bias + n))
+                              : _mm512_mul_ps(t, sx);
+      _mm512_mask_storeu_ps(out + n, lanes, y);
+    }
+  }
+}
+
+template <int V>
+void rows_vnni(const W8A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kVnniRows <= m1; m += kVnniRows) tile_vnni<kVnniRows, V>(a, m, block);
+  for (; m < m1; ++m) tile_vnni<1, V>(a, m, block);
+}
+
+void item_vnni(const W8A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  switch (std::min<int64_t>(kVnniBlocks, blocks - block)) {
+    case 4: return rows_vnni<4>(a, block, m0, m1);
+    case 3: return rows_vnni<3>(a, block, m0, m1);
+    case 2: return rows_vnni<2>(a, block, m0, m1);
+    default: return rows_vnni<1>(a, block, m0, m1);
+  }
+}
+#undef CBATCH_VNNI
+
+// Chunks of rows, each over every column item, the items shared out among threads.
+template <typename Item>
+void run(const W8A8Args& a, int64_t item_blocks, Item item) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  const int64_t items = (blocks + item_blocks - 1) / item_blocks;
+  for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(a.M, m0 + kChunkRows);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) item(a, i * item_blocks, m0, m1);
+    });
+  }
+}
+#endif  // CBATCH_X86
+
+}  // namespace
+
+at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                     const at::Tensor& scales, int64_t out_features,
+                                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(quantized_linear_supported(),
+                    "cbatch's W8A8 CPU linear runs only on an x86 CPU with AVX2 and FMA, "
+                    "or AVX-512");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK_VALUE(N >= 1 && K >= 1, "empty weight: ", N, " x ", K);
+  TORCH_CHECK_VALUE(K <= kMaxK, "W8A8 sums int32: K must be <= ", kMaxK, ", got ", K);
+  const int64_t N16 = (N + kBlock - 1) / kBlock * kBlock, K4 = (K + 3) / 4;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, "a W8A8 qweight is uint8, got ",
+                   qweight.scalar_type());
+  TORCH_CHECK_VALUE(qweight.is_contiguous() && qweight.dim() == 3 &&
+                        qweight.size(0) == N16 / kBlock && qweight.size(1) == K4 &&
+                        qweight.size(2) == 4 * kBlock,
+                    "qweight ", qweight.sizes(), " does not hold W8A8 ", N, " x ", K,
+                    " (expected [", N16 / kBlock, ", ", K4, ", 64])");
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                        scales.dim() == 2 && scales.size(0) == 1 && scales.size(1) == N16,
+                    "scales must be a dense float32 [1, ", N16, "], got ",
+                    scales.scalar_type(), " ", scales.sizes());
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
+                      bias->sizes());
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out.to(x.scalar_type());
+#ifdef CBATCH_X86
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bf =
+      bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  const bool vnni = cpu_has_avx512vnni();
+  const auto opts = x.options();
+  at::Tensor xq = at::zeros({M, K4 * 4}, opts.dtype(at::kChar));
+  at::Tensor xq16 = vnni ? at::Tensor() : at::empty({M, K4 * 4}, opts.dtype(at::kShort));
+  at::Tensor xsum = at::empty({M}, opts.dtype(at::kInt));
+  at::Tensor xscale = at::empty({M}, opts.dtype(at::kFloat));
+  const W8A8Args a{.xq = xq.data_ptr<int8_t>(),
+                   .xq16 = vnni ? nullptr : xq16.data_ptr<int16_t>(),
+                   .xsum = xsum.data_ptr<int32_t>(), .xscale = xscale.data_ptr<float>(),
+                   .M = M, .K4 = K4, .N = N, .w = qweight.data_ptr<uint8_t>(),
+                   .wscale = scales.data_ptr<float>(),
+                   .bias = bf ? bf->data_ptr<float>() : nullptr, .out = out.data_ptr<float>()};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xf.data_ptr<float>(), K, m0, m1, xq.data_ptr<int8_t>(),
+                  vnni ? nullptr : xq16.data_ptr<int16_t>(), xsum.data_ptr<int32_t>(),
+                  xscale.data_ptr<float>(), K4);
+  });
+  count_path(vnni ? CpuPath::kQuantizedLinearW8A8Vnni : CpuPath::kQuantizedLinearW8A8Avx2);
+  if (vnni) {
+    run(a, kVnniBlocks, item_vnni);
+  } else {
+    run(a, 1, item_avx2);
+  }
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace cbatch

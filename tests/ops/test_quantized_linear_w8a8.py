@@ -1,0 +1,171 @@
+"""cbatch::quantized_linear_w8a8 (csrc/cpu/quantized_linear_w8a8.cpp) against its oracles.
+
+The integer sums are exact in the kernel (int32, no saturation) and in the oracle (int64 here,
+from the unpacked integers), and the per-token quantization of x is defined to the bit
+(reference.quantize_per_token), so without a bias the kernel's output is the reference's bit
+for bit: y = fl(fl(fl(acc) * s_w) * s_x).  With a bias the kernel fuses the last multiply and
+the add (one rounding fewer than the reference's), so there it is within
+2^-23 (|acc s_w s_x| + |b|) of it.  Against the exact value acc s_w s_x + b (float64), every
+output is within gamma_4 (|acc s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (the
+rounding of acc to fp32, two multiplies, the add); bf16 outputs add 2^-8 |y|.
+Both paths run every case where the CPU has them (set_cpu_options("avx2") caps the kernel at
+its AVX2 path; the AVX512-VNNI cases skip on a CPU without VNNI), and each call asserts the
+path of its ISA ran.
+"""
+
+import pytest
+import torch
+
+from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.quantization.weight import pack_w8a8
+from cbatch.ops import compiled, cpu, reference
+from tests.helpers import CPU_FLAGS as FLAGS
+
+pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
+                                reason="cbatch's quantized CPU kernels do not run here")
+
+HAS_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= FLAGS
+ISAS = [pytest.param("avx512vnni", marks=pytest.mark.skipif(not HAS_VNNI,
+                                                             reason="no AVX512-VNNI")),
+        "avx2"]
+U = 2.0 ** -24
+
+
+@pytest.fixture
+def isa(request):
+    """Run the test with the kernel capped at ``request.param``; restore the options after."""
+    torch.ops.cbatch.set_cpu_options("avx2" if request.param == "avx2" else "", "")
+    assert cpu.quantized_linear_w8a8_isa() == request.param
+    yield request.param
+    torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def _random_w8a8(N, K, gen, q=None):
+    """The kernel's operands (W8A8 qweight, scales [1, N16]) and the unpacked q [N, K], s_w."""
+    if q is None:
+        q = torch.randint(-128, 128, (N, K), generator=gen)
+    s = torch.rand(1, N, generator=gen) * 0.02 + 1e-3
+    qw = pack(q, s, None, 8, K)
+    return pack_w8a8(qw), qw.scales, q, s[0]
+
+
+def _run(isa, x, qweight, scales, N, bias):
+    before = cpu.kernel_paths()
+    ours = torch.ops.cbatch.quantized_linear_w8a8(x, qweight, scales, N, bias)
+    path = f"quantized_linear.w8a8.{isa}"
+    assert cpu.kernel_paths()[path] == before[path] + 1, path
+    assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
+    return ours
+
+
+def _check(x, q, s_w, bias, ours, ref):
+    """ours against the exact value (int64 sums of the quantized x) and the reference."""
+    xq, s_x = reference.quantize_per_token(x)
+    acc = xq.long() @ q.long().t()  # [M, N], exact
+    scaled = acc.double() * s_w.double() * s_x.double()[:, None]
+    b = 0 if bias is None else bias.double()
+    size = scaled.abs() + abs(b)
+    bound = 4 * U / (1 - 4 * U) * size
+    if x.dtype == torch.bfloat16:
+        bound = bound + (scaled + b).abs() * 2.0 ** -8
+    assert ((ours.double() - (scaled + b)).abs() <= bound).all()
+    if bias is None and x.dtype == torch.float32:
+        assert torch.equal(ours, ref)
+    elif x.dtype == torch.float32:
+        assert ((ours.double() - ref.double()).abs() <= 2 * U * size).all()
+
+
+# (N, K): one column, K of one element, odd K and N, K not a multiple of 4, a partial last
+# block, several 4-block column items
+SHAPES = [(1, 1), (5, 3), (33, 129), (17, 302), (130, 257), (64, 512), (200, 96)]
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_w8a8_matches_exact_integer_sums(isa, N, K):
+    """Rows 1, 7, 64 (a chunk) and 300 (past four chunks), fp32 and bf16 x, with and without
+    bias, a row of zeros (scale 0: the output is the bias) and a row with one outlier."""
+    gen = torch.Generator().manual_seed(N * 1000 + K)
+    qweight, scales, q, s_w = _random_w8a8(N, K, gen)
+    for M, dtype, with_bias in ((1, torch.float32, False), (7, torch.bfloat16, True),
+                                (64, torch.float32, True), (300, torch.bfloat16, False),
+                                (7, torch.float32, False)):
+        x = torch.randn(M, K, generator=gen)
+        x[M // 2] = 0
+        x[-1, K // 2] = 1e4 if M > 1 else x[-1, K // 2]
+        x = x.to(dtype)
+        bias = (torch.randn(N, generator=gen) * 0.1).to(dtype) if with_bias else None
+        ours = _run(isa, x, qweight, scales, N, bias)
+        ref = reference.quantized_linear_w8a8(x, qweight, scales, N, bias)
+        _check(x, q, s_w, bias, ours, ref)
+        if M > 1:
+            assert torch.equal(ours[M // 2], torch.zeros(N, dtype=dtype) if bias is None
+                               else bias.float().to(dtype))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_extreme_integers_are_exact(isa):
+    """q all -128 or 127 against x quantized to +-127, at the largest K the kernel takes: the
+    sums' largest magnitudes (128 * 127 * 65536) come out exact; one more k is refused."""
+    K, N = 65536, 20
+    q = torch.where(torch.arange(N)[:, None] % 2 == 0, -128, 127).expand(N, K)
+    qweight, scales, q, s_w = _random_w8a8(N, K, torch.Generator().manual_seed(0), q)
+    x = torch.ones(3, K)
+    x[1] = -1
+    x[2, ::2] = -1
+    ours = _run(isa, x, qweight, scales, N, None)
+    _check(x, q, s_w, None, ours, reference.quantized_linear_w8a8(x, qweight, scales, N, None))
+    with pytest.raises(ValueError, match="K must be <= 65536"):
+        torch.ops.cbatch.quantized_linear_w8a8(torch.ones(1, K + 1), qweight, scales, N, None)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_many_rows_and_rows_are_independent(isa):
+    """2048 rows: within the bound, and each row bitwise the row computed alone."""
+    gen = torch.Generator().manual_seed(5)
+    N, K = 40, 256
+    qweight, scales, q, s_w = _random_w8a8(N, K, gen)
+    x = torch.randn(2048, K, generator=gen).to(torch.bfloat16)
+    ours = _run(isa, x, qweight, scales, N, None)
+    _check(x, q, s_w, None, ours, None)
+    for m in (0, 3, 64, 2047):
+        alone = torch.ops.cbatch.quantized_linear_w8a8(x[m:m + 1], qweight, scales, N, None)
+        assert torch.equal(alone, ours[m:m + 1])
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_the_layer_runs_the_kernel(isa):
+    gen = torch.Generator().manual_seed(2)
+    qweight, scales, q, s_w = _random_w8a8(24, 70, gen)
+    layer = QuantizedLinear(pack(q, s_w[None], None, 8, 70), torch.randn(24, generator=gen),
+                            act_bits=8)
+    x = torch.randn(5, 70, generator=gen)
+    before = cpu.kernel_paths()[f"quantized_linear.w8a8.{isa}"]
+    y = layer(x)
+    assert cpu.kernel_paths()[f"quantized_linear.w8a8.{isa}"] == before + 1
+    _check(x, q, s_w, layer.bias.detach(), y, reference.quantized_linear_w8a8(
+        x, layer.qweight, layer.scales, 24, layer.bias))
+
+
+@pytest.mark.slow
+def test_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    qweight, scales, _, _ = _random_w8a8(24, 66, gen)
+    torch.library.opcheck(torch.ops.cbatch.quantized_linear_w8a8,
+                          (torch.randn(3, 66, generator=gen), qweight, scales, 24, None))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(out_features=40), "does not hold W8A8 40 x 66"),
+    (dict(qweight=torch.zeros(2, 17, 64, dtype=torch.int8)), "a W8A8 qweight is uint8"),
+    (dict(scales=torch.zeros(2, 32)), "scales must be a dense float32 \\[1, 32\\]"),
+    (dict(bias=torch.zeros(23)), "bias must be \\[24\\]"),
+    (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
+])
+def test_bad_operands_get_a_sentence(change, match):
+    qweight, scales, _, _ = _random_w8a8(24, 66, torch.Generator().manual_seed(0))
+    args = dict(x=torch.zeros(3, 66), qweight=qweight, scales=scales, out_features=24,
+                bias=None)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.cbatch.quantized_linear_w8a8(*args.values())
