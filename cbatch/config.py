@@ -13,7 +13,7 @@ from cbatch import devices
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
 DEFAULT_MODEL = "random:gpt2"  # LLM's, Engine's, AsyncEngine's and the CLI's
-QUANTIZATION_METHODS = ("int8", "int4")  # online; the schemes: cbatch.layers.quantization
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # online; the schemes: cbatch.layers.quantization
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -248,7 +248,8 @@ class EngineConfig:
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     quantization: str | None = _knob(
         None, "quantize the decoder layers' linear weights at load (CPU): int8 (per output "
-        "channel) or int4 (groups of 128); the lm_head keeps the model's dtype (default: none)",
+        "channel), int4 (groups of 128), or w8a8 (int8 per output channel, activations int8 "
+        "per token); the lm_head keeps the model's dtype (default: none)",
         choices=QUANTIZATION_METHODS)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "

@@ -1,7 +1,9 @@
-"""Online quantization (``quantization="int8" | "int4"``): which layers it replaces, that a
-quantized model's logits are those of the same model with the dequantized weights in fp32
-(the oracle: F.linear on cbatch.ops.reference.dequantize's weights), that an engine runs the
-quantized kernel and keeps the lm_head's greedy screen, and what is refused, by name."""
+"""Online quantization (``quantization="int8" | "int4" | "w8a8"``): which layers it replaces,
+that a quantized model's logits are those of the same model with the dequantized weights in
+fp32 (the oracle: F.linear on cbatch.ops.reference.dequantize's weights; W8A8: the same model
+with every layer on the pure-torch reference, whose integer sums are exact), that an engine
+runs the quantized kernel and keeps the lm_head's greedy screen, and what is refused, by
+name."""
 
 import json
 
@@ -12,6 +14,7 @@ from cbatch import LLM, SamplingParams, load_model
 from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
+from cbatch.layers.quantization import linear as quantized_linear
 from cbatch.ops import cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -46,13 +49,37 @@ def test_quantized_logits_are_the_dequantized_models(name, method):
                                atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2 (bias)
+def test_w8a8_logits_are_the_references(name, monkeypatch):
+    """quantization="w8a8": every linear but the lm_head takes int8 activations; the logits
+    are those of the same layers on the reference (exact integer sums; the kernel's fused
+    bias add differs by one rounding), and near the W8A16 model's (the cost of int8 x)."""
+    model = load_model(name, quantization="w8a8", seed=3)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.act_bits == 8 and m.bits == 8 for m in layers)
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
+    path = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+    before = cpu.kernel_paths().get(path, 0)
+    ours = torch.cat(prefill_logits(model, prompts))
+    assert cpu.kernel_paths().get(path, 0) > before or not cpu.quantized_linear_available()
+    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_available", lambda: False)
+    reference = torch.cat(prefill_logits(model, prompts))
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    int8 = torch.cat(prefill_logits(load_model(name, quantization="int8", seed=3), prompts))
+    assert (ours - int8).abs().max() < 0.05 * int8.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     if not cpu.quantized_linear_available():
         pytest.skip("cbatch's quantized CPU kernel does not run here")
     llm = LLM("random:llama-tiny", dtype="bfloat16" if cpu.int8_screens() else "float32",
               quantization=method, max_num_seqs=4)
-    path = f"quantized_linear.w{8 if method == 'int8' else 4}.{cpu.quantized_linear_isa()}"
+    path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa()}",
+            "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa()}",
+            "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"}[method]
     before = cpu.kernel_paths()
     outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
@@ -63,7 +90,8 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     assert quantized and all(m.placed for m in quantized)  # on the runner's huge pages
     described = llm.engine.runner.describe()
     assert described["quantized linear"].startswith(
-        "int8" if method == "int8" else "int4 g128")
+        {"int8": "int8", "int4": "int4 g128", "w8a8": "w8a8"}[method])
+    assert f"(cbatch {path.rsplit('.', 1)[1]})" in described["quantized linear"]
     if llm.engine.runner.greedy_screen is not None:  # the lm_head stays float and screened
         screened = [k for k in after if k.startswith("greedy_head.") and "rows" not in k]
         assert sum(after[k] - before[k] for k in screened) > 0
@@ -71,7 +99,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 
 def test_quantization_methods_are_refused_by_name():
     with pytest.raises(ValueError, match="quantization='gptq' is not supported; cbatch runs "
-                                         "int8, int4"):
+                                         "int8, int4, w8a8"):
         LLM("random:llama-tiny", quantization="gptq")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model("random:llama-tiny", device="cuda", quantization="int8")

@@ -90,7 +90,8 @@ class CPUModelRunner(ModelRunner):
             return "none"
         kinds = sorted({("w8a8" if m.act_bits else f"int{m.bits}")
                         + (f" g{m.group_size}" if m.bits == 4 else "") for m in layers})
-        isa = cpu.quantized_linear_isa()
+        w8a8 = all(m.act_bits for m in layers)  # their kernel's ISA (VNNI where present)
+        isa = cpu.quantized_linear_w8a8_isa() if w8a8 else cpu.quantized_linear_isa()
         where = f"cbatch {isa}" if isa else "the pure-torch reference"
         return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
 

@@ -2,9 +2,11 @@
 runs on it (:mod:`.linear`), and online quantization at load (:func:`quantize_model`).
 
 ``quantization="int8"``: every linear layer of the decoder layers int8, per output channel,
-symmetric; ``"int4"``: int4 in groups of 128 along k, symmetric.  The lm_head stays in the
-model's dtype (as llama.cpp keeps ``output.weight`` at higher precision), so that its greedy
-screen keeps working (:mod:`cbatch.ops.cpu`).
+symmetric; ``"int4"``: int4 in groups of 128 along k, symmetric; ``"w8a8"``: int8 as
+``"int8"``, and the layers' inputs quantized to int8 per token on every call (W8A8, as vLLM
+runs compressed-tensors' int8 checkpoints; vLLM has no online name for it).  The lm_head
+stays in the model's dtype (as llama.cpp keeps ``output.weight`` at higher precision), so that
+its greedy screen keeps working (:mod:`cbatch.ops.cpu`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from cbatch.layers.linear import Linear
 from cbatch.layers.quantization.linear import QuantizedLinear
 from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
 
-# method (config.QUANTIZATION_METHODS) -> (bits, group_size; None: one per output channel)
-QUANTIZATION_METHODS = {"int8": (8, None), "int4": (4, 128)}
+# method (config.QUANTIZATION_METHODS) -> (bits, group_size; None: one per output channel,
+# act_bits; None: x as it is)
+QUANTIZATION_METHODS = {"int8": (8, None, None), "int4": (4, 128, None), "w8a8": (8, None, 8)}
 assert tuple(QUANTIZATION_METHODS) == config.QUANTIZATION_METHODS
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "QuantizedWeight", "check_quantization",
@@ -29,7 +32,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     """Replace every :class:`Linear` of ``model`` except the lm_head (and any layer whose
     weight another module shares) with a :class:`QuantizedLinear` of ``method``; the number
     replaced."""
-    bits, group_size = QUANTIZATION_METHODS[check_quantization(method)]
+    bits, group_size, act_bits = QUANTIZATION_METHODS[check_quantization(method)]
     head = getattr(model, "lm_head", None)
     owners: dict[int, int] = {}
     for module in model.modules():
@@ -40,6 +43,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and child is not head \
                     and owners[id(child.weight)] == 1:
-                setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size))
+                setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size,
+                                                                       act_bits))
                 count += 1
     return count
