@@ -16,6 +16,8 @@ MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 # repetition_penalty's range: the sampler divides (or multiplies) float32 logits by it, and
 # logits of any model stay finite through that for every value in this range
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
+# the constraints a StructuredOutputsParams takes one of
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -28,6 +30,13 @@ class StructuredOutputsParams:
     regex        the output matches this regular expression, whole
     choice       the output is one of these strings
     grammar      an EBNF grammar (GBNF, as llama.cpp and xgrammar write it)
+
+    and, with any of them, when it begins:
+
+    reasoning_end  token ids that end a reasoning model's thinking (``</think>``'s): the
+                 output is free until it has written them, and the constraint applies to what
+                 follows them (vLLM's structured outputs with a reasoning parser; the server
+                 sets it from its ``--reasoning-parser``).  None: from the first token.
     """
 
     json: str | dict | None = None
@@ -35,10 +44,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, json_object, regex, "
                              f"choice, grammar; got {given or 'none'}")
@@ -54,12 +63,17 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError("structured_outputs.json must be a JSON schema (a dict or its "
                              "text)")
+        if self.reasoning_end is not None:
+            self.reasoning_end = _token_ids("structured_outputs.reasoning_end",
+                                            self.reasoning_end)
+            if not self.reasoning_end:
+                raise ValueError("structured_outputs.reasoning_end must not be empty (None: "
+                                 "the constraint applies from the first token)")
 
     @property
     def kind(self) -> str:
         """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(n for n in ("json", "json_object", "regex", "choice", "grammar")
-                    if getattr(self, n) not in (None, False))
+        return next(n for n in CONSTRAINT_KINDS if getattr(self, n) not in (None, False))
 
 
 @dataclass

@@ -52,3 +52,24 @@ ADD = {"type": "object",
        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                       "b": {"type": "integer", "minimum": 0, "maximum": 99}},
        "required": ["a", "b"], "additionalProperties": False}
+
+
+def script_outputs(monkeypatch, script: bytes) -> None:
+    """A logits-processor trick for a random-weight model with a byte-level tokenizer: while
+    ``monkeypatch`` holds, every row that draws output token i < len(script) has ``script[i]``
+    raised far above the rest (+1e4) before the sampler's rules, so an unconstrained row
+    writes the script, greedy or sampled; a grammar's bitmask, applied after, still forbids
+    what it forbids.  Rows past the script are the model's own."""
+    from cbatch.core import model_runner
+
+    sample = model_runner.sample
+
+    def scripted(logits, batch):
+        rows = [r for r, p in enumerate(batch.positions) if p < len(script)]
+        if rows:
+            logits = logits.clone()
+            for r in rows:
+                logits[r, script[batch.positions[r]]] += 1e4
+        return sample(logits, batch)
+
+    monkeypatch.setattr(model_runner, "sample", scripted)

@@ -68,13 +68,24 @@ def check_request(constraint: CompiledConstraint, params: SamplingParams) -> Non
 class SequenceGrammar:
     """One sequence's place in its grammar: an xgrammar ``GrammarMatcher``, and the tokens
     it allows next (filled once per token: :meth:`accept` needs them, and :meth:`fill`
-    copies them)."""
+    copies them).
+
+    With ``reasoning_end`` (``StructuredOutputsParams.reasoning_end``), the sequence is
+    reasoning first (:attr:`reasoning`): its tokens are free (no bitmask) and do not advance
+    the matcher, until its output ends with those ids; the grammar then applies from the
+    next token on, as vLLM's structured outputs do once a reasoning parser says the thinking
+    ended.  The end may be several tokens (a tokenizer without a ``</think>`` token)."""
 
     def __init__(self, constraint: CompiledConstraint, vocab_size: int,
-                 stop_token_ids: list[int], field: str):
+                 stop_token_ids: list[int], field: str,
+                 reasoning_end: list[int] | None = None):
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(constraint.grammar)
         self.field = field  # the constraint's name, for errors
+        # the ids that end the reasoning while it goes on (None: constrained), and the
+        # output's last tokens, as many as they are
+        self._reasoning_end = None if not reasoning_end else list(reasoning_end)
+        self._tail: list[int] = []
         self.num_words = -(-vocab_size // 32)  # int32 words of a bitmask row
         self._row = constraint.first.clone()  # [1, num_words]: allowed next
         # every bit but the stop tokens': what may follow a complete grammar besides its end
@@ -84,11 +95,23 @@ class SequenceGrammar:
             words[t // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)
         self._not_stop = torch.tensor(words, dtype=torch.int32)
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether the output is still reasoning (free: the grammar waits)."""
+        return self._reasoning_end is not None
+
     def accept(self, token: int) -> bool:
         """Advance by the sequence's new token; whether the output is done: its grammar
         ended (a stop token), or is complete and allows nothing but a stop token next.
         :class:`ConstraintError` if the grammar does not allow ``token`` (another rule masked
-        every token it allowed) or allows no token after it."""
+        every token it allowed) or allows no token after it.  While :attr:`reasoning`, the
+        token only moves the output towards the reasoning's end."""
+        if self._reasoning_end is not None:
+            end = self._reasoning_end
+            self._tail = (self._tail + [token])[-len(end):]
+            if self._tail == end:
+                self._reasoning_end = self._tail = None  # the grammar applies from here
+            return False
         if not self.matcher.accept_token(token):
             raise ConstraintError(self.field, "cannot be followed together with the "
                                   "request's other rules: they forbid every token it allows "
@@ -111,10 +134,11 @@ class SequenceGrammar:
 
 def bitmask(scheduled: list[ScheduledSequence]) -> torch.Tensor | None:
     """The step's token bitmask: int32 ``[S, ceil(vocab / 32)]`` on the CPU, row s the tokens
-    sequence s may sample next (all ones for rows without a grammar or that do not sample);
-    None when no row has a grammar."""
-    rows = [(s, item.seq.grammar) for s, item in enumerate(scheduled)
-            if item.seq.grammar is not None and item.samples]
+    sequence s may sample next (all ones for rows without a grammar, still reasoning, or that
+    do not sample); None when no row has a grammar that applies."""
+    rows = [(s, grammar) for s, item in enumerate(scheduled)
+            if (grammar := item.seq.grammar) is not None and item.samples
+            and not grammar.reasoning]
     if not rows:
         return None
     out = torch.full((len(scheduled), rows[0][1].num_words), -1, dtype=torch.int32)

@@ -23,7 +23,9 @@ regex, a choice of strings, an EBNF grammar) goes through three stages:
    the sequences with a grammar get the matcher's token bitmask (:func:`bitmask`, filled by
    ``ModelRunner.execute`` into ``SamplingBatch.bitmask``), and the sampler sets every token
    the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it
-   samples.
+   samples.  A constraint with ``reasoning_end`` (a reasoning model's ``</think>``, which
+   the server gives with ``--reasoning-parser``) waits for it: until the output has written
+   those ids, its row gets no bitmask and its matcher is not advanced (vLLM's rule).
 
 The matcher sees only sampled tokens, so its state follows a sequence through preemption
 (recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
@@ -155,6 +157,10 @@ class StructuredOutputs:
         other rules (:func:`check_request`).  The caller's thread parses: the server's
         requests come compiled already."""
         constraint = params.structured_outputs
+        bad = [t for t in constraint.reasoning_end or () if t >= self.vocab_size]
+        if bad:  # (it could never be written: the constraint would never apply)
+            raise ValueError(f"structured_outputs.reasoning_end has token ids outside the "
+                             f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
         key = constraint_key(constraint)
         with self._lock:
             known = self._compiles.get(key)
@@ -286,9 +292,10 @@ class StructuredOutputs:
             if error is None:
                 try:
                     check_request(ticket.future.result(), seq.params)
+                    constraint = seq.params.structured_outputs
                     seq.grammar = SequenceGrammar(ticket.future.result(), self.vocab_size,
-                                                  self.stop_token_ids,
-                                                  field_of(seq.params.structured_outputs))
+                                                  self.stop_token_ids, field_of(constraint),
+                                                  constraint.reasoning_end)
                 except ValueError as exc:
                     error = exc
             out.append((seq, error))
