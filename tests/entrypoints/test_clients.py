@@ -19,7 +19,8 @@ from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from cbatch.entrypoints.openai.serving_chat import _ChoiceStream
 from cbatch.outputs import RequestMetrics, RequestOutput
 from tests.serving_utils import running_server
-from tests.structured_utils import ADD, CONSTRAINTS, PERSON, WEATHER, assert_follows
+from tests.structured_utils import (ADD, CONSTRAINTS, PERSON, WEATHER, assert_follows,
+                                    script_outputs)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
@@ -29,6 +30,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 USER = [{"role": "user", "content": "weather in paris?"}]
 SERVER = dict(max_num_seqs=8, seed=0)
+# the server's reasoning parser would let a constrained reply think first (its grammar after
+# </think>, which a random model never writes: test_reasoning_outputs.py scripts it); Qwen3's
+# template closes the block in the prompt instead, so the grammar applies from the start
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,8 @@ def test_chat_without_max_tokens_finishes_its_structured_output(client):
     got = client.chat.completions.create(
         model="qwen3", messages=USER, temperature=1.0, seed=3, n=2,
         response_format={"type": "json_schema",
-                         "json_schema": {"name": "person", "schema": PERSON}})
+                         "json_schema": {"name": "person", "schema": PERSON}},
+        extra_body=NO_THINKING)
     for choice in got.choices:
         assert choice.finish_reason == "stop"
         assert_follows("json", choice.message.content)
@@ -112,7 +118,8 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_false_is_exactly_one_call(client, stream):
     kw = dict(model="qwen3", messages=USER, tools=TOOLS, tool_choice="required",
-              parallel_tool_calls=False, temperature=1.0, seed=11, n=4, max_tokens=300)
+              parallel_tool_calls=False, temperature=1.0, seed=11, n=4, max_tokens=300,
+              extra_body=NO_THINKING)
     if not stream:
         got = client.chat.completions.create(**kw)
         calls = {c.index: c.message.tool_calls for c in got.choices}
@@ -159,7 +166,7 @@ def test_guided_fields_are_structured_outputs(client, field, kind):
         assert choice.finish_reason == "stop"
         assert_follows(kind, choice.text)
     got = client.chat.completions.create(model="qwen3", messages=USER, seed=2, max_tokens=150,
-                                         extra_body={field: value})
+                                         extra_body={field: value, **NO_THINKING})
     assert_follows(kind, got.choices[0].message.content)
 
 
@@ -287,7 +294,7 @@ def test_reasoning_with_hermes_calls_after_it():
     req = ChatCompletionRequest(messages=USER, tools=TOOLS)
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     text = f"<think>maybe {call}</think>\n{call}"
-    message, reason = chat.reply(req, _output(text))
+    message, reason = chat.reply(req, _output(text), chat.reasoning_parser)
     assert message.reasoning_content == f"maybe {call}" and reason == "tool_calls"
     assert [c.function.name for c in message.tool_calls] == ["add"]
 
@@ -300,9 +307,10 @@ def test_qwen3_reasoning_parser_leaves_a_plain_reply_as_content(client):
 
 
 @pytest.mark.slow
-def test_deepseek_r1_reasoning_in_messages_and_deltas():
+def test_deepseek_r1_reasoning_in_messages_and_deltas(monkeypatch):
     """DeepSeek-R1's rule (the prompt opened the block): a reply without ``</think>`` is all
-    reasoning, in the message and in the stream's deltas alike."""
+    reasoning, in the message and in the stream's deltas alike; a constrained reply thinks
+    first too (no ``<think>`` of its own), its grammar applying after ``</think>``."""
     with running_server("random:qwen3-tiny", "qwen3", app_kwargs=dict(
             reasoning_parser="deepseek_r1"), **SERVER) as (url, _):
         body = {"model": "qwen3", "messages": USER, "max_tokens": 12, "seed": 4,
@@ -315,10 +323,10 @@ def test_deepseek_r1_reasoning_in_messages_and_deltas():
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == (
             message["reasoning_content"])
         assert "".join(d.get("content") or "" for d in deltas) == ""
-        # structured output is a grammar from the first token: no thinking, all content
+        script_outputs(monkeypatch, b"hm</think>")
         body["response_format"] = {"type": "json_object"}
         body["max_tokens"] = 200
         del body["ignore_eos"]
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
-        assert r["choices"][0]["message"]["reasoning_content"] is None
+        assert r["choices"][0]["message"]["reasoning_content"] == "hm"
         assert_follows("json_object", r["choices"][0]["message"]["content"])

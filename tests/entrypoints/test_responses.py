@@ -24,6 +24,9 @@ ADD = {"type": "object",
        "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "add", "description": "a + b", "parameters": ADD}]
 JSON_FORMAT = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
+# a function whose parameters schema xgrammar cannot read
+BROKEN = {"type": "function", "name": "broken",
+          "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,13 @@ def test_function_call_items_in_the_input(client, server):
     ({"input": [{"type": "image", "url": "x"}]}, "input", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"text": {"format": {"type": "xml"}}}, "text", "json_schema"),
+    # a constraint the grammar refuses is named as this API spells it (not chat's name)
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     "text.format.schema", "text.format.schema is not a valid JSON schema"),
+    ({"tools": TOOLS + [BROKEN], "tool_choice": "required"}, "tools[1].parameters",
+     "tools[1].parameters is not a valid JSON schema"),
+    ({"tools": TOOLS + [BROKEN], "tool_choice": {"type": "function", "name": "broken"}},
+     "tools[1].parameters", "tools[1].parameters is not a valid JSON schema"),
 ])
 def test_refusals(server, body, param, match):
     r = _post(server, {"input": "hi", **body})

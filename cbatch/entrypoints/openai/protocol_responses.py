@@ -158,7 +158,7 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     total_tokens: int
     input_tokens_details: dict = Field(default_factory=lambda: {"cached_tokens": 0})
-    # (the reasoning's own tokens are not counted apart)
+    # reasoning_tokens: the reply's thinking (with --reasoning-parser), counted in output_tokens
     output_tokens_details: dict = Field(default_factory=lambda: {"reasoning_tokens": 0})
 
 

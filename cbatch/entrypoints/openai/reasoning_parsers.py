@@ -3,17 +3,22 @@ text inside ``<think>...</think>`` is the reply's ``reasoning_content``, the tex
 its ``content`` (where tool calls are then looked for).
 
 - ``qwen3``: Qwen3 opens the block itself when it thinks; a reply that does not begin with
-  ``<think>`` is all content (``enable_thinking: false``: the template closed an empty block
-  in the prompt).
+  ``<think>`` is all content.
 - ``deepseek_r1``: DeepSeek-R1's template opens the block in the prompt, so a reply is
   reasoning until ``</think>`` (a ``<think>`` the model writes anyway is dropped).
 
-A reply cut off before ``</think>`` is all reasoning, in both.  Structured output (and a
-forced tool call) is a grammar from the first token on, so such a reply has no thinking: the
-server does not split it (vLLM instead starts the grammar once the reasoning ends).
+A reply cut off before ``</think>`` is all reasoning, in both.  The prompt decides first, by
+token ids as vLLM's ``is_reasoning_end`` does: where its last think tag is ``</think>`` (Qwen3's
+``enable_thinking: false`` closes an empty block there), the reasoning is over and the
+reply is all content.  Otherwise a constrained reply (structured output, a forced tool
+call) thinks first: its grammar waits for ``</think>`` (``StructuredOutputsParams.
+reasoning_end``), and the reply is reasoning up to it with either parser (:meth:`gated`).
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -25,9 +30,41 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def last_index(ids: list[int], part: tuple[int, ...]) -> int:
+    """Where the last occurrence of ``part`` begins in ``ids`` (-1: nowhere)."""
+    n = len(part)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == part[0] and tuple(ids[i:i + n]) == part:
+            return i
+    return -1
+
+
 class ThinkReasoningParser:
     start, end = "<think>", "</think>"
     opened_by_prompt = False  # whether a reply begins inside the block
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer  # the engine's (token ids of the tags); None: text only
+
+    @functools.cached_property
+    def start_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(self.start, add_special_tokens=False))
+
+    @functools.cached_property
+    def end_ids(self) -> tuple[int, ...]:
+        """``</think>``'s token ids: one where the tokenizer has it as a token, else several."""
+        return tuple(self.tokenizer.encode(self.end, add_special_tokens=False))
+
+    def prompt_ends_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt's last think tag is ``</think>`` (no reasoning follows)."""
+        return last_index(prompt_ids, self.end_ids) > last_index(prompt_ids, self.start_ids)
+
+    def gated(self) -> ThinkReasoningParser:
+        """This parser for a reply whose grammar waits for ``</think>``: reasoning up to it
+        (as DeepSeek-R1's), whether or not it begins with ``<think>``."""
+        parser = copy.copy(self)
+        parser.opened_by_prompt = True
+        return parser
 
     def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, content) of a reply's text (reasoning None when it does not think).
@@ -47,6 +84,27 @@ class ThinkReasoningParser:
         if not final:
             reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, self.end)]
         return reasoning, ""
+
+    def num_reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of a reply's tokens are its reasoning (the Responses API's
+        ``reasoning_tokens``): those inside the block, its tags not counted, by the rule of
+        :meth:`split` (a reply that does not think has none)."""
+        ids, begin = list(token_ids), 0
+        start = _first_index(ids[:len(self.start_ids) + 8], self.start_ids, 0)  # (spaces)
+        if start >= 0 and not self.tokenizer.decode(ids[:start]).strip():
+            begin = start + len(self.start_ids)
+        elif not self.opened_by_prompt:
+            return 0
+        end = _first_index(ids, self.end_ids, begin)
+        return (len(ids) if end < 0 else end) - begin
+
+
+def _first_index(ids: list[int], part: tuple[int, ...], begin: int) -> int:
+    n = len(part)
+    for i in range(begin, len(ids) - n + 1):
+        if ids[i] == part[0] and tuple(ids[i:i + n]) == part:
+            return i
+    return -1
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cbatch.sampling_params import StructuredOutputsParams
+from cbatch.sampling_params import CONSTRAINT_KINDS, StructuredOutputsParams
 
 # vLLM's older field -> its key of structured_outputs
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -65,11 +65,12 @@ def structured_outputs_of(response_format: ResponseFormat | None,
     if response_format is not None and structured_outputs is not None:
         raise ValueError("give either response_format or structured_outputs, not both")
     if structured_outputs is not None:
-        try:
-            return StructuredOutputsParams(**structured_outputs)
-        except TypeError as exc:  # an unknown key
+        # (reasoning_end is the server's to set, from its --reasoning-parser)
+        unknown = sorted(set(structured_outputs) - set(CONSTRAINT_KINDS))
+        if unknown:
             raise ValueError(f"structured_outputs takes json, json_object, regex, choice or "
-                             f"grammar ({exc})") from None
+                             f"grammar (not {', '.join(map(str, unknown))})")
+        return StructuredOutputsParams(**structured_outputs)
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":

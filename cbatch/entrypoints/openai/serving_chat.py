@@ -8,7 +8,9 @@ function) is structured output, and ``auto`` finds the calls the model wrote wit
 ``--tool-call-parser``.  Either way the reply's calls come back as ``message.tool_calls``
 (``finish_reason`` "tool_calls"), or, streamed, as OpenAI's tool-call deltas.  With
 ``--reasoning-parser`` (:mod:`~cbatch.entrypoints.openai.reasoning_parsers`), a reply's
-``<think>`` block is its ``reasoning_content`` and the calls are looked for after it.
+``<think>`` block is its ``reasoning_content`` and the calls are looked for after it; a
+constrained reply (structured output, a forced call) thinks first, its grammar applying
+once ``</think>`` is written, unless the prompt closed the block.
 
 A request without ``max_tokens`` (or ``max_completion_tokens``) may use the rest of the
 context, as in vLLM and OpenAI."""
@@ -55,8 +57,8 @@ class OpenAIServingChat(OpenAIServing):
         # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): None = off
         self.tool_parser = None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser]()
         # --reasoning-parser NAME: <think>...</think> is reasoning_content; None = off
-        self.reasoning_parser = (None if reasoning_parser is None
-                                 else REASONING_PARSERS[reasoning_parser]())
+        self.reasoning_parser = (None if reasoning_parser is None else REASONING_PARSERS[
+            reasoning_parser](getattr(engine, "tokenizer", None)))
         # False: contents are encoded as plain text (--no-special-tokens-in-content)
         self.special_tokens_in_content = special_tokens_in_content
         self.architecture = architecture  # the model's class, for the no-template error
@@ -98,9 +100,9 @@ class OpenAIServingChat(OpenAIServing):
         """Whether the reply is searched for the calls the model chose to make."""
         return bool(req.tools) and req.tool_choice == "auto" and self.tool_parser is not None
 
-    async def prepare(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        """A chat request's prompt ids and its choices' params (chat's and the Responses
-        API's)."""
+    async def prepare(self, req: ChatCompletionRequest):
+        """A chat request's prompt ids, its choices' params, and how its replies are read for
+        their reasoning (:meth:`reasoning_of`): chat's and the Responses API's."""
         if req.tools and req.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIError(400, '"auto" tool choice requires the server to run with '
                                    "--enable-auto-tool-choice and --tool-call-parser (or ask "
@@ -112,10 +114,24 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:  # chat's default, vLLM's and OpenAI's: the rest of the context
             max_tokens = max(self.engine.max_model_len - len(prompt), 1)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return prompt, sampling_params(req, logprobs, max_tokens=max_tokens)
+        params = sampling_params(req, logprobs, max_tokens=max_tokens)
+        return prompt, params, self.reasoning_of(prompt, params)
+
+    def reasoning_of(self, prompt: list[int], params: SamplingParams):
+        """The reasoning parser of the replies to ``prompt`` (None: they are all content: no
+        parser, or the prompt's last think tag closes the block).  A constraint then waits
+        for the reasoning's end (``params.structured_outputs.reasoning_end``), and its reply
+        is reasoning up to it (vLLM's rule)."""
+        parser = self.reasoning_parser
+        if parser is None or parser.prompt_ends_reasoning(prompt):
+            return None
+        if params.structured_outputs is None:
+            return parser
+        params.structured_outputs.reasoning_end = list(parser.end_ids)
+        return parser.gated()
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
-        prompt, params = await self.prepare(req)
+        prompt, params, reasoning = await self.prepare(req)
         try:
             streams = await self.open([prompt], params, req.n, req.stream, raw_request,
                                       req.constraint_field())
@@ -124,9 +140,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise await self._name_broken_tool(req, exc) from None
             raise
         if req.stream:
-            return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt))),
+            return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt),
+                                                               reasoning)),
                                      media_type="text/event-stream")
-        response = await unless_disconnected(raw_request, self._full(req, streams))
+        response = await unless_disconnected(raw_request, self._full(req, streams, reasoning))
         return JSONResponse(response.model_dump()) if response is not None else None
 
     async def _name_broken_tool(self, req: ChatCompletionRequest, error: OpenAIError
@@ -185,7 +202,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:  # too long, or text the tokenizer cannot take
             raise OpenAIError(400, f"messages: {exc}", param="messages") from None
 
-    async def _full(self, req: ChatCompletionRequest, streams) -> ChatCompletionResponse:
+    async def _full(self, req: ChatCompletionRequest, streams, reasoning
+                    ) -> ChatCompletionResponse:
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
             if out.finished:
@@ -195,23 +213,18 @@ class OpenAIServingChat(OpenAIServing):
                               prompt_logprobs=prompt_logprobs(out, req.prompt_logprobs,
                                                               self.engine.tokenizer))
                    for i, out in sorted(finals.items())
-                   for message, reason in [self.reply(req, out)]]
+                   for message, reason in [self.reply(req, out, reasoning)]]
         return ChatCompletionResponse(model=self.model_name, choices=choices,
                                       usage=usage(finals, req.n))
 
-    def choice_stream(self, req: ChatCompletionRequest) -> _ChoiceStream:
-        """What one choice of ``req`` streams, as its output grows."""
+    def choice_stream(self, req: ChatCompletionRequest, reasoning=None) -> _ChoiceStream:
+        """What one choice of ``req`` streams, as its output grows (``reasoning``: its
+        :meth:`reasoning_of`)."""
         return _ChoiceStream(req, self.tool_parser if self._auto_tools(req) else None,
-                             self._reasoning(req))
+                             reasoning)
 
-    def _reasoning(self, req: ChatCompletionRequest):
-        """The reasoning parser of ``req``'s reply: None without one, or when the reply is
-        structured output (a grammar from the first token: it has no thinking)."""
-        constrained = req.forces_tool_call or req.has_constraint
-        return None if constrained else self.reasoning_parser
-
-    async def _stream(self, req: ChatCompletionRequest, streams, num_prompt_tokens: int
-                      ) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, streams, num_prompt_tokens: int,
+                      reasoning) -> AsyncIterator[str]:
         head = ChatCompletionResponse(model=self.model_name, choices=[],
                                       object="chat.completion.chunk")
         usage_of = ((lambda out: chunk_usage(num_prompt_tokens, out)) if req.continuous_usage
@@ -220,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
             delta = ChatDelta(role="assistant", content="")
             yield sse(head.model_copy(update={"choices": [ChatChoice(index=i, delta=delta)],
                                               "usage": usage_of(None)}))
-        choice_streams = [self.choice_stream(req) for _ in streams]
+        choice_streams = [self.choice_stream(req, reasoning) for _ in streams]
         num_sent = [0] * len(streams)  # tokens whose logprobs went out
         finals: dict[int, RequestOutput] = {}
         async for i, out in results(streams):
@@ -243,21 +256,20 @@ class OpenAIServingChat(OpenAIServing):
             yield sse(head.model_copy(update={"usage": usage(finals, req.n)}))
         yield "data: [DONE]\n\n"
 
-    def reply(self, req: ChatCompletionRequest, out: RequestOutput
+    def reply(self, req: ChatCompletionRequest, out: RequestOutput, parser=None
               ) -> tuple[ChatDelta, str | None]:
         """A finished output as the assistant's message, and its finish_reason ("tool_calls"
-        when it holds calls): its reasoning first (with a reasoning parser), then the calls
-        in the rest."""
+        when it holds calls): its reasoning first (``parser``: its :meth:`reasoning_of`),
+        then the calls in the rest (none in a reply cut off while it reasoned)."""
         reasoning, content, calls = None, out.text, []
-        parser = self._reasoning(req)
         if parser is not None:
             reasoning, content = parser.split(out.text)
             content = content or (None if reasoning is not None else content)
-        if req.forces_tool_call:
+        if req.forces_tool_call and content is not None:
             try:
-                content, calls = None, forced_tool_calls(out.text, req.forced_function)
+                content, calls = None, forced_tool_calls(content, req.forced_function)
             except ValueError:  # cut off by max_tokens: the text as it is
-                content = out.text
+                pass
         elif self._auto_tools(req) and content:
             extracted = self.tool_parser.extract(content)
             content, calls = extracted.content, extracted.tool_calls
@@ -305,13 +317,15 @@ class _ChoiceStream:
         choice = self.req.tool_choice
         if isinstance(choice, NamedToolChoice):
             piece, first = text[self.sent:], self.sent == 0 and not self.has_calls
+            if first and not piece:  # (no call before its arguments begin)
+                return []
             self.sent, self.has_calls = len(text), True
             if first:
                 return [_call_deltas([ParsedToolCall(choice.function.name, piece)])]
             return [ChatDelta(tool_calls=[DeltaToolCall(
                 index=0, function=DeltaFunctionCall(arguments=piece))])] if piece else []
         if choice == "required":
-            if not finished:
+            if not finished or not text:
                 return []
             try:
                 calls = forced_tool_calls(text, self.req.forced_function)

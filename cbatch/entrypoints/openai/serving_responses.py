@@ -3,7 +3,9 @@ completion: the request becomes a chat request (:meth:`ResponsesRequest.to_chat`
 sampled, and read back (reasoning, tool calls) by the chat endpoint's own code, and its reply
 becomes output items: a ``reasoning`` item (with ``--reasoning-parser``), a ``message`` with
 one ``output_text``, ``function_call`` items.  ``text.format`` is ``response_format``, so a
-JSON schema is enforced by the same grammar.
+JSON schema is enforced by the same grammar (a refused one is named ``text.format.schema``,
+a tool's ``tools[i].parameters``).  With ``--reasoning-parser``, ``usage`` counts the
+reasoning's tokens in ``output_tokens_details.reasoning_tokens``.
 
 Streamed, it is OpenAI's event sequence (``event:`` and ``data:`` lines): response.created,
 response.in_progress, then per item output_item.added, content_part.added, its deltas
@@ -28,18 +30,30 @@ from cbatch.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing
 from cbatch.outputs import RequestOutput
 
 
-def _usage(out: RequestOutput) -> ResponseUsage:
+def _usage(out: RequestOutput, reasoning) -> ResponseUsage:
+    """``reasoning``: the reply's reasoning parser (None: it has no reasoning)."""
     prompt, output = len(out.prompt_token_ids), len(out.token_ids)
+    thought = 0 if reasoning is None else reasoning.num_reasoning_tokens(out.token_ids)
     return ResponseUsage(input_tokens=prompt, output_tokens=output,
-                         total_tokens=prompt + output)
+                         total_tokens=prompt + output,
+                         output_tokens_details={"reasoning_tokens": thought})
 
 
-def _finish(response: ResponsesResponse, out: RequestOutput) -> ResponsesResponse:
+def _finish(response: ResponsesResponse, out: RequestOutput, reasoning) -> ResponsesResponse:
     """``response`` once ``out`` is finished: its status and usage."""
     cut = out.finish_reason == "length"
     return response.model_copy(update=dict(
-        status="incomplete" if cut else "completed", usage=_usage(out),
+        status="incomplete" if cut else "completed", usage=_usage(out, reasoning),
         incomplete_details={"reason": "max_output_tokens"} if cut else None))
+
+
+def _responses_field(chat_field: str | None, tool: bool) -> str:
+    """The Responses request's name of the field that holds a constraint named
+    ``chat_field`` in the chat request it is served as: ``text.format`` (json_object),
+    ``text.format.schema``, or a flat tool's ``tools[i].parameters``."""
+    if tool:
+        return chat_field.replace(".function.parameters", ".parameters")
+    return "text.format" if chat_field is None else "text.format.schema"
 
 
 class _Items:
@@ -160,17 +174,29 @@ class OpenAIServingResponses(OpenAIServing):
             chat_req = req.to_chat()
         except ValueError as exc:
             raise OpenAIError.bad_request(exc, type(req).model_fields) from None
-        prompt, params = await self.chat.prepare(chat_req)
-        streams = await self.open([prompt], params, 1, req.stream, raw_request)
+        prompt, params, reasoning = await self.chat.prepare(chat_req)
+        try:
+            streams = await self.open([prompt], params, 1, req.stream, raw_request,
+                                      _responses_field(chat_req.constraint_field(),
+                                                       chat_req.forces_tool_call))
+        except OpenAIError as exc:
+            if exc.param == "tools":  # the tools' schemas together: find the one at fault
+                exc = await self.chat._name_broken_tool(chat_req, exc)
+            if exc.param is not None and exc.param.startswith("tools["):
+                field = _responses_field(exc.param, True)
+                raise OpenAIError(400, exc.message.replace(exc.param, field),
+                                  param=field) from None
+            raise
         response = ResponsesResponse.of(req, self.model_name)
         if req.stream:
-            return StreamingResponse(self._stream(chat_req, streams, response),
+            return StreamingResponse(self._stream(chat_req, streams, response, reasoning),
                                      media_type="text/event-stream")
         final = await unless_disconnected(raw_request, self._final(streams))
         if final is None:
             return None
-        message, _ = self.chat.reply(chat_req, final)
-        response = _finish(response, final).model_copy(update={"output": output_items(message)})
+        message, _ = self.chat.reply(chat_req, final, reasoning)
+        response = _finish(response, final, reasoning).model_copy(
+            update={"output": output_items(message)})
         return JSONResponse(response.model_dump())
 
     @staticmethod
@@ -180,12 +206,12 @@ class OpenAIServingResponses(OpenAIServing):
                 return out
 
     async def _stream(self, chat_req: ChatCompletionRequest, streams,
-                      response: ResponsesResponse) -> AsyncIterator[str]:
+                      response: ResponsesResponse, reasoning) -> AsyncIterator[str]:
         items = _Items()
         snapshot = response.model_dump()
         yield items.event("response.created", response=snapshot)
         yield items.event("response.in_progress", response=snapshot)
-        choice = self.chat.choice_stream(chat_req)
+        choice = self.chat.choice_stream(chat_req, reasoning)
         try:
             async for _, out in results(streams):
                 for delta in choice.deltas(out):
@@ -197,7 +223,8 @@ class OpenAIServingResponses(OpenAIServing):
                     if not any(item["type"] != "reasoning" for item in items.output):
                         for event in items.empty_message():
                             yield event
-                    done = _finish(response, out).model_copy(update={"output": items.output})
+                    done = _finish(response, out, reasoning).model_copy(
+                        update={"output": items.output})
                     kind = "completed" if done.status == "completed" else "incomplete"
                     yield items.event(f"response.{kind}", response=done.model_dump())
         except OpenAIError as exc:  # the status line is sent already
