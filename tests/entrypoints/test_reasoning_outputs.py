@@ -157,3 +157,36 @@ def test_chat_without_a_reasoning_parser_is_constrained_from_the_first_token(
             "model": "qwen3", "messages": USER, "max_tokens": 200, "seed": 1,
             "response_format": PERSON_FORMAT}).json()
         assert_follows("json", r["choices"][0]["message"]["content"])
+
+
+# ------------------------------------------------------------ the parsers' token rules
+
+
+@pytest.mark.parametrize("name, text, count", [
+    ("qwen3", "<think>ab</think>cd", 2), ("qwen3", " <think>ab", 2), ("qwen3", "plain", 0),
+    ("qwen3", "x<think>ab</think>", 0), ("deepseek_r1", "ab</think>cd", 2),
+    ("deepseek_r1", "abc", 3), ("deepseek_r1", "<think>ab</think>", 2),
+])
+def test_reasoning_tokens_are_the_split_reasonings_tokens(name, text, count):
+    """The oracle: :meth:`split`'s reasoning text, a token a byte (a byte-level tokenizer)."""
+    from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from cbatch.tokenizer import ByteTokenizer
+
+    parser = REASONING_PARSERS[name](ByteTokenizer(511))
+    assert parser.num_reasoning_tokens(list(text.encode())) == count
+    assert len((parser.split(text)[0] or "").encode()) == count
+
+
+@pytest.mark.parametrize("prompt, ended", [
+    ("<|im_start|>assistant\n", False), ("<|im_start|>assistant\n<think>\n\n</think>\n\n", True),
+    ("<think>a</think> then <|im_start|>assistant\n<think>\n", False),
+])
+def test_the_prompts_last_think_tag_decides(prompt, ended):
+    from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from cbatch.tokenizer import ByteTokenizer
+
+    for name in REASONING_PARSERS:
+        parser = REASONING_PARSERS[name](ByteTokenizer(511))
+        assert parser.prompt_ends_reasoning(list(prompt.encode())) is ended
+        # a gated reply is reasoning up to </think>, with or without its own <think>
+        assert parser.gated().split("hm</think>{}") == ("hm", "{}")
