@@ -31,11 +31,18 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def last_index(ids: list[int], part: tuple[int, ...]) -> int:
-    """Where the last occurrence of ``part`` begins in ``ids`` (-1: nowhere)."""
-    n = len(part)
-    for i in range(len(ids) - n, -1, -1):
-        if ids[i] == part[0] and tuple(ids[i:i + n]) == part:
-            return i
+    """Where the last occurrence of ``part`` begins in ``ids`` (-1: nowhere).  A prompt is
+    searched on the event loop: its reversed copy is scanned by ``list.index`` (C), and
+    only where ``part``'s last token is."""
+    backwards, n, at = ids[::-1], len(part), 0
+    while at < len(backwards):
+        try:
+            at = backwards.index(part[-1], at) + 1
+        except ValueError:
+            return -1
+        end = len(ids) - at + 1  # just past the candidate's last token
+        if end >= n and tuple(ids[end - n:end]) == part:
+            return end - n
     return -1
 
 
