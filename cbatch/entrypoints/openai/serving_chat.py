@@ -137,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                                       req.constraint_field())
         except OpenAIError as exc:
             if exc.param == "tools":  # the tools' schemas together: find the one at fault
-                raise await self._name_broken_tool(req, exc) from None
+                raise await self.name_broken_tool(req, exc) from None
             raise
         if req.stream:
             return StreamingResponse(sse_or_error(self._stream(req, streams, len(prompt),
@@ -146,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
         response = await unless_disconnected(raw_request, self._full(req, streams, reasoning))
         return JSONResponse(response.model_dump()) if response is not None else None
 
-    async def _name_broken_tool(self, req: ChatCompletionRequest, error: OpenAIError
+    async def name_broken_tool(self, req: ChatCompletionRequest, error: OpenAIError
                                 ) -> OpenAIError:
         """``error`` (the forced call's schema, every tool's parameters in one, is refused)
         naming the first tool whose parameters schema does not parse, when one does not."""

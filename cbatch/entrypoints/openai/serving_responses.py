@@ -180,13 +180,11 @@ class OpenAIServingResponses(OpenAIServing):
                                       _responses_field(chat_req.constraint_field(),
                                                        chat_req.forces_tool_call))
         except OpenAIError as exc:
-            if exc.param == "tools":  # the tools' schemas together: find the one at fault
-                exc = await self.chat._name_broken_tool(chat_req, exc)
-            if exc.param is not None and exc.param.startswith("tools["):
-                field = _responses_field(exc.param, True)
-                raise OpenAIError(400, exc.message.replace(exc.param, field),
-                                  param=field) from None
-            raise
+            if exc.param != "tools":
+                raise
+            exc = await self.chat.name_broken_tool(chat_req, exc)  # the one at fault
+            field = _responses_field(exc.param, True)
+            raise OpenAIError(400, exc.message.replace(exc.param, field), param=field) from None
         response = ResponsesResponse.of(req, self.model_name)
         if req.stream:
             return StreamingResponse(self._stream(chat_req, streams, response, reasoning),
