@@ -47,6 +47,7 @@ class Layer:
     bits: int
     group_size: int
     g_idx: torch.Tensor | None = None  # [K] int64; None: k // group_size
+    act_bits: int | None = None  # 8: x quantized per token too (W8A8)
 
 
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -173,18 +174,33 @@ def read_compressed_tensors(qc: dict, state: dict, where: Path) -> dict[str, Lay
         raise _refuse(where, f"compressed-tensors sparsity {qc['sparsity_config']['format']!r}")
     if qc.get("quantization_status", "compressed") != "compressed":
         raise _refuse(where, f"compressed-tensors status {qc['quantization_status']!r}")
-    if acts is not None:
-        scheme = f"W{weights.get('num_bits')}A{acts.get('num_bits')} ({fmt}, {group_name})"
-        raise _refuse(where, f"compressed-tensors {scheme}: activation quantization (W8A8) "
-                      "does not run in cbatch yet")
-    bits, strategy = weights.get("num_bits"), weights.get("strategy")
-    if fmt != "pack-quantized" or weights.get("type", "int") != "int" or bits not in (4, 8):
-        raise _refuse(where, f"compressed-tensors format {fmt!r} with {bits}-bit "
-                      f"{weights.get('type')} weights (cbatch reads pack-quantized int4/int8)")
+    bits = weights.get("num_bits")
+    if weights.get("type", "int") != "int" or bits not in (4, 8):
+        raise _refuse(where, f"compressed-tensors {bits}-bit {weights.get('type')} weights "
+                      "(cbatch reads int4 and int8)")
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         raise _refuse(where, "compressed-tensors asymmetric or dynamic weights")
     if weights.get("actorder") == "group":
         raise _refuse(where, "compressed-tensors actorder 'group'")
+    if acts is None and fmt == "pack-quantized":
+        return _ct_packed(weights, state, where)
+    w8a8 = acts is not None and (bits, acts.get("num_bits"), acts.get("type", "int")) == \
+        (8, 8, "int") and fmt in ("int-quantized", "naive-quantized")
+    if not w8a8:
+        scheme = f"W{bits}A{(acts or {}).get('num_bits', 16)}"
+        raise _refuse(where, f"compressed-tensors {scheme} in format {fmt!r} ({group_name}; "
+                      "cbatch reads pack-quantized W4A16/W8A16 and int-quantized or "
+                      "naive-quantized W8A8)")
+    if not (acts.get("dynamic") and acts.get("symmetric", True)
+            and acts.get("strategy") == "token"):
+        raise _refuse(where, "compressed-tensors W8A8 with static or asymmetric activation "
+                      "scales (cbatch quantizes them dynamically per token, symmetric)")
+    return _ct_w8a8(weights, state, where)
+
+
+def _ct_packed(weights: dict, state: dict, where: Path) -> dict[str, Layer]:
+    """compressed-tensors pack-quantized (W4A16, W8A16)."""
+    bits, strategy = weights["num_bits"], weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise _refuse(where, f"compressed-tensors weight strategy {strategy!r} (cbatch reads "
                       "group and channel)")
@@ -209,6 +225,30 @@ def read_compressed_tensors(qc: dict, state: dict, where: Path) -> dict[str, Lay
                                where).t()
         layers[prefix] = Layer(q - 128 if bits == 8 else q, scales.contiguous(), None, bits,
                                group_size)
+    return layers
+
+
+def _ct_w8a8(weights: dict, state: dict, where: Path) -> dict[str, Layer]:
+    """compressed-tensors W8A8 int8: ``weight`` int8 ``[N, K]``, ``weight_scale`` ``[N, 1]``
+    (strategy channel) or one scale (tensor); x quantized per token at run time."""
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor"):
+        raise _refuse(where, f"compressed-tensors W8A8 weight strategy {strategy!r} (cbatch "
+                      "reads channel and tensor)")
+    layers = {}
+    for name in [n for n, t in state.items() if n.endswith(".weight") and t.dtype == torch.int8]:
+        prefix = name.removesuffix(".weight")
+        q = state.pop(name).to(torch.int32)
+        N, K = q.shape
+        zero = state.pop(f"{prefix}.weight_zero_point", None)
+        if zero is not None and bool(zero.ne(0).any()):
+            raise _refuse(where, f"compressed-tensors W8A8 zero points ({prefix})")
+        scales = _pop(state, f"{prefix}.weight_scale", where).float().reshape(-1)
+        if scales.numel() not in (1, N):
+            raise ValueError(f"{where}: {prefix}.weight_scale has {scales.numel()} values, "
+                             f"expected {N} (per channel) or 1 (per tensor)")
+        layers[prefix] = Layer(q, scales.expand(N).reshape(1, N).contiguous(), None, 8, K,
+                               act_bits=8)
     return layers
 
 
@@ -244,8 +284,10 @@ def read_layers(raw_config: dict, state: dict[str, torch.Tensor], where: Path
 def _fuse(name: str, shards: list[Layer], where: Path) -> Layer:
     """The shards of one fused projection (q/k/v, gate/up) as one layer, stacked along N."""
     first = shards[0]
-    if any((s.bits, s.group_size) != (first.bits, first.group_size) for s in shards):
-        raise ValueError(f"{where}: the shards of {name} differ in bits or group size")
+    if any((s.bits, s.group_size, s.act_bits) != (first.bits, first.group_size, first.act_bits)
+           for s in shards):
+        raise ValueError(f"{where}: the shards of {name} differ in bits, group size or "
+                         "activation bits")
     if any((s.g_idx is None) != (first.g_idx is None)
            or (s.g_idx is not None and not torch.equal(s.g_idx, first.g_idx)) for s in shards):
         raise ValueError(f"{where}: the shards of {name} have different g_idx (desc_act "
@@ -274,7 +316,7 @@ def _module(layer: Layer, name: str, bias: torch.Tensor | None, where: Path
         else:
             q = q[:, perm]
     return QuantizedLinear(pack(q, layer.scales, layer.zeros, layer.bits, layer.group_size),
-                           bias, perm=perm)
+                           bias, layer.act_bits, perm)
 
 
 def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.Tensor],

@@ -135,6 +135,12 @@ def make_checkpoint(tmp_path, fmt: str, arch="LlamaForCausalLM", tied=False, bit
             quantized[f"{prefix}.qweight"] = pack_words(q.t()[:, order], 4, 1)  # [K, N / 8]
             quantized[f"{prefix}.qzeros"] = pack_words(z[:, order], 4, 1)
             quantized[f"{prefix}.scales"] = s.half()
+        elif fmt == "w8a8":  # compressed-tensors int8: q [N, K], one scale per channel
+            s = (w.abs().amax(1, keepdim=True) / 127).to(torch.bfloat16)
+            q = (w / s.float()).round().clamp(-128, 127).to(torch.int8)
+            quantized[f"{prefix}.weight"] = q
+            quantized[f"{prefix}.weight_scale"] = s
+            deq = s.float() * q.float()
         else:  # compressed-tensors pack-quantized, symmetric: signed q stored plus 2^(b-1)
             q, s, z, deq = quantize(w, bits, group, sym=True)
             quantized[f"{prefix}.weight_packed"] = pack_words(q, bits, 1)  # [N, ceil(K / p)]
@@ -152,11 +158,17 @@ def make_checkpoint(tmp_path, fmt: str, arch="LlamaForCausalLM", tied=False, bit
         weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
                    "strategy": "group" if gs != -1 else "channel",
                    "group_size": gs if gs != -1 else None, "actorder": None}
-        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+        acts = None
+        if fmt == "w8a8":
+            weights.update(num_bits=8, strategy="channel", group_size=None)
+            acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                    "strategy": "token"}
+        qc = {"quant_method": "compressed-tensors",
+              "format": "int-quantized" if fmt == "w8a8" else "pack-quantized",
               "quantization_status": "compressed", "ignore": ["lm_head"],
               "kv_cache_scheme": None, "sparsity_config": {},
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                            "input_activations": None,
+                                            "input_activations": acts,
                                             "output_activations": None}}}
     return (write(tmp_path / fmt, dict(config, quantization_config=qc), quantized),
             write(tmp_path / "dense", config, dense))
@@ -257,7 +269,8 @@ def _edit(path, **changes):
     ("gptq", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
     ("awq", {"zero_point": False}, "AWQ without zero points"),
-    ("ct", {"format": "marlin-24"}, "compressed-tensors format 'marlin-24'"),
+    ("ct", {"format": "marlin-24"}, "compressed-tensors W4A16 in format 'marlin-24'"),
+    ("ct", {"kv_cache_scheme": {"num_bits": 8}}, "compressed-tensors' quantized KV cache"),
 ])
 def test_unsupported_options_are_refused_by_name(tmp_path, fmt, changes, message):
     q, _ = make_checkpoint(tmp_path, fmt, gs=32)
@@ -267,16 +280,47 @@ def test_unsupported_options_are_refused_by_name(tmp_path, fmt, changes, message
     assert str(tmp_path / fmt / "config.json") in str(info.value)
 
 
-def test_compressed_tensors_w8a8_is_refused_by_name(tmp_path):
-    q, _ = make_checkpoint(tmp_path, "ct", gs=32)
-    config = json.loads((tmp_path / "ct" / "config.json").read_text())
-    group = config["quantization_config"]["config_groups"]["group_0"]
-    group["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True,
-                                  "dynamic": True, "strategy": "token"}
-    config["quantization_config"]["format"] = "int-quantized"
-    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="W4A8 \\(int-quantized, group_0\\): activation "
-                                         "quantization \\(W8A8\\) does not run"):
+@pytest.mark.parametrize("tied", [True, False])
+def test_compressed_tensors_w8a8(tmp_path, tied):
+    """W8A8: each layer's output is the test's own per-token int8 quantization of x times the
+    checkpoint's int8 weights (exact integer sums, then both scales); the model's logits stay
+    near those of the dequantized float model (x's rounding is the only difference) and its
+    greedy tokens are the same."""
+    q, dense = make_checkpoint(tmp_path, "w8a8", arch="Qwen2ForCausalLM", tied=tied)
+    model, oracle = load_model(q), load_model(dense)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * SHAPE["num_hidden_layers"]
+    assert all(m.act_bits == 8 for m in layers)
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{q}/model.safetensors")
+    w = saved["model.layers.1.mlp.down_proj.weight"].double()  # int8 [N, K]
+    s = saved["model.layers.1.mlp.down_proj.weight_scale"].double()  # [N, 1]
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(4))
+    x[2] = 0  # a row of zeros: scale 0
+    top = x.abs().amax(1, keepdim=True).double()
+    xq = torch.where(top > 0, (x.double() * 127 / top).round(), 0)
+    expected = (xq @ w.t()) * (top / 127) * s.t()
+    with torch.no_grad():
+        got = model.model.layers[1].mlp.down_proj(x)
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
+    got, want = (torch.cat(prefill_logits(m, PROMPTS)) for m in (model, oracle))
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"dynamic": False}, "W8A8 with static or asymmetric activation scales"),
+    ({"strategy": "tensor"}, "W8A8 with static"),
+    ({"num_bits": 4}, "W8A4 in format 'int-quantized'"),
+])
+def test_compressed_tensors_w8a8_options_refused_by_name(tmp_path, change, message):
+    q, _ = make_checkpoint(tmp_path, "w8a8")
+    config = json.loads((tmp_path / "w8a8" / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(
+        change)
+    (tmp_path / "w8a8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
         load_model(q)
 
 
