@@ -348,6 +348,10 @@ def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.T
             raise ValueError(f"{where}: quantized {target} is {tuple(layer.q.shape)}, the "
                              f"config expects {(linear.out_features, linear.in_features)}")
         bias = state.pop(f"{target}.bias", None)
+        if (bias is None) != (linear.bias is None):
+            raise ValueError(f"{where}: {target}'s bias is "
+                             f"{'missing' if bias is None else 'unexpected'} (the config "
+                             f"{'has' if bias is None else 'has no'} one)")
         if bias is not None:
             bias = bias.to(device=device, dtype=dtype)
         parent, _, child = target.rpartition(".")

@@ -360,6 +360,17 @@ def test_desc_act_orders_that_cbatch_cannot_run_are_refused(tmp_path):
         load_model(q)
 
 
+def test_a_quantized_layer_whose_bias_the_config_does_not_match_is_refused(tmp_path):
+    q, _ = make_checkpoint(tmp_path, "awq", arch="Qwen2ForCausalLM", gs=32)
+    path = tmp_path / "awq"
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj's bias is "
+                                         "unexpected"):
+        load_model(q)
+
+
 def test_a_quantized_checkpoint_on_gpt2_is_refused(tmp_path):
     config = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 300, "n_embd": 32,
               "n_layer": 1, "n_head": 2, "n_positions": 64,
