@@ -15,11 +15,15 @@ G its groups of ``group_size`` consecutive k (the last may be shorter).
   alike; ``scales`` ``[G, N]``.
 - ``compressed-tensors``, format ``pack-quantized`` (W4A16 / W8A16, symmetric, strategy
   group or channel): ``weight_packed`` int32 ``[N, ceil(K / p)]`` (consecutive k, each value
-  stored plus 2^(bits - 1)), ``weight_scale`` ``[N, G]``, ``weight_shape`` ``[N, K]``.
+  stored plus 2^(bits - 1)), ``weight_scale`` ``[N, G]``, ``weight_shape`` ``[N, K]``;
+  format ``int-quantized`` or ``naive-quantized`` W8A8 (int8 weights per channel or tensor,
+  activations dynamic per token, symmetric): ``weight`` int8 ``[N, K]``, ``weight_scale``
+  ``[N, 1]`` or ``[1]``, run as ``QuantizedLinear(..., act_bits=8)``.
 
-Which layers are quantized is read from the tensors (a layer has ``qweight`` or
-``weight_packed``); the others (the lm_head, ``ignore`` and ``modules_to_not_convert`` lists)
-load as float.  A method, bit width or option not listed is refused by name.
+Which layers are quantized is read from the tensors (a layer has ``qweight``,
+``weight_packed`` or an int8 ``weight``); the others (the lm_head, ``ignore`` and
+``modules_to_not_convert`` lists) load as float.  A method, bit width or option not listed
+is refused by name.
 """
 
 from __future__ import annotations
