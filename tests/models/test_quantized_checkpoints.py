@@ -379,3 +379,17 @@ def test_a_quantized_checkpoint_on_gpt2_is_refused(tmp_path):
     with pytest.raises(ValueError, match="quantized GPT2LMHeadModel checkpoint is not "
                                          "supported"):
         load_model(path)
+
+
+def test_quantized_linear_gathers_x_into_its_perm():
+    from cbatch.layers.quantization import quantize
+
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize(torch.randn(24, 40, generator=gen), 4, 8)
+    perm = torch.randperm(40, generator=gen)
+    x = torch.randn(3, 40, generator=gen)
+    with torch.no_grad():
+        got = QuantizedLinear(weight, None, perm=perm)(x)
+    torch.testing.assert_close(got, x[:, perm] @ weight.dequantize().t(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="perm must be int64 \\[40\\], got torch.int32"):
+        QuantizedLinear(weight, perm=perm.int())
