@@ -14,6 +14,7 @@ from cbatch import devices
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
 DEFAULT_MODEL = "random:gpt2"  # LLM's, Engine's, AsyncEngine's and the CLI's
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # online; the schemes: cbatch.layers.quantization
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors")  # models/quantized_checkpoint
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -219,11 +220,11 @@ class SpeculativeConfig:
 
 def check_quantization(method: str | None) -> str | None:
     """``method`` if cbatch runs it (None: none); else a ValueError that names it."""
-    if method is None or method in QUANTIZATION_METHODS:
+    if method is None or method in QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION:
         return method
     raise ValueError(f"quantization={method!r} is not supported; cbatch runs "
-                     f"{', '.join(QUANTIZATION_METHODS)} (online, from a float checkpoint or a "
-                     "random: model)")
+                     f"{', '.join(QUANTIZATION_METHODS)} (online) and a checkpoint's own "
+                     f"{', '.join(CHECKPOINT_QUANTIZATION)}")
 
 
 def _is_int(x) -> bool:
@@ -247,10 +248,9 @@ class EngineConfig:
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     quantization: str | None = _knob(
-        None, "quantize the decoder layers' linear weights at load (CPU): int8 (per output "
-        "channel), int4 (groups of 128), or w8a8 (int8 per output channel, activations int8 "
-        "per token); the lm_head keeps the model's dtype (default: none)",
-        choices=QUANTIZATION_METHODS)
+        None, "quantize the decoder layers' linear weights at load (CPU): int8, int4 (groups of "
+        "128), w8a8 (int8 activations too), or the checkpoint's own (default: its own, or none)",
+        choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "
                                    "the longest length, at most 1 GiB on a CPU and half the "

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from cbatch.logger import init_logger
-from cbatch.config import MODEL_CONFIGS, GPT2Config
+from cbatch.config import CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
 from cbatch.hub import resolve_checkpoint_dir
 from cbatch.layers.quantization import check_quantization, quantize_model
+from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
@@ -118,16 +119,15 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
 
     ``quantization`` (``"int8"``, ``"int4"``; CPU only): the decoder layers' linear weights
     quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`).  A checkpoint
-    that is quantized already (a ``quantization_config`` in config.json) is refused, naming
-    its method: cbatch loads no GPTQ, AWQ or compressed-tensors weights yet.
+    that is quantized already (a ``quantization_config`` in config.json: GPTQ, AWQ,
+    compressed-tensors) loads its own quantized layers (:mod:`cbatch.models.quantized_checkpoint`);
+    ``quantization`` may then be None or that method, as in vLLM.
     """
     check_quantization(quantization)
-    if quantization is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on the CPU only (cbatch has no "
-                         f"quantized GPU kernel yet), not on {device}")
-    if quantization is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"quantization={quantization!r} runs float32 or bfloat16 activations, "
-                         f"not {str(dtype).removeprefix('torch.')}")
+    if quantization in CHECKPOINT_QUANTIZATION and name_or_path.startswith("random:"):
+        raise ValueError(f"quantization={quantization!r} loads a {quantization} checkpoint, "
+                         f"not {name_or_path} (random weights quantize online: 'int8', 'int4')")
+    _check_quantized_run(quantization, device, dtype)
     what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
         (f", {quantization})" if quantization else ")")
     if name_or_path.startswith("random:"):
@@ -151,13 +151,19 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
     raw = read_json_object(path / "config.json")
     architecture = architecture_of(raw, path / "config.json")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "unknown") \
-            if isinstance(raw["quantization_config"], dict) else "unknown"
-        raise ValueError(f"{path / 'config.json'}: a {method!r} checkpoint (quantization_config)"
-                         " is not supported; cbatch loads float checkpoints and quantizes them "
-                         "online (quantization='int8' or 'int4')")
+    method = quantized_checkpoint.quant_method(raw, path / "config.json")
+    if method is not None and quantization not in (None, method):
+        raise ValueError(f"{path / 'config.json'}: the checkpoint is quantized by {method} "
+                         f"(its quantization_config), which quantization={quantization!r} "
+                         "contradicts; leave quantization unset to load it")
+    if method is None and quantization in CHECKPOINT_QUANTIZATION:
+        raise ValueError(f"{path / 'config.json'} has no quantization_config: it is no "
+                         f"{quantization} checkpoint (quantization={quantization!r})")
+    _check_quantized_run(method, device, dtype)
     cls = model_class(architecture)
+    if method is not None and cls is GPT2LMHeadModel:
+        raise ValueError(f"{path / 'config.json'}: a quantized {architecture} checkpoint is "
+                         "not supported; cbatch loads quantized Llama-family checkpoints")
     try:
         if cls is GPT2LMHeadModel:
             config = GPT2Config.from_hf(path)
@@ -175,13 +181,30 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         tied = ("lm_head.weight", "transformer.wte.weight")
     else:
         config = _with_generation_eos(config, path)
-        state = cls.convert_hf_state_dict(load_state_dict(path, device), config)
+        raw_state = load_state_dict(path, device)
+        layers = {} if method is None else \
+            quantized_checkpoint.read_layers(raw, raw_state, path / "config.json")
+        state = cls.convert_hf_state_dict(raw_state, config)
         tied = ("lm_head.weight", "model.embed_tokens.weight") \
             if config.tie_word_embeddings else None
     with torch.device("meta"):
         model = cls(config, attention_backend)
+    if method is not None:
+        count = quantized_checkpoint.install(model, layers, state, path / "config.json",
+                                             device, dtype)
+        logger.info("loaded %d quantized linear layers (%s)", count, method)
     _assign(model, state, path, tied, device, dtype)
-    return _quantized(model.eval(), quantization)
+    return _quantized(model.eval(), None if method else quantization)
+
+
+def _check_quantized_run(method: str | None, device, dtype) -> None:
+    """Quantized layers run on the CPU, with float32 or bfloat16 activations."""
+    if method is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={method!r} runs on the CPU only (cbatch has no "
+                         f"quantized GPU kernel yet), not on {device}")
+    if method is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={method!r} runs float32 or bfloat16 activations, "
+                         f"not {str(dtype).removeprefix('torch.')}")
 
 
 def _quantized(model: nn.Module, quantization: str | None) -> nn.Module:
@@ -227,9 +250,11 @@ def _with_generation_eos(config, path: Path):
 
 def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
             tied: tuple[str, str] | None, device, dtype) -> None:
-    """Check ``state`` against ``model``'s parameters (names and shapes) and assign it, cast
-    to ``dtype`` on ``device``; ``tied``: (parameter, the one it shares its tensor with)."""
-    expected = {k: v for k, v in model.state_dict().items() if tied is None or k != tied[0]}
+    """Check ``state`` against ``model``'s parameters still on the meta device (names and
+    shapes) and assign it, cast to ``dtype`` on ``device``; ``tied``: (parameter, the one it
+    shares its tensor with).  Layers already loaded (quantized ones) are left as they are."""
+    expected = {k: v for k, v in model.state_dict().items()
+                if v.is_meta and (tied is None or k != tied[0])}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -243,6 +268,6 @@ def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
         state[name] = tensor.to(device=device, dtype=dtype).contiguous()
     if tied is not None:
         state[tied[0]] = state[tied[1]]
-    model.load_state_dict(state, assign=True, strict=True)
+    model.load_state_dict(state, assign=True, strict=False)  # the check above is strict
     if tied is not None:  # assign=True replaced the parameters: share one tensor again
         model.lm_head.weight = model.get_parameter(tied[1])

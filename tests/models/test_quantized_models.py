@@ -98,9 +98,9 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 
 
 def test_quantization_methods_are_refused_by_name():
-    with pytest.raises(ValueError, match="quantization='gptq' is not supported; cbatch runs "
-                                         "int8, int4, w8a8"):
-        LLM("random:llama-tiny", quantization="gptq")
+    with pytest.raises(ValueError, match="quantization='fp8' is not supported; cbatch runs "
+                                         "int8, int4, w8a8 \\(online\\) and a checkpoint's own gptq"):
+        LLM("random:llama-tiny", quantization="fp8")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         load_model("random:llama-tiny", device="cuda", quantization="int8")
     with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
@@ -116,10 +116,10 @@ def test_quantized_checkpoints_are_refused_by_method(tmp_path):
                                       num_hidden_layers=1, num_attention_heads=2)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    raw["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="a 'awq' checkpoint \\(quantization_config\\) is not "
-                                         "supported"):
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported; cbatch "
+                                         "loads gptq, awq, compressed-tensors checkpoints"):
         load_model(str(tmp_path))
 
 

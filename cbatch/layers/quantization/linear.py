@@ -25,10 +25,14 @@ class QuantizedLinear(Module):
 
     ``forward(x, gelu=None, residual=None)`` as :class:`cbatch.layers.linear.Linear`'s (the
     GELU and the add run after the matmul).  The packed tensors are buffers: they follow
-    ``.to(device)`` and are in the state dict under their own names."""
+    ``.to(device)`` and are in the state dict under their own names.
+
+    ``perm`` (int64 ``[K]``, or None): the weight's k are stored in this order (GPTQ's
+    ``desc_act``, sorted by group so that groups are contiguous), and x is gathered into it
+    first: ``y = x[..., perm] @ W.T``, W the weight as stored."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 act_bits: int | None = None):
+                 act_bits: int | None = None, perm: torch.Tensor | None = None):
         super().__init__()
         if act_bits not in (None, 8):
             raise ValueError(f"act_bits must be None or 8, got {act_bits}")
@@ -38,12 +42,17 @@ class QuantizedLinear(Module):
                              f"per output channel, got bits={weight.bits}, group_size="
                              f"{weight.group_size} of in_features={weight.in_features}"
                              + (", zero points" if weight.zeros is not None else ""))
+        if perm is not None and (perm.dtype != torch.int64
+                                 or tuple(perm.shape) != (weight.in_features,)):
+            raise ValueError(f"perm must be int64 [{weight.in_features}], got {perm.dtype} "
+                             f"{list(perm.shape)}")
         self.bits, self.group_size, self.act_bits = weight.bits, weight.group_size, act_bits
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("qweight", weight.qweight if act_bits is None
                              else pack_w8a8(weight))
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
+        self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.placed = False  # qweight and scales moved to a CPU runner's huge pages
 
@@ -62,6 +71,8 @@ class QuantizedLinear(Module):
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.act_bits == 8:
             y = self._forward_w8a8(x)
         else:

@@ -1,0 +1,395 @@
+"""Quantized checkpoints (GPTQ, AWQ, compressed-tensors) as vLLM loads them.
+
+A writer here makes tiny random Llama/Qwen2 checkpoints in each format from float weights,
+quantizing and packing them with plain torch code written from each format's description
+(not the loader's), and saves beside each the same model with the dequantized weights as a
+float checkpoint: the oracle.  The quantized model's logits must equal the oracle's (fp32:
+only the order of the sums differs), through cbatch's quantized kernel."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cbatch import LLM, SamplingParams, load_model
+from cbatch.core.input_batch import prefill_logits
+from cbatch.layers.linear import Linear
+from cbatch.layers.quantization import QuantizedLinear
+from cbatch.ops import cpu
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# hidden 160 (5 heads of 32 over 1 KV head), intermediate 224: groups of 64 and 128 leave a
+# short last group, and every K and N is a multiple of 8 (GPTQ and AWQ pack 8 nibbles a word)
+SHAPE = dict(vocab_size=300, hidden_size=160, intermediate_size=224, num_hidden_layers=2,
+             num_attention_heads=5, num_key_value_heads=1, head_dim=32,
+             max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+             hidden_act="silu", bos_token_id=1, eos_token_id=2)
+PROJ = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "mlp": ("gate_proj", "up_proj", "down_proj")}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds column 8c + AWQ_ORDER[j]
+
+
+def float_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    H, F, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    D, kv = SHAPE["head_dim"], SHAPE["num_key_value_heads"]
+    out_in = {"q_proj": (H, H), "k_proj": (kv * D, H), "v_proj": (kv * D, H),
+              "o_proj": (H, H), "gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F)}
+
+    def randn(*shape, std=0.05):
+        return torch.randn(*shape, generator=gen) * std
+
+    w = {"model.embed_tokens.weight": randn(V, H, std=0.5), "model.norm.weight": 1 + randn(H)}
+    if not tied:
+        w["lm_head.weight"] = randn(V, H, std=0.2)
+    for i in range(SHAPE["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = 1 + randn(H)
+        w[f"{p}.post_attention_layernorm.weight"] = 1 + randn(H)
+        for block, projs in PROJ.items():
+            for proj in projs:
+                w[f"{p}.{block}.{proj}.weight"] = randn(*out_in[proj])
+                if arch == "Qwen2ForCausalLM" and proj in ("q_proj", "k_proj", "v_proj"):
+                    w[f"{p}.{block}.{proj}.bias"] = randn(out_in[proj][0], std=0.5)
+    return w
+
+
+def quantize(w: torch.Tensor, bits: int, group: torch.Tensor, sym: bool, zero_min: int = 0):
+    """Round-to-nearest per group (``group[k]``: k's group): unsigned q [N, K] in
+    [0, 2^bits), scales [G, N] (fp16-rounded) and zero points [G, N]; the dequantized weight."""
+    maxq, G = 2 ** bits - 1, int(group.max()) + 1
+    N = w.shape[0]
+    scales, zeros = torch.empty(G, N), torch.empty(G, N)
+    for g in range(G):
+        cols = w[:, group == g]
+        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
+        if sym:
+            hi = torch.maximum(-lo, hi)
+            lo = -hi
+        s = ((hi - lo) / maxq).half().float()
+        scales[g] = s
+        zeros[g] = torch.full_like(s, (maxq + 1) // 2) if sym else \
+            (-lo / s).round().clamp(zero_min, maxq)
+    q = (w / scales[group].t()).round() + zeros[group].t()
+    q = q.clamp(0, maxq)
+    deq = scales[group].t() * (q - zeros[group].t())
+    return q.long(), scales, zeros.long(), deq
+
+
+def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned ``values`` packed 32 / bits to an int32 word along ``dim``, lowest bits first
+    (zero padding at the end)."""
+    p = 32 // bits
+    v = values.movedim(dim, -1).long()
+    v = torch.nn.functional.pad(v, (0, -v.shape[-1] % p))
+    v = v.view(*v.shape[:-1], -1, p)
+    words = sum(v[..., j] << (bits * j) for j in range(p))
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
+def write(path, config: dict, tensors: dict) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def make_checkpoint(tmp_path, fmt: str, arch="LlamaForCausalLM", tied=False, bits=4, gs=128,
+                    sym=True, desc_act=False, checkpoint_format="gptq", seed=0):
+    """(quantized checkpoint, float checkpoint of the dequantized weights)."""
+    config = dict(SHAPE, architectures=[arch], tie_word_embeddings=tied,
+                  model_type="qwen2" if arch == "Qwen2ForCausalLM" else "llama")
+    dense = float_weights(arch, tied, seed)
+    quantized = {k: v for k, v in dense.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    orders: dict = {}
+    for name in [n for n in dense if n.endswith("_proj.weight")]:
+        w = dense[name]
+        prefix = name.removesuffix(".weight")
+        N, K = w.shape
+        size = K if gs == -1 else gs
+        if desc_act:  # one order per input: q/k/v share one, gate/up another
+            key = (prefix.rsplit(".", 1)[0], K, "o_proj" in name or "down_proj" in name)
+            if key not in orders:
+                perm = torch.randperm(K, generator=gen)
+                orders[key] = torch.empty(K, dtype=torch.long)
+                orders[key][perm] = torch.arange(K) // size
+            group = orders[key]
+        else:
+            group = torch.arange(K) // size
+        del quantized[name]
+        if fmt == "gptq":
+            v1 = int(checkpoint_format == "gptq")  # the classic format: zero minus one
+            q, s, z, deq = quantize(w, bits, group, sym, zero_min=v1)
+            stored_z = z - v1
+            quantized[f"{prefix}.qweight"] = pack_words(q.t(), bits, 0)  # [K / p, N]
+            quantized[f"{prefix}.qzeros"] = pack_words(stored_z, bits, 1)  # [G, N / p]
+            quantized[f"{prefix}.scales"] = s.half()
+            quantized[f"{prefix}.g_idx"] = group.int()
+        elif fmt == "awq":
+            q, s, z, deq = quantize(w, 4, group, sym=False)
+            order = torch.tensor([8 * c + o for c in range(N // 8) for o in AWQ_ORDER])
+            quantized[f"{prefix}.qweight"] = pack_words(q.t()[:, order], 4, 1)  # [K, N / 8]
+            quantized[f"{prefix}.qzeros"] = pack_words(z[:, order], 4, 1)
+            quantized[f"{prefix}.scales"] = s.half()
+        elif fmt == "w8a8":  # compressed-tensors int8: q [N, K], one scale per channel
+            s = (w.abs().amax(1, keepdim=True) / 127).to(torch.bfloat16)
+            q = (w / s.float()).round().clamp(-128, 127).to(torch.int8)
+            quantized[f"{prefix}.weight"] = q
+            quantized[f"{prefix}.weight_scale"] = s
+            deq = s.float() * q.float()
+        else:  # compressed-tensors pack-quantized, symmetric: signed q stored plus 2^(b-1)
+            q, s, z, deq = quantize(w, bits, group, sym=True)
+            quantized[f"{prefix}.weight_packed"] = pack_words(q, bits, 1)  # [N, ceil(K / p)]
+            quantized[f"{prefix}.weight_scale"] = s.t().to(torch.bfloat16)
+            quantized[f"{prefix}.weight_shape"] = torch.tensor([N, K])
+            deq = s.t().to(torch.bfloat16).float()[:, group] * (q - z[group].t())
+        dense[name] = deq
+    if fmt == "gptq":
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": gs, "sym": sym,
+              "desc_act": desc_act, "checkpoint_format": checkpoint_format}
+    elif fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": None}
+    else:
+        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+                   "strategy": "group" if gs != -1 else "channel",
+                   "group_size": gs if gs != -1 else None, "actorder": None}
+        acts = None
+        if fmt == "w8a8":
+            weights.update(num_bits=8, strategy="channel", group_size=None)
+            acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                    "strategy": "token"}
+        qc = {"quant_method": "compressed-tensors",
+              "format": "int-quantized" if fmt == "w8a8" else "pack-quantized",
+              "quantization_status": "compressed", "ignore": ["lm_head"],
+              "kv_cache_scheme": None, "sparsity_config": {},
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                            "input_activations": acts,
+                                            "output_activations": None}}}
+    return (write(tmp_path / fmt, dict(config, quantization_config=qc), quantized),
+            write(tmp_path / "dense", config, dense))
+
+
+PROMPTS = [[5, 17, 200, 3], [9] * 19, list(range(40, 73))]
+
+
+def check_against_oracle(quantized_dir, dense_dir, bits):
+    model, oracle = load_model(quantized_dir), load_model(dense_dir)
+    replaced = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(replaced) == 4 * SHAPE["num_hidden_layers"]
+    assert all(m.bits == bits for m in replaced)
+    assert isinstance(model.lm_head, Linear)
+    path = f"quantized_linear.w{bits}.{cpu.quantized_linear_isa()}"
+    before = cpu.kernel_paths().get(path, 0)
+    got = torch.cat(prefill_logits(model, PROMPTS))
+    if cpu.quantized_linear_available():
+        assert cpu.kernel_paths()[path] > before
+    torch.testing.assert_close(got, torch.cat(prefill_logits(oracle, PROMPTS)),
+                               atol=1e-4, rtol=1e-4)
+    return model
+
+
+# (bits, group_size, sym, desc_act): each bit width and group size symmetric and not, with
+# desc_act and without; each bit width every (sym, desc_act) pair twice
+GPTQ_CASES = [(4, 32, True, False), (4, 32, False, True), (4, 64, True, True),
+              (4, 64, False, False), (4, 128, True, False), (4, 128, False, True),
+              (4, -1, True, True), (4, -1, False, False),
+              (8, 32, True, True), (8, 32, False, False), (8, 64, True, False),
+              (8, 64, False, True), (8, 128, True, True), (8, 128, False, False),
+              (8, -1, True, False), (8, -1, False, True)]
+
+
+@pytest.mark.parametrize("bits,gs,sym,desc_act", GPTQ_CASES)
+def test_gptq(tmp_path, bits, gs, sym, desc_act):
+    q, dense = make_checkpoint(tmp_path, "gptq", bits=bits, gs=gs, sym=sym, desc_act=desc_act)
+    model = check_against_oracle(q, dense, bits)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert (qkv.perm is not None) == (desc_act and gs != -1)
+    assert (qkv.zeros is None) == sym
+
+
+def test_gptq_v2_format_stores_zero_points_as_they_are(tmp_path):
+    q, dense = make_checkpoint(tmp_path, "gptq", bits=4, gs=32, sym=False,
+                               checkpoint_format="gptq_v2")
+    check_against_oracle(q, dense, 4)
+
+
+@pytest.mark.parametrize("arch,tied", [("Qwen2ForCausalLM", True), ("LlamaForCausalLM", True),
+                                       ("Qwen2ForCausalLM", False)])
+def test_awq_gemm(tmp_path, arch, tied):
+    q, dense = make_checkpoint(tmp_path, "awq", arch=arch, tied=tied, gs=32)
+    model = check_against_oracle(q, dense, 4)
+    assert (model.model.layers[1].self_attn.qkv_proj.bias is not None) == \
+        (arch == "Qwen2ForCausalLM")
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 128), (8, -1), (4, -1)])
+def test_compressed_tensors_pack_quantized(tmp_path, bits, gs):
+    q, dense = make_checkpoint(tmp_path, "ct", bits=bits, gs=gs, arch="Qwen2ForCausalLM")
+    check_against_oracle(q, dense, bits)
+
+
+def test_gptq_qwen2_with_bias_tied_head_against_transformers(tmp_path):
+    """The oracle itself against transformers: the dequantized checkpoint's logits there."""
+    transformers = pytest.importorskip("transformers")
+    q, dense = make_checkpoint(tmp_path, "gptq", arch="Qwen2ForCausalLM", tied=True, gs=64,
+                               sym=False, desc_act=True)
+    model = load_model(q)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPTS[2]])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, [PROMPTS[2]])[0], expected,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_engine_generates_from_a_gptq_checkpoint(tmp_path):
+    q, dense = make_checkpoint(tmp_path, "gptq", gs=32, desc_act=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = LLM(q, max_num_seqs=4, quantization="gptq")  # the checkpoint's own method: allowed
+    outs = ours.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    want = LLM(dense, max_num_seqs=4).generate(PROMPTS[:2], greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert ours.engine.runner.describe()["quantized linear"].startswith("int4 g32, 8 layers")
+
+
+def _edit(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("fmt,changes,message", [
+    ("gptq", {"bits": 3}, "GPTQ bits=3"),
+    ("gptq", {"checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin'"),
+    ("gptq", {"lm_head": True}, "GPTQ-quantized lm_head"),
+    ("gptq", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
+    ("awq", {"zero_point": False}, "AWQ without zero points"),
+    ("ct", {"format": "marlin-24"}, "compressed-tensors W4A16 in format 'marlin-24'"),
+    ("ct", {"kv_cache_scheme": {"num_bits": 8}}, "compressed-tensors' quantized KV cache"),
+])
+def test_unsupported_options_are_refused_by_name(tmp_path, fmt, changes, message):
+    q, _ = make_checkpoint(tmp_path, fmt, gs=32)
+    _edit(tmp_path / fmt, **changes)
+    with pytest.raises(ValueError, match=message) as info:
+        load_model(q)
+    assert str(tmp_path / fmt / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_compressed_tensors_w8a8(tmp_path, tied):
+    """W8A8: each layer's output is the test's own per-token int8 quantization of x times the
+    checkpoint's int8 weights (exact integer sums, then both scales); the model's logits stay
+    near those of the dequantized float model (x's rounding is the only difference) and its
+    greedy tokens are the same."""
+    q, dense = make_checkpoint(tmp_path, "w8a8", arch="Qwen2ForCausalLM", tied=tied)
+    model, oracle = load_model(q), load_model(dense)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * SHAPE["num_hidden_layers"]
+    assert all(m.act_bits == 8 for m in layers)
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{q}/model.safetensors")
+    w = saved["model.layers.1.mlp.down_proj.weight"].double()  # int8 [N, K]
+    s = saved["model.layers.1.mlp.down_proj.weight_scale"].double()  # [N, 1]
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(4))
+    x[2] = 0  # a row of zeros: scale 0
+    top = x.abs().amax(1, keepdim=True).double()
+    xq = torch.where(top > 0, (x.double() * 127 / top).round(), 0)
+    expected = (xq @ w.t()) * (top / 127) * s.t()
+    with torch.no_grad():
+        got = model.model.layers[1].mlp.down_proj(x)
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
+    got, want = (torch.cat(prefill_logits(m, PROMPTS)) for m in (model, oracle))
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"dynamic": False}, "W8A8 with static or asymmetric activation scales"),
+    ({"strategy": "tensor"}, "W8A8 with static"),
+    ({"num_bits": 4}, "W8A4 in format 'int-quantized'"),
+])
+def test_compressed_tensors_w8a8_options_refused_by_name(tmp_path, change, message):
+    q, _ = make_checkpoint(tmp_path, "w8a8")
+    config = json.loads((tmp_path / "w8a8" / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(
+        change)
+    (tmp_path / "w8a8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(q)
+
+
+def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
+    q, dense = make_checkpoint(tmp_path, "gptq", gs=32)
+    with pytest.raises(ValueError, match="quantized by gptq .* quantization='int8' contradicts"):
+        load_model(q, quantization="int8")
+    with pytest.raises(ValueError, match="quantization='awq' contradicts"):
+        load_model(q, quantization="awq")
+    with pytest.raises(ValueError, match="has no quantization_config: it is no gptq checkpoint"):
+        load_model(dense, quantization="gptq")
+    with pytest.raises(ValueError, match="loads a gptq checkpoint, not random:llama-tiny"):
+        load_model("random:llama-tiny", quantization="gptq")
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
+        load_model(q, dtype=torch.float16)
+
+
+def _rewrite(path, name, fn):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_desc_act_orders_that_cbatch_cannot_run_are_refused(tmp_path):
+    q, _ = make_checkpoint(tmp_path, "gptq", gs=32, desc_act=True)
+    path = tmp_path / "gptq"
+    _rewrite(path, "model.layers.0.self_attn.k_proj.g_idx", lambda g: g.flip(0))
+    with pytest.raises(ValueError, match="shards of model.layers.0.self_attn.qkv_proj have "
+                                         "different g_idx"):
+        load_model(q)
+    _rewrite(path, "model.layers.0.self_attn.k_proj.g_idx", lambda g: g.flip(0))
+    ragged = lambda g: torch.where(g == 0, 1, g)  # noqa: E731  group 1 twice as long, 0 empty
+    _rewrite(path, "model.layers.0.mlp.down_proj.g_idx", ragged)
+    with pytest.raises(ValueError, match="ragged desc_act groups"):
+        load_model(q)
+
+
+def test_a_quantized_layer_whose_bias_the_config_does_not_match_is_refused(tmp_path):
+    q, _ = make_checkpoint(tmp_path, "awq", arch="Qwen2ForCausalLM", gs=32)
+    path = tmp_path / "awq"
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj's bias is "
+                                         "unexpected"):
+        load_model(q)
+
+
+def test_a_quantized_checkpoint_on_gpt2_is_refused(tmp_path):
+    config = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 300, "n_embd": 32,
+              "n_layer": 1, "n_head": 2, "n_positions": 64,
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}}
+    path = write(tmp_path / "g", config, {"wte.weight": torch.zeros(300, 32)})
+    with pytest.raises(ValueError, match="quantized GPT2LMHeadModel checkpoint is not "
+                                         "supported"):
+        load_model(path)
+
+
+def test_quantized_linear_gathers_x_into_its_perm():
+    from cbatch.layers.quantization import quantize
+
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize(torch.randn(24, 40, generator=gen), 4, 8)
+    perm = torch.randperm(40, generator=gen)
+    x = torch.randn(3, 40, generator=gen)
+    with torch.no_grad():
+        got = QuantizedLinear(weight, None, perm=perm)(x)
+    torch.testing.assert_close(got, x[:, perm] @ weight.dequantize().t(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="perm must be int64 \\[40\\], got torch.int32"):
+        QuantizedLinear(weight, perm=perm.int())
