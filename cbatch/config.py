@@ -247,8 +247,9 @@ class EngineConfig:
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     quantization: str | None = _knob(
-        None, "quantize the decoder layers' linear weights at load (CPU): int8 (per output "
-        "channel) or int4 (groups of 128); the lm_head keeps the model's dtype (default: none)",
+        None, "quantize the decoder layers' linear weights at load (CPU kernel; CUDA: Triton): "
+        "int8 (per output channel) or int4 (groups of 128); the lm_head keeps the model's dtype "
+        "(default: none)",
         choices=QUANTIZATION_METHODS)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "

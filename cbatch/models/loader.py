@@ -116,18 +116,23 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
-    ``quantization`` (``"int8"``, ``"int4"``; CPU only): the decoder layers' linear weights
-    quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`).  A checkpoint
+    ``quantization`` (``"int8"``, ``"int4"``): the decoder layers' linear weights quantized
+    once loaded (:func:`cbatch.layers.quantization.quantize_model`); they run cbatch's kernel
+    on the CPU (float32 or bfloat16 activations) and the Triton GEMMs of
+    ``kernels/quant_matmul.py`` on CUDA (float16 too).  A checkpoint
     that is quantized already (a ``quantization_config`` in config.json) is refused, naming
     its method: cbatch loads no GPTQ, AWQ or compressed-tensors weights yet.
     """
     check_quantization(quantization)
-    if quantization is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on the CPU only (cbatch has no "
-                         f"quantized GPU kernel yet), not on {device}")
-    if quantization is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"quantization={quantization!r} runs float32 or bfloat16 activations, "
-                         f"not {str(dtype).removeprefix('torch.')}")
+    device_type = torch.device(device).type
+    if quantization is not None and device_type not in ("cpu", "cuda"):
+        raise ValueError(f"quantization={quantization!r} runs on the CPU and on CUDA (Triton), "
+                         f"not on {device}")
+    if quantization is not None and dtype not in (torch.float32, torch.bfloat16) + (
+            (torch.float16,) if device_type == "cuda" else ()):
+        raise ValueError(f"quantization={quantization!r} runs float32 or bfloat16 activations "
+                         f"(float16 too on CUDA), not {str(dtype).removeprefix('torch.')} on "
+                         f"{device_type}")
     what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
         (f", {quantization})" if quantization else ")")
     if name_or_path.startswith("random:"):
