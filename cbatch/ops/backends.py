@@ -32,7 +32,9 @@ def _triton_status() -> BackendStatus:
         import triton
     except ImportError as e:
         return BackendStatus(False, f"triton is not installed ({e})")
-    return BackendStatus(True, f"triton {triton.__version__}")
+    # the ops it runs beyond attention: the sampling draw and the quantized GEMMs, on CUDA
+    return BackendStatus(True, f"triton {triton.__version__}; also the sampling draw and the "
+                         "quantized GEMMs (W8A16, W4A16, W8A8) on CUDA")
 
 
 def available_backends() -> dict[str, BackendStatus]:
