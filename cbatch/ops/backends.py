@@ -37,6 +37,18 @@ def _triton_status() -> BackendStatus:
                          "quantized GEMMs (W8A16, W4A16, W8A8) on CUDA")
 
 
+_TRITON: list[bool] = []  # (not functools.cache: torch.compile warns about it)
+
+
+def triton_available() -> bool:
+    """Whether triton is installed and imports: what the dispatches that run a Triton kernel
+    on CUDA tensors ask (the sampling draw, the quantized GEMMs).  Asked once: importing
+    triton is slow."""
+    if not _TRITON:
+        _TRITON.append(_triton_status().available)
+    return _TRITON[0]
+
+
 def available_backends() -> dict[str, BackendStatus]:
     """Which backends this install has and this machine can run, and for each missing one
     the reason (the CUDA kernels are off where no GPU is visible, though compiled).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,19 +9,13 @@ from torch import nn
 from cbatch.layers.module import Module
 from cbatch.layers.quantization.weight import QuantizedWeight, pack_w8a8, quantize, unpack_w8a8
 from cbatch.ops import cpu, reference
-
-
-@functools.cache
-def _triton_available() -> bool:
-    from cbatch.ops.backends import available_backends
-
-    return available_backends()["triton"].available
+from cbatch.ops.backends import triton_available
 
 
 def on_triton(x: torch.Tensor) -> bool:
     """Whether a quantized layer runs its matmul in Triton for ``x``: CUDA tensors, where
     triton is installed (tests point this at CPU tensors under Triton's interpreter)."""
-    return x.device.type == "cuda" and _triton_available()
+    return x.device.type == "cuda" and triton_available()
 
 
 def triton_quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
