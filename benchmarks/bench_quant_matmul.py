@@ -11,7 +11,8 @@ Routes:
 - ``w8a16``: int8 weights per output channel (online int8's), ``cbatch_triton::
   quantized_linear``;
 - ``w4a16``: int4 weights in groups of 128 (online int4's), the same op;
-- ``w8a8``: per-token int8 x (``scaled_int8_quant``) then ``w8a8_linear``, both timed.
+- ``w8a8``: per-token int8 x (``scaled_int8_quant``) then ``w8a8_linear`` on
+  ``pack_w8a8``'s layout (``QuantizedLinear(act_bits=8)``'s), both timed.
 
 Each point is the median over ``--reps`` calls (CUDA events, L2 flushed before each call);
 ``floor_us`` is the route's weight bytes (with scales) over the measured read bandwidth, the
@@ -46,19 +47,22 @@ ROUTES = ("dense", "w8a16", "w4a16", "w8a8")
 def routes(weight: torch.Tensor) -> dict:
     """Route -> (callable(x), weight bytes, float64 weight it computes with)."""
     from cbatch.layers.quantization import quantize
-    from cbatch.layers.quantization.linear import triton_quantized_linear
-    from cbatch.ops import triton as _  # noqa: F401  (registers the cbatch_triton ops)
+    from cbatch.layers.quantization.linear import (triton_quantized_linear,
+                                                   triton_quantized_linear_w8a8)
+    from cbatch.layers.quantization.weight import pack_w8a8
 
     out = {"dense": (lambda x: F.linear(x, weight), weight.numel() * weight.element_size(),
                      weight.double())}
-    for name, bits, group, act_bits in (("w8a16", 8, None, 16), ("w4a16", 4, 128, 16),
-                                        ("w8a8", 8, None, 8)):
+    for name, bits, group in (("w8a16", 8, None), ("w4a16", 4, 128)):
         qw = quantize(weight, bits, group)
         args = (qw.qweight, qw.scales, qw.zeros, bits, qw.group_size, qw.out_features, None)
         nbytes = sum(t.numel() * t.element_size() for t in (qw.qweight, qw.scales))
-        out[name] = (lambda x, args=args, act_bits=act_bits:
-                     triton_quantized_linear(x, *args, act_bits=act_bits), nbytes,
+        out[name] = (lambda x, args=args: triton_quantized_linear(x, *args), nbytes,
                      qw.dequantize().double())
+    qw = quantize(weight, 8, None)
+    args = (pack_w8a8(qw), qw.scales, qw.out_features, None)
+    out["w8a8"] = (lambda x: triton_quantized_linear_w8a8(x, *args),
+                   sum(t.numel() * t.element_size() for t in args[:2]), qw.dequantize().double())
     return out
 
 

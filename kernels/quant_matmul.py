@@ -12,14 +12,19 @@ runs of ``16 BLOCK_K`` (or ``8 BLOCK_K``) bytes.
   of ``BLOCK_K``, or one group); otherwise each weight is ``s (q - z)`` in fp32, rounded to
   x's dtype for the dot.  An int4 tile is two dots, the even k against the low nibbles and the
   odd k against the high ones.
-- :func:`scaled_int8_quant` (vLLM's name): x quantized per token, ``s_x = max |x_row| / 127``
-  (1 for a row of zeros), ``x_q = rint(x / s_x)`` in int8, IEEE division and round-half-even,
-  as torch computes it.
-- :func:`w8a8_linear`: int8 x int8 ``tl.dot`` with int32 accumulation per tile (exact), the
-  tile's sum scaled by its group's weight scale in fp32, the row by ``s_x`` at the end;
-  symmetric weights only, each tile in one group.
+- :func:`scaled_int8_quant` (vLLM's name): x quantized per token as
+  :func:`cbatch.ops.reference.quantize_per_token` does it, bit for bit: ``a = max |x_row|``,
+  ``x_q = round-half-even(x * (127 / a))`` with one correctly rounded division,
+  ``s_x = a / 127`` (a row of zeros: 0 and 0).
+- :func:`w8a8_linear`: the W8A8 layout of ``QuantizedLinear(act_bits=8)``
+  (:func:`cbatch.layers.quantization.weight.pack_w8a8`: a column's 4 consecutive k in one
+  4-byte lane, each + 128), read as it is: int8 x int8 ``tl.dot`` with the row's exact sum in
+  int32 over all of K, then ``(acc * s_w) * s_x + bias`` in fp32:
+  :func:`cbatch.ops.reference.quantized_linear_w8a8`'s arithmetic, bit for bit.  Both launch
+  without fp contraction (``enable_fp_fusion=False``), so that no multiply and add fuse into
+  one rounding the reference does not make.
 
-fp32 accumulation everywhere; M is kept out of Triton's integer specialization (one compiled
+fp32 accumulation for W8A16/W4A16; M is kept out of Triton's integer specialization (one compiled
 kernel for every row count of a shape class).  The tile sizes are untuned heuristics.
 """
 
@@ -144,21 +149,21 @@ def _scaled_int8_quant_kernel(x_ptr, x_q_ptr, scale_ptr, K, stride_x_m, stride_q
         x = tl.load(x_ptr + row * stride_x_m + k, mask=k < K, other=0.0).to(tl.float32)
         top = tl.maximum(top, tl.abs(x))
     amax = tl.max(top, axis=0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-    tl.store(scale_ptr + row, scale)
+    inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.maximum(amax, 1e-30)), 0.0)
+    tl.store(scale_ptr + row, tl.math.div_rn(amax, 127.0))
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + k, mask=k < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale)
-        v = tl.minimum(tl.maximum((v + RINT) - RINT, -128.0), 127.0)
+        v = x * inv  # |v| <= 127 (up to rounding): the magic number rounds it half-to-even
+        v = tl.minimum(tl.maximum((v + RINT) - RINT, -127.0), 127.0)
         tl.store(x_q_ptr + row * stride_q_m + k, v.to(tl.int8), mask=k < K)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_kernel(
     x_q_ptr, x_scale_ptr, qweight_ptr, scales_ptr, bias_ptr, out_ptr,
-    M, N, K, group_size,
-    stride_x_m, stride_o_m, stride_q_b, stride_s_g,
+    M, N, K,
+    stride_x_m, stride_o_m, stride_q_b,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -168,24 +173,25 @@ def _w8a8_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    q_col = (offs_n // 16).to(tl.int64) * stride_q_b + offs_n % 16  # [BLOCK_N]
+    # column n's lane: its block's rows of 64 bytes (4 k of 16 columns), then 4 bytes a column
+    q_col = (offs_n // 16).to(tl.int64) * stride_q_b + (offs_n % 16) * 4  # [BLOCK_N]
     x_row = x_q_ptr + offs_m.to(tl.int64)[:, None] * stride_x_m  # [BLOCK_M, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         mask_k = k < K
         x = tl.load(x_row + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
-        q = tl.load(qweight_ptr + q_col[None, :] + k[:, None] * 16,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-        part = tl.dot(x, q, out_dtype=tl.int32)  # exact: |part| <= 2^14 BLOCK_K
-        s = tl.load(scales_ptr + (k0 // group_size) * stride_s_g + offs_n, mask=mask_n,
-                    other=0.0)
-        acc += part.to(tl.float32) * s[None, :]
-    acc *= tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+        u = tl.load(qweight_ptr + q_col[None, :] + (k // 4 * 64 + k % 4)[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=128)  # [BLOCK_K, BLOCK_N]
+        q = (u.to(tl.int32) - 128).to(tl.int8)
+        acc = tl.dot(x, q, acc, out_dtype=tl.int32)  # exact: |acc| <= 127 * 128 * K < 2^31
+    s = tl.load(scales_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc.to(tl.float32) * s[None, :]
+    y = y * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_o_m + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+             y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def tile_config(M: int, bits: int, K: int, group_size: int) -> tuple[int, int, int, bool]:
@@ -272,7 +278,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token int8 quantization of ``x [M, K]`` (any float dtype, dense rows) →
     ``(x_q int8 [M, K], scale fp32 [M, 1])`` with ``x ~ scale * x_q`` (vLLM's
-    ``scaled_int8_quant`` shapes)."""
+    ``scaled_int8_quant`` shapes; :func:`cbatch.ops.reference.quantize_per_token`'s values)."""
     if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] with dense rows, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -282,40 +288,54 @@ def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M == 0:
         return x_q, scale
     _scaled_int8_quant_kernel[(M,)](x, x_q, scale, K, x.stride(0), x_q.stride(0),
-                                    RINT=_RINT, BLOCK=min(1024, triton.next_power_of_2(K)))
+                                    RINT=_RINT, BLOCK=min(1024, triton.next_power_of_2(max(K, 1))),
+                                    enable_fp_fusion=False)
     return x_q, scale
 
 
+# the largest K whose int32 sums cannot overflow: 127 * 128 * K < 2^31
+W8A8_MAX_K = (2**31 - 1) // (127 * 128)
+
+
 def w8a8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
-                scales: torch.Tensor, group_size: int, out_features: int,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """W8A8: ``(x_scale * x_q) @ W.T + bias`` → ``[M, N]`` in ``out_dtype``, with ``x_q``
-    int8 ``[M, K]`` and ``x_scale`` fp32 ``[M, 1]`` (:func:`scaled_int8_quant`'s) and a
-    symmetric 8-bit packed weight whose groups are whole tiles (one group, or
-    ``group_size`` a multiple of 32)."""
-    if x_q.dtype != torch.int8:
-        raise TypeError(f"x_q must be int8, got {x_q.dtype}")
-    check_packed(x_q, qweight, scales, None, 8, group_size, out_features, bias)
+                scales: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """W8A8: ``x_q`` int8 ``[M, K]`` and ``x_scale`` fp32 ``[M, 1]`` (:func:`scaled_int8_quant`'s)
+    times the W8A8 weight (``qweight`` uint8 ``[N16 / 16, ceil(K / 4), 64]``, ``pack_w8a8``'s;
+    ``scales`` fp32 ``[1, N16]``) plus ``bias [N]`` → ``[M, N]`` in ``out_dtype``."""
+    if x_q.dtype != torch.int8 or x_q.dim() != 2 or x_q.stride(1) != 1:
+        raise ValueError(f"x_q must be an int8 [M, K] with dense rows, got {x_q.dtype} "
+                         f"{tuple(x_q.shape)}")
     M, K = x_q.shape
+    N = out_features
+    blocks, quads = -(-N // BLOCK), -(-K // 4)
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (blocks, quads, 4 * BLOCK) \
+            or not qweight.is_contiguous():
+        raise ValueError(f"qweight does not hold a W8A8 {N} x {K}: want dense uint8 "
+                         f"[{blocks}, {quads}, {4 * BLOCK}], got {qweight.dtype} "
+                         f"{list(qweight.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (1, blocks * BLOCK) \
+            or not scales.is_contiguous():
+        raise ValueError(f"scales must be a dense float32 [1, {blocks * BLOCK}] (one per "
+                         f"output channel), got {scales.dtype} {list(scales.shape)}")
     if x_scale.dtype != torch.float32 or x_scale.numel() != M or not x_scale.is_contiguous():
         raise ValueError(f"x_scale must be a dense float32 [{M}, 1], got {x_scale.dtype} "
                          f"{list(x_scale.shape)}")
-    block_m, block_n, block_k, per_tile = tile_config(M, 8, K, group_size)
-    if not per_tile:
-        raise ValueError(f"W8A8 needs groups of whole tiles: one group, or group_size a "
-                         f"multiple of 32, got {group_size}")
-    N = out_features
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a dense [{N}], got {list(bias.shape)}")
+    if K > W8A8_MAX_K:
+        raise ValueError(f"W8A8 sums K in int32: K must be at most {W8A8_MAX_K}, got {K}")
     out = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
     if M == 0 or N == 0:
         return out
-    if K == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
+    block_m, block_n, block_k, _ = tile_config(M, 8, K, K)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _w8a8_kernel[grid](
         x_q, x_scale, qweight, scales, scales if bias is None else bias, out,
-        M, N, K, group_size,
-        x_q.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+        M, N, K,
+        x_q.stride(0), out.stride(0), qweight.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        enable_fp_fusion=False,
     )
     return out

@@ -90,7 +90,8 @@ def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
 
 @torch.library.custom_op("cbatch_triton::scaled_int8_quant", mutates_args=())
 def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token int8 quantization: ``(x_q int8 [M, K], scale fp32 [M, 1])``."""
+    """Dynamic per-token int8 quantization: ``(x_q int8 [M, K], scale fp32 [M, 1])``, the
+    values of ``cbatch.ops.reference.quantize_per_token``."""
     return quant_matmul.scaled_int8_quant(x)
 
 
@@ -103,16 +104,16 @@ def _(x):
 
 @torch.library.custom_op("cbatch_triton::w8a8_linear", mutates_args=())
 def w8a8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
-                scales: torch.Tensor, group_size: int, out_features: int,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """W8A8: int8 x int8 with int32 accumulation, scaled by ``x_scale`` and the weight's
-    scales (``kernels/quant_matmul.py``)."""
-    return quant_matmul.w8a8_linear(x_q, x_scale, qweight, scales, group_size, out_features,
-                                    bias, out_dtype)
+                scales: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """W8A8 on ``pack_w8a8``'s layout: int8 x int8 with int32 sums, scaled by the weight's
+    and ``x_scale`` (``kernels/quant_matmul.py``)."""
+    return quant_matmul.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias,
+                                    out_dtype)
 
 
 @w8a8_linear.register_fake
-def _(x_q, x_scale, qweight, scales, group_size, out_features, bias, out_dtype):
+def _(x_q, x_scale, qweight, scales, out_features, bias, out_dtype):
     check_no_meta_mix("cbatch_triton::w8a8_linear", x_q=x_q, x_scale=x_scale, qweight=qweight,
                       scales=scales, bias=bias)
     return x_q.new_empty((x_q.shape[0], out_features), dtype=out_dtype)

@@ -128,7 +128,8 @@ def _quant_cases(dtype: str, quant_matmul):
     qkv (N 1600, K 960, with a bias as Qwen2's) at a decode step and its down projection
     (N 960, K 2560) in a prefill; W8A16 and W4A16 with group-128 zero points (GPTQ's), one
     scale per channel (online int8) and groups that are not whole tiles (per-weight scales);
-    W8A8's GEMM and its per-token quantization."""
+    W8A8's GEMM on pack_w8a8's layout and its per-token quantization (both without fp
+    contraction, as they launch)."""
     fp32 = dtype == "fp32"
     for bits in (8, 4):
         weight = "*i8" if bits == 8 else "*u8"
@@ -152,16 +153,16 @@ def _quant_cases(dtype: str, quant_matmul):
         block_m, block_n, block_k, _ = quant_matmul.tile_config(m, 8, k, k)
         yield (f"W8A8 out {dtype} M={m} N={n} K={k} bias={bias}", quant_matmul._w8a8_kernel,
                {"*": DTYPES[dtype], "x_q_ptr": "*i8", "x_scale_ptr": "*fp32",
-                "qweight_ptr": "*i8", "scales_ptr": "*fp32",
+                "qweight_ptr": "*u8", "scales_ptr": "*fp32",
                 "bias_ptr": DTYPES[dtype] if bias else "*fp32"},
-               {"M": m, "N": n, "K": k, "group_size": k, "stride_x_m": k, "stride_o_m": n,
-                "stride_q_b": k * 16, "stride_s_g": -(-n // 16) * 16},
+               {"M": m, "N": n, "K": k, "stride_x_m": k, "stride_o_m": n,
+                "stride_q_b": -(-k // 4) * 64},
                {"HAS_BIAS": bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "num_warps": 4, "num_stages": 3})
+                "num_warps": 4, "num_stages": 3, "enable_fp_fusion": False})
     yield (f"scaled_int8_quant {dtype}", quant_matmul._scaled_int8_quant_kernel,
            {"*": DTYPES[dtype], "x_q_ptr": "*i8", "scale_ptr": "*fp32"},
            {"K": 960, "stride_x_m": 960, "stride_q_m": 960},
-           {"RINT": quant_matmul._RINT, "BLOCK": 1024})
+           {"RINT": quant_matmul._RINT, "BLOCK": 1024, "enable_fp_fusion": False})
 
 
 def _compile(kernel, pointer_types: dict, ints: dict, constexprs: dict, arch: int) -> str:
@@ -174,7 +175,8 @@ def _compile(kernel, pointer_types: dict, ints: dict, constexprs: dict, arch: in
     from triton.compiler import ASTSource
 
     signature, attrs, constexprs = {}, {}, dict(constexprs)
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
+               if k in constexprs}
     for i, param in enumerate(kernel.params):
         name = param.name
         if name in constexprs:

@@ -9,15 +9,20 @@ weight s (q - z) one more, so |y - y_fp64| <= gamma_{K+4} (|x| @ |W|^T + |bias|)
 n u / (1 - n u), u = 2^-24; a 16-bit output adds its rounding (2^-8 |y| bf16, 2^-11 fp16;
 2^-7 for bf16 in the interpreter, whose fp32 -> bf16 conversion truncates).
 On a GPU a tile that spans several groups takes s (q - z) rounded to x's 16-bit dtype into
-its dot: 2^-8 (2^-11) |x| @ |W|^T more.  W8A8's oracle is the same product with x replaced by
-the kernel's own x_scale * x_q, which is itself checked bitwise against torch's per-token
-quantization.
+its dot: 2^-8 (2^-11) |x| @ |W|^T more.
+
+W8A8 (its weight in pack_w8a8's layout, as QuantizedLinear(act_bits=8) holds it) makes the
+reference's roundings and no other (exact int32 sums; no fused multiply-add): its per-token
+quantization equals cbatch.ops.reference.quantize_per_token bit for bit, and its product
+reference.quantized_linear_w8a8's (the interpreter's bf16 output: within its truncation);
+and it is within the bound above of the float64 product of x_scale * x_q and the weight.
 """
 
 import pytest
 import torch
 
 from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.quantization.weight import pack_w8a8
 from cbatch.layers.quantization import linear as qlinear
 from cbatch.ops import reference
 from tests.helpers import triton_device, triton_skip_reason
@@ -111,51 +116,60 @@ def qlinear_tile(bits, K, group_size) -> bool:
     return quant_matmul.tile_config(1, bits, K, group_size)[3]
 
 
-def test_scaled_int8_quant_is_torchs_per_token_quantization(device):
-    """s = max |x_row| / 127 (1 for a row of zeros), x_q = round-half-even(x / s): bitwise
-    torch's, fp32, bf16 and fp16 x, halves included."""
+def test_scaled_int8_quant_is_the_references(device):
+    """a = max |x_row|, x_q = round-half-even(x * (127 / a)), scale a / 127 (a row of zeros:
+    0 and 0): reference.quantize_per_token's, bit for bit, in fp32, bf16 and fp16."""
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = (torch.randn(6, 1500, generator=gen) * 3).to(dtype)
         x[2] = 0
-        x[3, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties at the halves
+        x[3, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # 127 / a = 1: ties at the halves
         x[3, 4:] = 0
         x_q, scale = torch.ops.cbatch_triton.scaled_int8_quant(x.to(device))
-        top = x.float().abs().amax(-1, keepdim=True)
-        want_scale = torch.where(top > 0, top / 127, torch.ones_like(top))
-        want = (x.float() / want_scale).round().clamp(-128, 127).to(torch.int8)
-        assert scale.shape == (6, 1) and torch.equal(scale.cpu(), want_scale)
-        assert x_q.dtype == torch.int8 and torch.equal(x_q.cpu(), want)
-        assert x_q[3, :4].tolist() == [127, 0, 2, -2]
+        want_q, want_scale = reference.quantize_per_token(x)
+        assert scale.shape == (6, 1) and torch.equal(scale.cpu().view(6), want_scale)
+        assert x_q.dtype == torch.int8 and torch.equal(x_q.cpu(), want_q)
+        assert x_q[3, :4].tolist() == [127, 0, 2, -2] and scale[2].item() == 0
 
 
-@pytest.mark.parametrize("group_size", [None, 32, 128])
-@pytest.mark.parametrize("N,K", [(1, 1), (33, 129), (17, 300), WIDE])
-def test_w8a8_matches_dequantize_then_matmul(device, group_size, N, K):
-    """int8 x int8 with int32 accumulation: M = 1, 3, 17, fp32, bf16 and fp16 out, with and
-    without bias, per channel and groups of 32 and 128 (K not a multiple)."""
+@pytest.mark.parametrize("N,K", [(1, 1), (5, 3), (33, 129), (17, 300), WIDE])
+def test_w8a8_is_the_references(device, N, K):
+    """int8 x int8 on pack_w8a8's layout: M = 1, 3, 17, fp32, bf16 and fp16, with and without
+    bias; reference.quantized_linear_w8a8's result bit for bit, and within the bound of the
+    float64 product."""
     gen = torch.Generator().manual_seed(N + K)
-    gs = K if group_size is None else group_size
     for dtype, M, bias in ((torch.float32, 1, True), (torch.bfloat16, 3, False),
-                           (torch.float16, 17, True)):
-        qw, w = _random_quantized(N, K, 8, gs, False, gen)
+                           (torch.float16, 17, True), (torch.float32, 17, False)):
+        qw, w = _random_quantized(N, K, 8, K, False, gen)
+        qweight = pack_w8a8(qw)
         x = torch.randn(M, K, generator=gen).to(dtype)
+        x[M // 2] = 0  # a row of zeros: scale 0
         b = (torch.randn(N, generator=gen) * 0.1).to(dtype) if bias else None
         x_q, x_scale = torch.ops.cbatch_triton.scaled_int8_quant(x.to(device))
         ours = torch.ops.cbatch_triton.w8a8_linear(
-            x_q, x_scale, qw.qweight.to(device), qw.scales.to(device), gs, N,
+            x_q, x_scale, qweight.to(device), qw.scales.to(device), N,
             None if b is None else b.to(device), dtype)
         assert ours.dtype == dtype and ours.shape == (M, N)
+        want = reference.quantized_linear_w8a8(x, qweight, qw.scales, N, b)
+        if ours.device.type == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates
+            torch.testing.assert_close(ours, want, rtol=2.0 ** -7, atol=0)
+        else:
+            assert torch.equal(ours.cpu(), want)
         _check(x_q.cpu().double() * x_scale.cpu().double(), w, b, ours)
 
 
 def test_w8a8_refuses_what_it_does_not_run(device):
-    qw, _ = _random_quantized(24, 100, 8, 50, False, torch.Generator().manual_seed(0))
+    qw, _ = _random_quantized(24, 100, 8, 100, False, torch.Generator().manual_seed(0))
     x_q = torch.zeros(2, 100, dtype=torch.int8, device=device)
     x_scale = torch.ones(2, 1, device=device)
-    with pytest.raises(ValueError, match="W8A8 needs groups of whole tiles"):
-        torch.ops.cbatch_triton.w8a8_linear(x_q, x_scale, qw.qweight.to(device),
-                                            qw.scales.to(device), 50, 24, None, torch.float32)
+    args = (x_q, x_scale, pack_w8a8(qw).to(device), qw.scales.to(device), 24, None,
+            torch.float32)
+    with pytest.raises(ValueError, match="qweight does not hold a W8A8 24 x 100"):
+        torch.ops.cbatch_triton.w8a8_linear(x_q, x_scale, qw.qweight.to(device), *args[3:])
+    with pytest.raises(ValueError, match="x_scale must be a dense float32 \\[2, 1\\]"):
+        torch.ops.cbatch_triton.w8a8_linear(x_q, x_scale[:1], *args[2:])
+    with pytest.raises(ValueError, match="x_q must be an int8"):
+        torch.ops.cbatch_triton.w8a8_linear(x_q.float(), *args[1:])
 
 
 @pytest.mark.parametrize("change,match", [
@@ -193,7 +207,7 @@ def test_no_rows_and_fakes(device):
     assert y.shape == (5, 24) and y.dtype == torch.float16 and y.device.type == "meta"
     x_q, x_scale = torch.ops.cbatch_triton.scaled_int8_quant(meta["x"])
     assert (x_q.shape, x_q.dtype, x_scale.shape) == ((5, 66), torch.int8, (5, 1))
-    y = torch.ops.cbatch_triton.w8a8_linear(x_q, x_scale, meta["q"], meta["s"], 66, 24, None,
+    y = torch.ops.cbatch_triton.w8a8_linear(x_q, x_scale, meta["q"], meta["s"], 24, None,
                                             torch.bfloat16)
     assert y.shape == (5, 24) and y.dtype == torch.bfloat16
 
@@ -212,7 +226,7 @@ def test_opcheck(device):
     x_q, x_scale = torch.ops.cbatch_triton.scaled_int8_quant(x)
     qw, _ = _random_quantized(24, 66, 8, 66, False, gen)
     torch.library.opcheck(torch.ops.cbatch_triton.w8a8_linear,
-                          (x_q, x_scale, qw.qweight.to(device), qw.scales.to(device), 66, 24,
+                          (x_q, x_scale, pack_w8a8(qw).to(device), qw.scales.to(device), 24,
                            None, torch.float32))
 
 
@@ -220,7 +234,8 @@ def test_opcheck(device):
 def test_a_quantized_layer_on_cuda_runs_the_triton_kernel(device, monkeypatch, bits):
     """QuantizedLinear.forward's dispatch: on CUDA (here: CPU tensors in the interpreter, the
     dispatch's device test pointed at them) it runs the Triton kernel, not the CPU kernel or
-    the reference, on x of any leading shape, and W8A8 (act_bits 8) runs its two kernels."""
+    the reference, on x of any leading shape; with act_bits=8 (8 bits) the per-token
+    quantization and the W8A8 GEMM, whose result is the reference's."""
     from cbatch.kernels import quant_matmul
 
     calls = []
@@ -242,3 +257,11 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernel(device, monkeypatch, b
     assert calls == ["wna16_linear"] and y.shape == (2, 3, 37) and y.dtype == torch.bfloat16
     w = layer.weight.dequantize().double().cpu()
     _check(x.view(6, 130), w, dense.bias, y.view(6, 37).cpu())
+    if bits == 8:
+        calls.clear()
+        w8a8 = QuantizedLinear.from_linear(dense, 8, None, act_bits=8).to(device)
+        y8 = w8a8(x.to(device))
+        assert calls == ["scaled_int8_quant", "w8a8_linear"] and y8.shape == (2, 3, 37)
+        want = reference.quantized_linear_w8a8(x.view(6, 130), w8a8.qweight.cpu(),
+                                               w8a8.scales.cpu(), 37, dense.bias)
+        torch.testing.assert_close(y8.view(6, 37).cpu(), want, rtol=2.0 ** -7, atol=0)

@@ -34,9 +34,26 @@ def triton_quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     return y.view(*x.shape[:-1], out_features)
 
 
+def triton_quantized_linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                 out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 in Triton on x ``[..., K]``, the arguments of
+    :func:`cbatch.ops.reference.quantized_linear_w8a8` (``qweight`` in ``pack_w8a8``'s
+    layout): x quantized per token (``torch.ops.cbatch_triton.scaled_int8_quant``), then
+    ``torch.ops.cbatch_triton.w8a8_linear``."""
+    from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    x_q, x_scale = triton_ops.scaled_int8_quant(x2)
+    y = triton_ops.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias, x.dtype)
+    return y.view(*x.shape[:-1], out_features)
+
+
 class QuantizedLinear(Module):
-    """``x @ W.T + bias`` with ``W`` quantized: on CUDA the Triton GEMM that dequantizes in
-    registers (:func:`triton_quantized_linear`); on the CPU cbatch's kernel (``cbatch::
+    """``x @ W.T + bias`` with ``W`` quantized: on CUDA the Triton GEMMs
+    (:func:`triton_quantized_linear`, dequantizing in registers;
+    :func:`triton_quantized_linear_w8a8`); on the CPU cbatch's kernel (``cbatch::
     quantized_linear``) where it runs (:func:`cbatch.ops.cpu.quantized_linear_available`);
     else the pure-torch reference.
 
@@ -104,8 +121,10 @@ class QuantizedLinear(Module):
         return reference.quantized_linear(x, *args)
 
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        return reference.quantized_linear_w8a8(x, self.qweight, self.scales, self.out_features,
-                                               self.bias)
+        args = (self.qweight, self.scales, self.out_features, self.bias)
+        if on_triton(x):
+            return triton_quantized_linear_w8a8(x, *args)
+        return reference.quantized_linear_w8a8(x, *args)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
