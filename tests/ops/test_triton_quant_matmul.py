@@ -72,10 +72,11 @@ def _check(x, w, bias, ours, weight_rounding=0.0):
     assert (err <= bound * 1.001 + 1e-30).all(), (err - bound).max()
 
 
-# (N, K): odd K and N, one column, K of one element, K across group edges; several column
-# tiles (slow in the interpreter)
-WIDE = pytest.param(130, 257, marks=pytest.mark.slow)
-SHAPES = [(1, 1), (5, 3), (33, 129), (17, 300), WIDE]
+# (N, K): odd K and N, one column, K of one element, K across group edges; more k and
+# several column tiles (slow in the interpreter)
+WIDE = [pytest.param(17, 300, marks=pytest.mark.slow), pytest.param(130, 257,
+                                                                    marks=pytest.mark.slow)]
+SHAPES = [(1, 1), (5, 3), (33, 129), *WIDE]
 
 
 @pytest.mark.parametrize("bits,group_size", [(8, None), (8, 7), (8, 128), (4, 128), (4, 32),
@@ -132,7 +133,7 @@ def test_scaled_int8_quant_is_the_references(device):
         assert x_q[3, :4].tolist() == [127, 0, 2, -2] and scale[2].item() == 0
 
 
-@pytest.mark.parametrize("N,K", [(1, 1), (5, 3), (33, 129), (17, 300), WIDE])
+@pytest.mark.parametrize("N,K", SHAPES)
 def test_w8a8_is_the_references(device, N, K):
     """int8 x int8 on pack_w8a8's layout: M = 1, 3, 17, fp32, bf16 and fp16, with and without
     bias; reference.quantized_linear_w8a8's result bit for bit, and within the bound of the
