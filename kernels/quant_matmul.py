@@ -24,8 +24,8 @@ runs of ``16 BLOCK_K`` (or ``8 BLOCK_K``) bytes.
   without fp contraction (``enable_fp_fusion=False``), so that no multiply and add fuse into
   one rounding the reference does not make.
 
-fp32 accumulation for W8A16/W4A16; M is kept out of Triton's integer specialization (one compiled
-kernel for every row count of a shape class).  The tile sizes are untuned heuristics.
+fp32 accumulation for W8A16/W4A16; M is kept out of Triton's integer specialization (one
+compiled kernel for every row count of a shape class).  The tile sizes are untuned heuristics.
 """
 
 from __future__ import annotations
