@@ -248,8 +248,8 @@ class EngineConfig:
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     quantization: str | None = _knob(
-        None, "quantize the decoder layers' linear weights at load (CPU): int8, int4 (groups of "
-        "128), w8a8 (int8 activations too), or the checkpoint's own (default: its own, or none)",
+        None, "quantize the decoder layers' linear weights at load: int8, int4 (groups of 128), "
+        "w8a8 (int8 activations too), or the checkpoint's own (default: its own, or none)",
         choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "

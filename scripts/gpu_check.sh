@@ -2,7 +2,11 @@
 # Everything a GPU session should run, in as few device calls as possible.  On the device
 # machine, from the repository root:
 #
-#   bash scripts/gpu_check.sh check      # build, suite, sanitizers, engine run, first token
+#   bash scripts/gpu_check.sh check      # build, quant, suite, sanitizers, engine run, first
+#                                        #   token
+#   bash scripts/gpu_check.sh quant      # build + the quantized GEMMs' tests on CUDA (Triton
+#                                        #   W8A16/W4A16/W8A8 against float64 dequantize-then-
+#                                        #   matmul, slow cases included; a quantized engine)
 #   bash scripts/gpu_check.sh tests      # build + the test suite on CUDA
 #   bash scripts/gpu_check.sh sanitize   # build + compute-sanitizer memcheck (kernels and a
 #                                        #   short engine run), racecheck, initcheck (kernels)
@@ -10,11 +14,13 @@
 #                                        #   cbatch.LLM("random:gpt2", device="cuda"), cold
 #   bash scripts/gpu_check.sh bench      # build + the benchmarks (full grids)
 #   bash scripts/gpu_check.sh bench decode_attention mixed_step   # build + only these
+#   bash scripts/gpu_check.sh bench quant_matmul   # the quantized GEMMs: decode (M 1, 8) and
+#                                        #   prefill (M 512, 2048) shapes beside dense fp16
 #   bash scripts/gpu_check.sh all        # check + bench
 #
 # A device call is limited to 10 minutes: `check` in one call (every stage has a time
 # limit, so the summary is always written), then `bench decode_attention prefill_attention
-# mixed_step`, then `bench decode_step throughput`.
+# mixed_step quant_matmul`, then `bench decode_step throughput`.
 #
 # Each stage prints one line "PASS|FAIL <stage> <seconds>s <note>", also collected in
 # $OUT/summary.txt; the exit status is non-zero if any stage failed.  Logs go to $OUT
@@ -26,12 +32,12 @@ OUT=${OUT:-/tmp/cbatch-gpu}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 what=${1:-check}
 case "$what" in
-  tests|sanitize|firsttoken|check|bench|all) ;;
-  *) echo "usage: bash scripts/gpu_check.sh check|tests|sanitize|firsttoken|bench [names]|all" >&2
+  tests|quant|sanitize|firsttoken|check|bench|all) ;;
+  *) echo "usage: bash scripts/gpu_check.sh check|tests|quant|sanitize|firsttoken|bench [names]|all" >&2
      exit 2 ;;
 esac
 shift || true
-benches=${*:-decode_attention prefill_attention mixed_step decode_step throughput}
+benches=${*:-decode_attention prefill_attention mixed_step quant_matmul decode_step throughput}
 PY=${PYTHON:-python3}  # the device image's python3 is the one that holds torch
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -58,7 +64,7 @@ stage() {
 
 wants() {  # wants STAGE: does $what include it?
   case "$what:$1" in
-    check:tests|check:sanitize|check:firsttoken|all:*) return 0 ;;
+    check:quant|check:tests|check:sanitize|check:firsttoken|all:*) return 0 ;;
     "$1:$1") return 0 ;;
     *) return 1 ;;
   esac
@@ -70,6 +76,11 @@ stage build 400 "$OUT/build.log" \
 "$PY" -c "import cbatch.ops as o; [print(k, v) for k, v in o.available_backends().items()]; \
 import cbatch.ops.compiled as c; print('build', c.build_info())" | tee "$OUT/backends.txt"
 
+if wants quant; then  # first: the suite's time limit may stop it before it reaches them
+  stage quant 180 "$OUT/quant.log" "$PY" -m pytest -q -ra -m "slow or not slow" \
+    tests/ops/test_triton_quant_matmul.py tests/models/test_quantized_models.py
+  grep -E "^(FAILED|ERROR)" "$OUT/quant.log" | head -20
+fi
 if wants tests; then
   xdist=()  # pytest-xdist only where the image has it (the device has no package registry)
   if "$PY" -c "import xdist" 2> /dev/null; then xdist=(-n auto); fi

@@ -117,11 +117,13 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
-    ``quantization`` (``"int8"``, ``"int4"``; CPU only): the decoder layers' linear weights
-    quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`).  A checkpoint
-    that is quantized already (a ``quantization_config`` in config.json: GPTQ, AWQ,
-    compressed-tensors) loads its own quantized layers (:mod:`cbatch.models.quantized_checkpoint`);
-    ``quantization`` may then be None or that method, as in vLLM.
+    ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``): the decoder layers' linear weights
+    quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`); they run
+    cbatch's kernel on the CPU and the Triton GEMMs on CUDA (:func:`_check_quantized_run`).
+    A checkpoint that is quantized already (a ``quantization_config`` in config.json: GPTQ,
+    AWQ, compressed-tensors) loads its own quantized layers
+    (:mod:`cbatch.models.quantized_checkpoint`); ``quantization`` may then be None or that
+    method, as in vLLM.
     """
     check_quantization(quantization)
     if quantization in CHECKPOINT_QUANTIZATION and name_or_path.startswith("random:"):
@@ -198,13 +200,19 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
 
 
 def _check_quantized_run(method: str | None, device, dtype) -> None:
-    """Quantized layers run on the CPU, with float32 or bfloat16 activations."""
-    if method is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"quantization={method!r} runs on the CPU only (cbatch has no "
-                         f"quantized GPU kernel yet), not on {device}")
-    if method is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"quantization={method!r} runs float32 or bfloat16 activations, "
-                         f"not {str(dtype).removeprefix('torch.')}")
+    """Quantized layers run on the CPU (cbatch's kernel; float32 or bfloat16 activations) and
+    on CUDA (the Triton GEMMs of ``kernels/quant_matmul.py``; float16 too)."""
+    if method is None:
+        return
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"quantization={method!r} runs on the CPU and on CUDA (Triton), "
+                         f"not on {device}")
+    if dtype not in (torch.float32, torch.bfloat16) + (
+            (torch.float16,) if device_type == "cuda" else ()):
+        raise ValueError(f"quantization={method!r} runs float32 or bfloat16 activations "
+                         f"(float16 too on CUDA), not {str(dtype).removeprefix('torch.')} on "
+                         f"{device_type}")
 
 
 def _quantized(model: nn.Module, quantization: str | None) -> nn.Module:

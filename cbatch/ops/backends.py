@@ -32,7 +32,21 @@ def _triton_status() -> BackendStatus:
         import triton
     except ImportError as e:
         return BackendStatus(False, f"triton is not installed ({e})")
-    return BackendStatus(True, f"triton {triton.__version__}")
+    # the ops it runs beyond attention: the sampling draw and the quantized GEMMs, on CUDA
+    return BackendStatus(True, f"triton {triton.__version__}; also the sampling draw and the "
+                         "quantized GEMMs (W8A16, W4A16, W8A8) on CUDA")
+
+
+_TRITON: list[bool] = []  # (not functools.cache: torch.compile warns about it)
+
+
+def triton_available() -> bool:
+    """Whether triton is installed and imports: what the dispatches that run a Triton kernel
+    on CUDA tensors ask (the sampling draw, the quantized GEMMs).  Asked once: importing
+    triton is slow."""
+    if not _TRITON:
+        _TRITON.append(_triton_status().available)
+    return _TRITON[0]
 
 
 def available_backends() -> dict[str, BackendStatus]:

@@ -19,22 +19,14 @@ lands within float32 rounding of a token's boundary (the weights themselves are 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from cbatch.ops import compiled
+from cbatch.ops.backends import triton_available
 
 
 def _cpu_kernel(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.stride(-1) == 1 and "cpu" in compiled.compiled_backends()
-
-
-@functools.cache
-def _triton_available() -> bool:
-    from cbatch.ops.backends import available_backends
-
-    return available_backends()["triton"].available
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -55,7 +47,7 @@ def draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
     :func:`reference_draw`'s."""
     if _cpu_kernel(logits):
         return torch.ops.cbatch.sample(logits, rows, temperature, top_k, top_p, min_p, uniform)
-    if logits.device.type == "cuda" and _triton_available():
+    if logits.device.type == "cuda" and triton_available():
         from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
 
         return triton_ops.sample(logits, rows, temperature, top_k, top_p, min_p, uniform)

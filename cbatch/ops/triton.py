@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from cbatch.kernels import cache, decode_attention, prefill_attention, sample as sample_kernel
+from cbatch.kernels import (cache, decode_attention, prefill_attention, quant_matmul,
+                            sample as sample_kernel)
 from cbatch.ops.checks import check_no_meta_mix
 
 
@@ -68,3 +69,51 @@ def sample(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
 def _(logits, rows, temperature, top_k, top_p, min_p, uniform):
     check_no_meta_mix("cbatch_triton::sample", logits=logits, rows=rows, uniform=uniform)
     return rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("cbatch_triton::quantized_linear", mutates_args=())
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A16 / W4A16 (``kernels/quant_matmul.py``): ``cbatch::quantized_linear``'s contract,
+    x fp16, bf16 or fp32."""
+    return quant_matmul.wna16_linear(x, qweight, scales, zeros, bits, group_size, out_features,
+                                     bias)
+
+
+@quantized_linear.register_fake
+def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
+    check_no_meta_mix("cbatch_triton::quantized_linear", x=x, qweight=qweight, scales=scales,
+                      zeros=zeros, bias=bias)
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op("cbatch_triton::scaled_int8_quant", mutates_args=())
+def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 quantization: ``(x_q int8 [M, K], scale fp32 [M, 1])``, the
+    values of ``cbatch.ops.reference.quantize_per_token``."""
+    return quant_matmul.scaled_int8_quant(x)
+
+
+@scaled_int8_quant.register_fake
+def _(x):
+    check_no_meta_mix("cbatch_triton::scaled_int8_quant", x=x)
+    return (x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+@torch.library.custom_op("cbatch_triton::w8a8_linear", mutates_args=())
+def w8a8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+                scales: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """W8A8 on ``pack_w8a8``'s layout: int8 x int8 with int32 sums, scaled by the weight's
+    and ``x_scale`` (``kernels/quant_matmul.py``)."""
+    return quant_matmul.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias,
+                                    out_dtype)
+
+
+@w8a8_linear.register_fake
+def _(x_q, x_scale, qweight, scales, out_features, bias, out_dtype):
+    check_no_meta_mix("cbatch_triton::w8a8_linear", x_q=x_q, x_scale=x_scale, qweight=qweight,
+                      scales=scales, bias=bias)
+    return x_q.new_empty((x_q.shape[0], out_features), dtype=out_dtype)

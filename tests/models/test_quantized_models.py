@@ -16,6 +16,7 @@ from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.quantization import linear as quantized_linear
 from cbatch.ops import cpu
+from tests.helpers import triton_device, triton_skip_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -101,12 +102,67 @@ def test_quantization_methods_are_refused_by_name():
     with pytest.raises(ValueError, match="quantization='fp8' is not supported; cbatch runs "
                                          "int8, int4, w8a8 \\(online\\) and a checkpoint's own gptq"):
         LLM("random:llama-tiny", quantization="fp8")
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        load_model("random:llama-tiny", device="cuda", quantization="int8")
-    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
+    with pytest.raises(ValueError, match="runs on the CPU and on CUDA \\(Triton\\), not on mps"):
+        load_model("random:llama-tiny", device="mps", quantization="int8")
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations \\(float16 too "
+                                         "on CUDA\\), not float16 on cpu"):
         load_model("random:llama-tiny", dtype=torch.float16, quantization="int4")
     with pytest.raises(ValueError, match="quantization comes from the model given"):
         LLM(load_model("random:tiny"), quantization="int8")
+
+
+def _spy_triton(monkeypatch) -> list[str]:
+    """The names of kernels/quant_matmul.py's launchers, as they are called."""
+    from cbatch.kernels import quant_matmul
+
+    calls = []
+    for name in ("wna16_linear", "w8a8_linear"):
+        real = getattr(quant_matmul, name)
+        monkeypatch.setattr(quant_matmul, name, lambda *a, real=real, name=name, **k:
+                            calls.append(name) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_on_the_cuda_path_is_the_dequantized_model(monkeypatch, method):
+    """The path a CUDA model takes, emulated where there is no GPU: its quantized layers'
+    dispatch pointed at CPU tensors, which Triton's interpreter runs.  Every quantized layer
+    runs the Triton GEMM, and the logits are those of the float model on the dequantized
+    weights (the oracle of test_quantized_logits_are_the_dequantized_models)."""
+    device = triton_device()
+    if device is None:
+        pytest.skip(triton_skip_reason())
+    calls = _spy_triton(monkeypatch)
+    if device == "cpu":
+        monkeypatch.setattr(quantized_linear, "on_triton", lambda x: True)
+    quantized = load_model("random:llama-tiny", device=device, quantization=method, seed=3)
+    dense = load_model("random:llama-tiny", device=device, seed=3)
+    layers = dict(quantized.named_modules())
+    with torch.no_grad():
+        for path, module in dense.named_modules():
+            if isinstance(layers.get(path), QuantizedLinear):
+                module.weight.copy_(layers[path].weight.dequantize())
+    prompts = [[5, 6, 7], list(range(3, 22))]
+    ours = torch.cat(prefill_logits(quantized, prompts))
+    assert calls.count("wna16_linear") == 4 * quantized.config.num_layers
+    torch.testing.assert_close(ours, torch.cat(prefill_logits(dense, prompts)),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the engine on CUDA")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_on_cuda_runs_the_triton_gemm(monkeypatch, method):
+    """A CUDA engine with quantized weights and float16 activations (its default CUDA graphs
+    on) decodes, and its quantized layers run the Triton GEMM (the logits' oracle is the
+    test above, which runs on the GPU too)."""
+    calls = _spy_triton(monkeypatch)
+    llm = LLM("random:llama-tiny", device="cuda", dtype="float16", quantization=method,
+              max_num_seqs=4)
+    outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert calls.count("wna16_linear") > 0
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def _cases():
     import torch
 
     from cbatch.kernels import (cache, decode_attention, grouped_decode_attention, matmul,
-                                prefill_attention, sample)
+                                prefill_attention, quant_matmul, sample)
 
     def ptrs(dtype, **extra):
         return {"*": DTYPES[dtype], "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -110,6 +110,7 @@ def _cases():
                     "BLOCK_M": matmul.BLOCK_M, "BLOCK_N": matmul.BLOCK_N,
                     "BLOCK_K": matmul.BLOCK_K, "num_warps": matmul.NUM_WARPS,
                     "num_stages": matmul.NUM_STAGES})
+        yield from _quant_cases(dtype, quant_matmul)
         yield (f"write_kv_cache {dtype}", cache._write_kv_cache_kernel, ptrs(dtype),
                {"stride_k_t": 2304, "stride_v_t": 2304}, {"ROW": 768, "BLOCK": 1024})
         # the sampling draw over the model's logits (a rule's logits are fp32): GPT-2's
@@ -122,6 +123,48 @@ def _cases():
                    {"ONE_BITS": sample._ONE_BITS, "BLOCK": 1024})
 
 
+def _quant_cases(dtype: str, quant_matmul):
+    """The quantized GEMMs (kernels/quant_matmul.py) on SmolLM2-360M's projections: its fused
+    qkv (N 1600, K 960, with a bias as Qwen2's) at a decode step and its down projection
+    (N 960, K 2560) in a prefill; W8A16 and W4A16 with group-128 zero points (GPTQ's), one
+    scale per channel (online int8) and groups that are not whole tiles (per-weight scales);
+    W8A8's GEMM on pack_w8a8's layout and its per-token quantization (both without fp
+    contraction, as they launch)."""
+    fp32 = dtype == "fp32"
+    for bits in (8, 4):
+        weight = "*i8" if bits == 8 else "*u8"
+        for (m, n, k), group, zeros, bias in (((1, 1600, 960), 128, True, True),
+                                              ((37, 960, 2560), 2560, False, False),
+                                              ((3, 1600, 960), 48, True, False)):
+            block_m, block_n, block_k, per_tile = quant_matmul.tile_config(m, bits, k, group)
+            rows = k if bits == 8 else -(-k // 2)
+            yield (f"W{bits}A16 {dtype} M={m} N={n} K={k} group={group} zeros={zeros} "
+                   f"bias={bias}", quant_matmul._wna16_kernel,
+                   {"*": DTYPES[dtype], "qweight_ptr": weight, "scales_ptr": "*fp32",
+                    "zeros_ptr": "*i8" if zeros else "*fp32",
+                    "bias_ptr": DTYPES[dtype] if bias else "*fp32"},
+                   {"M": m, "N": n, "K": k, "group_size": group, "stride_x_m": k,
+                    "stride_o_m": n, "stride_q_b": rows * 16, "stride_s_g": -(-n // 16) * 16},
+                   {"BITS": bits, "HAS_ZEROS": zeros, "HAS_BIAS": bias,
+                    "SCALE_PER_TILE": per_tile, "UPCAST": fp32,
+                    "PRECISION": "ieee" if fp32 else "tf32", "BLOCK_M": block_m,
+                    "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3})
+    for (m, n, k), bias in (((1, 1600, 960), True), ((37, 960, 2560), False)):
+        block_m, block_n, block_k, _ = quant_matmul.tile_config(m, 8, k, k)
+        yield (f"W8A8 out {dtype} M={m} N={n} K={k} bias={bias}", quant_matmul._w8a8_kernel,
+               {"*": DTYPES[dtype], "x_q_ptr": "*i8", "x_scale_ptr": "*fp32",
+                "qweight_ptr": "*u8", "scales_ptr": "*fp32",
+                "bias_ptr": DTYPES[dtype] if bias else "*fp32"},
+               {"M": m, "N": n, "K": k, "stride_x_m": k, "stride_o_m": n,
+                "stride_q_b": -(-k // 4) * 64},
+               {"HAS_BIAS": bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                "num_warps": 4, "num_stages": 3, "enable_fp_fusion": False})
+    yield (f"scaled_int8_quant {dtype}", quant_matmul._scaled_int8_quant_kernel,
+           {"*": DTYPES[dtype], "x_q_ptr": "*i8", "scale_ptr": "*fp32"},
+           {"K": 960, "stride_x_m": 960, "stride_q_m": 960},
+           {"RINT": quant_matmul._RINT, "BLOCK": 1024, "enable_fp_fusion": False})
+
+
 def _compile(kernel, pointer_types: dict, ints: dict, constexprs: dict, arch: int) -> str:
     """PTX of ``kernel`` (a JITFunction) specialized as a launch with these arguments would
     be (Triton's rule: an integer equal to 1 becomes a constant, one that is a multiple of 16
@@ -132,7 +175,8 @@ def _compile(kernel, pointer_types: dict, ints: dict, constexprs: dict, arch: in
     from triton.compiler import ASTSource
 
     signature, attrs, constexprs = {}, {}, dict(constexprs)
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
+               if k in constexprs}
     for i, param in enumerate(kernel.params):
         name = param.name
         if name in constexprs:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
     bench_decode_attention, bench_decode_step, bench_linear, bench_mixed_step,
-    bench_prefill_attention, bench_throughput, common)
+    bench_prefill_attention, bench_quant_matmul, bench_throughput, common)
 
 
 # The benchmarks run on the GPU when there is one (their --device default), else the CPU.
@@ -133,6 +133,22 @@ def test_linear_benchmark(tmp_path):
     assert routes <= {r["route"] for r in rows}
     assert all(r["status"] == "ok" and r["min_us"] > 0 and r["floor_us"] > 0 for r in rows)
     assert all(r["max_abs_err"] < (1e-4 if r["dtype"] == "float32" else 0.1) for r in rows)
+
+
+@pytest.mark.slow
+def test_quant_matmul_benchmark(tmp_path):
+    """Every route a row, within its quantization's error of the dense product (on CPU
+    tensors in Triton's interpreter where there is no GPU)."""
+    from tests.helpers import triton_device, triton_skip_reason
+
+    if triton_device() is None:
+        pytest.skip(triton_skip_reason())
+    rows = _rows(bench_quant_matmul.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                          "--reps", "2", "--device", triton_device()]),
+                 "quant_matmul")
+    assert {r["route"] for r in rows} == set(bench_quant_matmul.ROUTES)
+    assert all(r["status"] == "ok" and r["median_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert all(r["max_rel_err"] < (1e-5 if r["route"] != "w8a8" else 0.05) for r in rows)
 
 
 @pytest.mark.slow

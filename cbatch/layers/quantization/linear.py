@@ -9,13 +9,53 @@ from torch import nn
 from cbatch.layers.module import Module
 from cbatch.layers.quantization.weight import QuantizedWeight, pack_w8a8, quantize, unpack_w8a8
 from cbatch.ops import cpu, reference
+from cbatch.ops.backends import triton_available
+
+
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether a quantized layer runs its matmul in Triton for ``x``: CUDA tensors, where
+    triton is installed (tests point this at CPU tensors under Triton's interpreter)."""
+    return x.device.type == "cuda" and triton_available()
+
+
+def triton_quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor | None, bits: int, group_size: int,
+                            out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A16 / W4A16 in Triton (``kernels/quant_matmul.py``,
+    ``torch.ops.cbatch_triton.quantized_linear``) on x ``[..., K]``: the arguments of
+    :func:`cbatch.ops.reference.quantized_linear`."""
+    from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = triton_ops.quantized_linear(x2, qweight, scales, zeros, bits, group_size,
+                                    out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def triton_quantized_linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                 out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 in Triton on x ``[..., K]``, the arguments of
+    :func:`cbatch.ops.reference.quantized_linear_w8a8` (``qweight`` in ``pack_w8a8``'s
+    layout): x quantized per token (``torch.ops.cbatch_triton.scaled_int8_quant``), then
+    ``torch.ops.cbatch_triton.w8a8_linear``."""
+    from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    x_q, x_scale = triton_ops.scaled_int8_quant(x2)
+    y = triton_ops.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias, x.dtype)
+    return y.view(*x.shape[:-1], out_features)
 
 
 class QuantizedLinear(Module):
-    """``x @ W.T + bias`` with ``W`` quantized: cbatch's CPU kernel (``cbatch::
-    quantized_linear``, dequantizing in registers; W8A8: ``cbatch::quantized_linear_w8a8``)
-    where it runs (:func:`cbatch.ops.cpu.quantized_linear_available`), else the pure-torch
-    reference.
+    """``x @ W.T + bias`` with ``W`` quantized: on CUDA the Triton GEMMs
+    (:func:`triton_quantized_linear`, dequantizing in registers;
+    :func:`triton_quantized_linear_w8a8`); on the CPU cbatch's kernel (``cbatch::
+    quantized_linear``; W8A8: ``cbatch::quantized_linear_w8a8``) where it runs
+    (:func:`cbatch.ops.cpu.quantized_linear_available`); else the pure-torch reference.
 
     ``act_bits=8`` (W8A8, as vLLM runs compressed-tensors' int8 checkpoints): x is quantized
     too, to int8 per token on every call (:func:`cbatch.ops.reference.quantize_per_token`),
@@ -84,6 +124,8 @@ class QuantizedLinear(Module):
     def _forward_w16(self, x: torch.Tensor) -> torch.Tensor:
         args = (self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                 self.out_features, self.bias)
+        if on_triton(x):
+            return triton_quantized_linear(x, *args)
         if x.device.type == "cpu" and cpu.quantized_linear_available():
             return torch.ops.cbatch.quantized_linear(
                 x if x.stride(-1) == 1 else x.contiguous(), *args)
@@ -91,6 +133,8 @@ class QuantizedLinear(Module):
 
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
         args = (self.qweight, self.scales, self.out_features, self.bias)
+        if on_triton(x):
+            return triton_quantized_linear_w8a8(x, *args)
         if x.device.type == "cpu" and cpu.quantized_linear_available():
             return torch.ops.cbatch.quantized_linear_w8a8(
                 x if x.stride(-1) == 1 else x.contiguous(), *args)
