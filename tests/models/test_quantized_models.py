@@ -100,7 +100,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 
 def test_quantization_methods_are_refused_by_name():
     with pytest.raises(ValueError, match="quantization='fp8' is not supported; cbatch runs "
-                                         "int8, int4, w8a8 \\(online\\) and a checkpoint's own gptq"):
+                                         "int8, int4, w8a8 \\(online\\) and a checkpoint's own"):
         LLM("random:llama-tiny", quantization="fp8")
     with pytest.raises(ValueError, match="runs on the CPU and on CUDA \\(Triton\\), not on mps"):
         load_model("random:llama-tiny", device="mps", quantization="int8")
