@@ -334,7 +334,8 @@ def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
         load_model(dense, quantization="gptq")
     with pytest.raises(ValueError, match="loads a gptq checkpoint, not random:llama-tiny"):
         load_model("random:llama-tiny", quantization="gptq")
-    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations, not float16"):
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations \\(float16 too "
+                                         "on CUDA\\), not float16 on cpu"):
         load_model(q, dtype=torch.float16)
 
 
