@@ -301,8 +301,12 @@ def test_compressed_tensors_w8a8(tmp_path, tied):
     top = x.abs().amax(1, keepdim=True).double()
     xq = torch.where(top > 0, (x.double() * 127 / top).round(), 0)
     expected = (xq @ w.t()) * (top / 127) * s.t()
+    path = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+    before = cpu.kernel_paths().get(path, 0)
     with torch.no_grad():
         got = model.model.layers[1].mlp.down_proj(x)
+    if cpu.quantized_linear_available():  # cbatch's W8A8 kernel ran, not the reference
+        assert cpu.kernel_paths()[path] == before + 1
     torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
     got, want = (torch.cat(prefill_logits(m, PROMPTS)) for m in (model, oracle))
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
