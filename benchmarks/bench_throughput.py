@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Unavailable, base_parser, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
+from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
+from cbatch.layers.quantization import QuantizedLinear  # noqa: E402
 from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
 
@@ -83,6 +85,14 @@ def _summary(per_request: list[dict], wall: float) -> dict:
             "tpot_p99_ms": 1e3 * _pct(tpot, 0.99) if tpot else None}
 
 
+def weight_bytes_of(model) -> int:
+    """The bytes a decode step reads once: every parameter, and a quantized layer's packed
+    weight, scales and zero points (buffers, not parameters)."""
+    quantized = sum(b.numel() * b.element_size() for m in model.modules()
+                    if isinstance(m, QuantizedLinear) for b in m.buffers(recurse=False))
+    return quantized + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _settle() -> None:
     """Before every timed run, whichever the engine: collect, then freeze what is alive, so
     that full garbage collections do not walk the models (cbatch's Engine does this itself
@@ -94,7 +104,7 @@ def _settle() -> None:
 def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
                ) -> tuple[dict, list]:
     kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or
-              wl.batch_size, batch_invariant=batch_invariant)
+              wl.batch_size, batch_invariant=batch_invariant, quantization=args.quantization)
     if policy != "static":
         kw["enable_prefix_caching"] = prefix_caching
         kw["speculative_config"] = args.speculative_config
@@ -173,7 +183,7 @@ class StepClock:
             return {}
         rows = statistics.mode(r for r, _ in decode)
         step = statistics.median(s for r, s in decode if r == rows)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = weight_bytes_of(self.model)
         floor = weight_bytes / bytes_per_s
         return {"decode_batch": rows, "decode_step_ms": 1e3 * step, "floor_ms": 1e3 * floor,
                 "step_over_floor": step / floor}
@@ -216,7 +226,7 @@ def paired_floor(llm, wl, rows: int, pairs: int = 30) -> dict:
     floor, and the median floor.  Empty if the rerun never decodes ``rows`` rows at once
     (requests with short outputs can finish before the last prompt is prefilled)."""
     runner = llm.engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weight_bytes = weight_bytes_of(llm.engine.model)
     buffer = torch.ones(min(weight_bytes, 1 << 30) // 4)
     scale = weight_bytes / (buffer.numel() * 4)
     buffer.sum()  # its pages faulted in before the first pair
@@ -515,6 +525,7 @@ def run(args) -> Path:
             if row["workload"] == name and base and row.get("wall_s"):
                 row["wall_vs_continuous"] = row["wall_s"] / base["wall_s"]
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
+            "quantization": args.quantization,
             "scale": args.scale, "max_len": args.max_len,
             "sampling": (f"temperature {args.temperature}, top_p {args.top_p}, top-k off, "
                          f"request i seeded {args.seed} + i" if args.temperature else "greedy"),
@@ -549,7 +560,8 @@ def run(args) -> Path:
                           "screened lm_head wrapped with a timer) / step time, over a rerun "
                           "of the first 8 requests after the timed run"}
     name = ("throughput" + ("-batch-invariant" if args.batch_invariant else "")
-            + ("-sampled" if args.temperature else ""))
+            + ("-sampled" if args.temperature else "")
+            + (f"-{args.quantization}" if args.quantization else ""))
     return publish(name, device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 
@@ -604,6 +616,9 @@ def main(argv=None):
                              "engines (not static) speculate, and the rows report "
                              "spec_acceptance_rate, spec_mean_accepted_length, spec_draft_s "
                              "and spec_verify_s")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                        help="the cbatch engines quantize the model's linear weights at "
+                             "load (CPU; cbatch serve --quantization); hf-* run it unquantized")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also run cbatch-invariant (batch_invariant=True) after "
                              "cbatch-continuous")

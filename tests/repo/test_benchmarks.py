@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cbatch import ops
+from cbatch.ops import compiled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -225,3 +226,30 @@ def test_spec_decode_quick(tmp_path):
         assert by["never", b]["acceptance_rate"] < 0.05
         # the adaptive rule stops the never-agreeing drafts: far fewer verified
         assert by["never-adaptive", b]["drafts"] < by["never", b]["drafts"] / 2
+
+
+@pytest.mark.skipif("cpu" not in compiled.compiled_backends(), reason="needs cbatch's C++ CPU ops")
+def test_throughput_benchmark_quantized(tmp_path):
+    """--quantization int8 (as benchmarks/peers/alternate_quant.sh runs it): the quantized
+    kernel runs, and the weight bytes a decode step reads count the packed int8 weights (one
+    byte a weight, plus scales), not the float weights they replaced."""
+    from cbatch import load_model
+    from cbatch.layers.quantization import QuantizedLinear
+    from cbatch.ops import cpu
+
+    before = cpu.kernel_paths()
+    out = bench_throughput.main(["--quick", "--out", str(tmp_path), "--no-progress",
+                                 "--device", "cpu", "--model", "random:llama-tiny",
+                                 "--workload", "seed", "--engines", "cbatch-continuous",
+                                 "--quantization", "int8"])
+    rows = _rows(out, "throughput-int8")
+    assert [r["status"] for r in rows] == ["ok"]
+    after = cpu.kernel_paths()
+    assert sum(after[k] - before[k] for k in after if k.startswith("quantized_linear.w8")) > 0
+    assert json.loads((out / "throughput-int8.json").read_text())["quantization"] == "int8"
+    model = load_model("random:llama-tiny", quantization="int8")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    weights = sum(m.in_features * m.out_features for m in layers)  # int8: a byte each
+    others = sum(p.numel() * 4 for p in model.parameters())  # float32, not quantized
+    got = bench_throughput.weight_bytes_of(model)
+    assert others + weights < got <= others + weights + sum(16 * m.out_features for m in layers)
