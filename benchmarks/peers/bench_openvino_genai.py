@@ -6,7 +6,9 @@ Runs in OpenVINO GenAI's own virtualenv, not cbatch's (see benchmarks/peers/READ
         --workload seed|longtail --precision fp32|bf16 [--reps 2] [--prefix-caching] \
         [--temperature 0.8 --top-p 0.95 --seed 0]
 
-Model: an IR of GPT-2 small with random weights (make_gpt2_random.py, then optimum-cli).
+Model: an IR of a random-weight checkpoint (make_gpt2_random.py or make_random_checkpoint.py,
+then optimum-cli; --weight-format fp32, int8 or int4: the IR's weights, --precision the
+activations' and the KV cache's).
 Every request: exactly max_tokens new tokens (ignore_eos, min_new_tokens = max_new_tokens),
 the token-id prompts of workloads.json (workloads.py), all submitted at the start, then
 step() until done; greedy, or with --temperature > 0 sampled (do_sample) at that temperature
@@ -22,7 +24,6 @@ import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
 
-N_LAYER, N_EMBD = 12, 768  # GPT-2 small
 KV_BLOCK = 32  # CPU paged-attention block size (used only to size the cache with slack)
 
 PRECISIONS = {
@@ -34,6 +35,19 @@ PRECISIONS = {
     # measured in 2026.4.1 was that of bf16, half of f32's).
     "bf16": ({"INFERENCE_PRECISION_HINT": "bf16"}, 4),  # size cache as if f32: safe upper bound
 }
+
+
+def kv_floats_per_token(model_dir: str) -> int:
+    """K and V numbers per token over all layers, from the IR's config.json (optimum-cli
+    copies the checkpoint's): GPT-2's n_layer x n_embd, or Llama's layers x KV heads x
+    head_dim."""
+    with open(f"{model_dir}/config.json") as f:
+        c = json.load(f)
+    if "n_layer" in c:
+        return 2 * c["n_layer"] * c["n_embd"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * kv_heads * head_dim
 
 
 def make_config(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -117,7 +131,7 @@ def main():
 
     # KV cache big enough for every request at once (blocks rounded up, 1.5x slack).
     tokens = sum(math.ceil((len(p) + m) / KV_BLOCK) * KV_BLOCK for p, m in zip(prompts, max_tokens))
-    need = tokens * N_LAYER * 2 * N_EMBD * kv_bytes * 1.5
+    need = tokens * kv_floats_per_token(args.model) * kv_bytes * 1.5
     cache_gb = max(1, math.ceil(need / 2**30))
 
     sc = ov_genai.SchedulerConfig()

@@ -26,6 +26,9 @@ def main():
     ap.add_argument("--workload", choices=["seed", "longtail"], required=True)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--scale-down", type=int, default=0, help="keep only the first N requests")
+    ap.add_argument("--quantization", default=None,
+                    help="vLLM's quantization= (default: the checkpoint's quantization_config)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="turn off vLLM's prefix cache (on by default, as cbatch's)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -42,12 +45,15 @@ def main():
     with open(args.workloads) as f:
         wl = json.load(f)[args.workload]
     prompts, max_tokens, batch_size = wl["prompts"], wl["max_tokens"], wl["batch_size"]
+    if args.scale_down:
+        prompts, max_tokens = prompts[:args.scale_down], max_tokens[:args.scale_down]
     print(f"vllm {__version__}  workload={args.workload} requests={len(prompts)} "
           f"output_tokens={sum(max_tokens)} dtype={args.dtype} max_num_seqs={batch_size} "
           f"temperature={args.temperature} top_p={args.top_p} seed={args.seed}")
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=batch_size,
-              enable_prefix_caching=not args.no_prefix_caching, max_model_len=1024, seed=0)
+              enable_prefix_caching=not args.no_prefix_caching, max_model_len=1024, seed=0,
+              quantization=args.quantization)
     print(f"load {time.perf_counter() - t:.1f}s")
 
     def params(m, i):
