@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One round of cbatch beside its peers in one precision, alternated (issue 50 item 5), on
+# SmolLM2-360M's shape with cbatch's random weights: cbatch (random:smollm2-360m, bf16
+# activations, quantized at load for int8 / int4), then each peer named (2 reps each) on the
+# same weights written as its own format.  Set the peers up first as benchmarks/peers/README.md
+# says ("Quantized: SmolLM2-360M"); PEERS (default /work/peers) holds their venvs, the
+# checkpoints and workloads.json (written with --model random:smollm2-360m).  Greedy unless
+# SAMPLE gives the sampling flags, which every engine takes alike (request i seeded --seed + i):
+#
+#   bash benchmarks/peers/alternate_quant.sh seed|longtail bf16|int8|int4 \
+#       [openvino] [vllm] [llamacpp]           # all three by default
+#   SAMPLE="--temperature 0.8 --top-p 0.95" bash benchmarks/peers/alternate_quant.sh seed int4
+#
+# The cells: bf16 = vLLM CPU bf16, OpenVINO GenAI on the fp32 IR with the bf16 hint (f32 on a
+# CPU without bf16 instructions), llama.cpp f16; int8 = vLLM W8A8 (compressed-tensors),
+# OpenVINO int8 weights, llama.cpp Q8_0; int4 = vLLM GPTQ 4-bit, OpenVINO int4, llama.cpp Q4_0.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+usage="usage: alternate_quant.sh seed|longtail bf16|int8|int4 [openvino] [vllm] [llamacpp]"
+workload=${1:?$usage}
+precision=${2:?$usage}
+peers=${PEERS:-/work/peers}
+ckpt=$peers/smollm2-360m
+shift 2
+names=("${@:-openvino vllm llamacpp}")
+read -r -a names <<< "${names[*]}"
+read -r -a sample <<< "${SAMPLE:-}"  # the sampling flags, as words (none: greedy)
+args=(--workload "$workload")
+[ "$workload" = longtail ] && args+=(--scale 0.125 --max-len 256)
+case "$precision" in
+  bf16) quant=(); vllm_dir=$ckpt; ov_dir=$ckpt-ov-fp32; gguf=f16 ;;
+  int8) quant=(--quantization int8); vllm_dir=$ckpt-w8a8; ov_dir=$ckpt-ov-int8; gguf=Q8_0 ;;
+  int4) quant=(--quantization int4); vllm_dir=$ckpt-gptq; ov_dir=$ckpt-ov-int4; gguf=Q4_0 ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
+echo "== $(date -u +%H:%M:%S) $workload $precision ${SAMPLE:-greedy}," \
+  "load $(cut -d' ' -f1 /proc/loadavg)"
+cbatch() {
+  .venv/bin/python benchmarks/bench_throughput.py --engines cbatch-continuous \
+    --model random:smollm2-360m --dtype bfloat16 ${quant[@]+"${quant[@]}"} "${args[@]}" \
+    ${sample[@]+"${sample[@]}"} --no-progress 2>&1 |
+    grep -A1 "cbatch-continuous " | sed "s/^/cbatch-$precision /"
+}
+openvino() {
+  "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$ov_dir" \
+    --workloads "$peers/workloads.json" --workload "$workload" --precision bf16 \
+    --reps 2 ${sample[@]+"${sample[@]}"} "$@" 2>&1 | grep -E "^rep|RESULT" |
+    sed "s/^/openvino-$precision /"
+}
+vllm() {
+  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
+    benchmarks/peers/bench_vllm_cpu.py --model "$vllm_dir" \
+    --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps 2 \
+    ${sample[@]+"${sample[@]}"} 2>&1 | grep -E "^rep|RESULT|Error" | sed "s/^/vllm-$precision /"
+}
+llamacpp() {
+  python3 benchmarks/peers/bench_llama_cpp.py \
+    --server "$peers/llama.cpp/build/bin/llama-server" \
+    --model "$peers/gguf-models/smollm2-360m-$gguf.gguf" --workloads "$peers/workloads.json" \
+    --workload "$workload" --reps 2 ${sample[@]+"${sample[@]}"} 2>&1 |
+    grep -E "^rep|RESULT|mismatch|exited" | sed "s/^/llama.cpp-$gguf /"
+}
+cbatch
+for name in "${names[@]}"; do
+  case "$name" in
+    openvino) openvino ;;
+    vllm) vllm ;;
+    llamacpp) llamacpp ;;
+    *) echo "unknown peer $name (openvino, vllm, llamacpp)" >&2; exit 2 ;;
+  esac
+done
+exit 0
