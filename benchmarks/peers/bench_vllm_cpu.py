@@ -83,6 +83,7 @@ def main():
         rates.append(got / dt)
         print(f"rep {rep}: wall {dt:.3f}s  output_tokens {got}  tok/s {got / dt:.1f}  "
               f"same_as_rep0={outs == first}")
+    print(f"first request's first 8 ids: {first[0][:8]}")
     print(f"RESULT workload={args.workload} dtype={args.dtype} temperature={args.temperature} "
           f"top_p={args.top_p} reps={args.reps} best_tok_s={max(rates):.1f}")
 
