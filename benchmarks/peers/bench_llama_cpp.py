@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -108,7 +109,8 @@ def main():
     cmd = [args.server, "-m", args.model, "--host", "127.0.0.1", "--port", str(args.port),
            "--threads", str(args.threads), "--threads-batch", str(args.threads),
            "--parallel", str(parallel), "--cont-batching", "--kv-unified",
-           "--ctx-size", str(per_slot * parallel), "--cache-ram", "0", "--no-webui"]
+           "--ctx-size", str(per_slot * parallel), "--cache-ram", "0", "--no-webui",
+           "--slot-save-path", tempfile.mkdtemp(prefix="llama-slots-")]  # enables erase
     url = f"http://127.0.0.1:{args.port}"
     print(f"llama-server: {' '.join(cmd)}")
     print(f"workload={args.workload} requests={len(prompts)} output_tokens={sum(max_tokens)} "
