@@ -7,6 +7,31 @@
 // the AVX2 path, which every x86 test machine runs, runs this same code as the AVX-512 one.
 // No include guard: it is meant to be included once per ISA.
 
+// Group g's scales and zero points (int4 without zeros: 8; int8: 0) for the V vectors at col.
+template <int V, int kBits>
+CBATCH_Q_TARGET CBATCH_INLINE void group_scales(const QArgs& a, int64_t g, const int64_t* col,
+                                                Vec* s, IVec* z) {
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) {
+    s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
+    z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(kBits == 4 ? 8 : 0);
+  }
+}
+
+// Rows [m, m + M) of the output: out plus the bias, in the lanes before N.
+template <int V>
+CBATCH_Q_TARGET CBATCH_INLINE void store_rows(const QArgs& a, int64_t m, int64_t M,
+                                              const int64_t* col, const Vec (*out)[2]) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = a.N - col[v];  // valid lanes (a vector past N has none)
+    if (n <= 0) continue;
+    const Vec bias = a.bias ? load_first(a.bias + col[v], n) : zero();
+    for (int64_t r = 0; r < M; ++r) {
+      store_first(a.out + (m + r) * a.N + col[v], add(out[r][v], bias), n);
+    }
+  }
+}
+
 // Rows [m, m + R) times the tile's V vectors of columns from `block` on: out = x @ W^T + bias.
 template <int R, int V, int kBits, bool kSub>
 CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
@@ -19,16 +44,11 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
 #pragma GCC unroll 2
   for (int v = 0; v < V; ++v) w[v] = vec_weights(a, block, v), col[v] = vec_column(block, v);
   const float* x = a.x + m * a.ldx;
-  const int32_t default_zero = kBits == 4 ? 8 : 0;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
     Vec s[2];
     IVec z[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) {
-      s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
-      z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(default_zero);
-    }
+    group_scales<V, kBits>(a, g, col, s, z);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = zero();
@@ -85,14 +105,7 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
       }
     }
   }
-  for (int v = 0; v < V; ++v) {
-    const int64_t n = a.N - col[v];  // valid lanes (a vector past N has none)
-    if (n <= 0) continue;
-    const Vec bias = a.bias ? load_first(a.bias + col[v], n) : zero();
-    for (int r = 0; r < R; ++r) {
-      store_first(a.out + (m + r) * a.N + col[v], add(out[r][v], bias), n);
-    }
-  }
+  store_rows<V>(a, m, R, col, out);
 }
 
 // k [c0, c1) of rows [0, R) of x times the dequantized weights buf (k - c0, vector): the fmas
@@ -146,16 +159,11 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
   for (int v = 0; v < V; ++v) w[v] = vec_weights(a, block, v), col[v] = vec_column(block, v);
   for (int64_t m = 0; m < M; ++m) out[m][0] = out[m][1] = zero();
   const float* x = a.x + m0 * a.ldx;
-  const int32_t default_zero = kBits == 4 ? 8 : 0;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
     Vec s[2];
     IVec z[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) {
-      s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
-      z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(default_zero);
-    }
+    group_scales<V, kBits>(a, g, col, s, z);
     for (int64_t m = 0; m < M; ++m) {
       for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = zero();
     }
@@ -196,14 +204,7 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
       }
     }
   }
-  for (int v = 0; v < V; ++v) {
-    const int64_t n = a.N - col[v];
-    if (n <= 0) continue;
-    const Vec bias = a.bias ? load_first(a.bias + col[v], n) : zero();
-    for (int64_t m = 0; m < M; ++m) {
-      store_first(a.out + (m0 + m) * a.N + col[v], add(out[m][v], bias), n);
-    }
-  }
+  store_rows<V>(a, m0, M, col, out);
 }
 
 // Rows [m0, m1) times the V vectors from `block` on: more than a tile's rows through

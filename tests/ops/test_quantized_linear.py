@@ -18,6 +18,7 @@ import torch
 from cbatch.layers.quantization import pack, quantize
 from cbatch.ops import compiled, cpu, reference
 from tests.helpers import CPU_FLAGS as FLAGS
+from tests.quant_utils import random_quantized, unpacked_weight
 
 pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
                                 reason="cbatch's quantized CPU kernel does not run here")
@@ -34,28 +35,6 @@ def isa(request):
     torch.ops.cbatch.set_cpu_options("avx2" if request.param == "avx2" else "", "")
     yield request.param
     torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
-
-
-def _random_quantized(N, K, bits, group_size, zeros, gen):
-    """A packed weight of random integers, scales and (maybe) zero points, and its unpacked
-    parts (q [N, K], scales [G, N], zeros [G, N] or None)."""
-    G = -(-K // group_size)
-    if bits == 8:
-        q = torch.randint(-128, 128, (N, K), generator=gen)
-        z = torch.randint(-20, 21, (G, N), generator=gen) if zeros else None
-    else:
-        q = torch.randint(0, 16, (N, K), generator=gen)
-        z = torch.randint(0, 16, (G, N), generator=gen) if zeros else None
-    s = torch.rand(G, N, generator=gen) * 0.02 + 1e-3
-    return pack(q, s, z, bits, group_size), (q, s, z)
-
-
-def _unpacked_weight(q, s, z, bits, group_size):
-    """W = s * (q - z) from the unpacked integers, in float64: the oracle's own weight."""
-    K = q.shape[1]
-    g = torch.arange(K) // group_size
-    zero = (8 if bits == 4 else 0) if z is None else z[g].t().double()
-    return s[g].t().double() * (q.double() - zero)
 
 
 def _check(x, qw, bias, ours):
@@ -86,7 +65,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(isa, bits, group_size, 
     for zeros, dtype, M, bias in ((False, torch.float32, 1, False), (True, torch.float32, 5, True),
                                   (False, torch.bfloat16, 8, True),
                                   (True, torch.bfloat16, 69, False)):
-        qw, (q, s, z) = _random_quantized(N, K, bits, gs, zeros, gen)
+        qw, (q, s, z) = random_quantized(N, K, bits, gs, zeros, gen)
         x = torch.randn(M, K, generator=gen).to(dtype)
         b = (torch.randn(N, generator=gen) * 0.1).to(dtype) if bias else None
         before = cpu.kernel_paths()
@@ -97,7 +76,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(isa, bits, group_size, 
         assert after[path] == before[path] + 1, path
         assert ours.dtype == dtype and ours.shape == (M, N)
         # the reference's dequantization is the unpacked formula, in fp32
-        torch.testing.assert_close(qw.dequantize().double(), _unpacked_weight(q, s, z, bits, gs),
+        torch.testing.assert_close(qw.dequantize().double(), unpacked_weight(q, s, z, bits, gs),
                                    rtol=U, atol=0)
         _check(x, qw, b, ours)
         torch.testing.assert_close(ours, reference.quantized_linear(
@@ -116,7 +95,7 @@ def test_many_rows_and_rows_are_independent(isa, bits, K, group_size, M):
     odd groups, odd K and k chunks of 256."""
     gen = torch.Generator().manual_seed(bits + K)
     N, gs = 40, K if group_size is None else group_size
-    qw, _ = _random_quantized(N, K, bits, gs, True, gen)
+    qw, _ = random_quantized(N, K, bits, gs, True, gen)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     args = (qw.qweight, qw.scales, qw.zeros, bits, gs, N, None)
     ours = torch.ops.cbatch.quantized_linear(x, *args)
@@ -150,7 +129,7 @@ def test_online_quantization_round_trips_within_half_a_step(bits, group_size):
 def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     for bits in (8, 4):
-        qw, _ = _random_quantized(24, 66, bits, 32, bits == 4, gen)
+        qw, _ = random_quantized(24, 66, bits, 32, bits == 4, gen)
         x = torch.randn(3, 66, generator=gen)
         torch.library.opcheck(torch.ops.cbatch.quantized_linear,
                               (x, qw.qweight, qw.scales, qw.zeros, bits, 32, 24, None))
@@ -175,7 +154,7 @@ def test_pack_refuses_integers_out_of_range():
     (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
 ])
 def test_bad_operands_get_a_sentence(change, match):
-    qw, _ = _random_quantized(24, 66, 4, 32, True, torch.Generator().manual_seed(0))
+    qw, _ = random_quantized(24, 66, 4, 32, True, torch.Generator().manual_seed(0))
     args = dict(x=torch.zeros(3, 66), qweight=qw.qweight, scales=qw.scales, zeros=qw.zeros,
                 bits=4, group_size=32, out_features=24, bias=None)
     args.update(change)

@@ -21,11 +21,12 @@ and it is within the bound above of the float64 product of x_scale * x_q and the
 import pytest
 import torch
 
-from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.quantization.weight import pack_w8a8
 from cbatch.layers.quantization import linear as qlinear
 from cbatch.ops import reference
 from tests.helpers import triton_device, triton_skip_reason
+from tests.quant_utils import random_quantized, unpacked_weight
 
 U = 2.0 ** -24
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -42,19 +43,9 @@ def device():
 
 
 def _random_quantized(N, K, bits, group_size, zeros, gen):
-    """A packed weight of random integers, scales and (maybe) zero points, and its float64
-    weight s (q - z) computed from the unpacked integers."""
-    G = -(-K // group_size)
-    if bits == 8:
-        q = torch.randint(-128, 128, (N, K), generator=gen)
-        z = torch.randint(-20, 21, (G, N), generator=gen) if zeros else None
-    else:
-        q = torch.randint(0, 16, (N, K), generator=gen)
-        z = torch.randint(0, 16, (G, N), generator=gen) if zeros else None
-    s = torch.rand(G, N, generator=gen) * 0.02 + 1e-3
-    g = torch.arange(K) // group_size
-    zero = (8 if bits == 4 else 0) if z is None else z[g].t().double()
-    return pack(q, s, z, bits, group_size), s[g].t().double() * (q.double() - zero)
+    """A packed weight (:func:`tests.quant_utils.random_quantized`) and its float64 weight."""
+    qw, parts = random_quantized(N, K, bits, group_size, zeros, gen)
+    return qw, unpacked_weight(*parts, bits, group_size)
 
 
 def _check(x, w, bias, ours, weight_rounding=0.0):
