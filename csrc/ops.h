@@ -129,6 +129,23 @@ at::Tensor& apply_penalties_cpu(at::Tensor& logits, const at::Tensor& rows,
                                 const at::Tensor& prompt, const at::Tensor& presence,
                                 const at::Tensor& frequency, const at::Tensor& repetition);
 
+// The Llama layers' small ops, vLLM's names and semantics, rounded as the torch formulas of
+// cbatch/layers round (cpu/layernorm.cpp, cpu/activation.cpp, cpu/pos_encoding.cpp).  Tensors:
+// [rows, n] or [T, H, n] with a dense last dim (free row strides); fp32, bf16 or fp16.
+// result = norm(input) * weight, RMSNorm over the last dim (result may be input).
+void rms_norm_cpu(at::Tensor& result, const at::Tensor& input, const at::Tensor& weight,
+                  double epsilon);
+// In place: residual += input; input = norm(residual) * weight.
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                            double epsilon);
+// result [.., d] = silu(input[.., :d]) * input[.., d:] (input [.., 2d]).
+void silu_and_mul_cpu(at::Tensor& result, const at::Tensor& input);
+// In place on query and key ([T, H * head_size] or [T, H, head_size]): rotate-half RoPE at
+// positions [T] (int64) from cos_sin_cache [P, head_size] (cos half, then sin half).
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,
+                          const std::optional<at::Tensor>& key, int64_t head_size,
+                          const at::Tensor& cos_sin_cache, bool is_neox);
+
 // What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
 // residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).
 at::Tensor logits_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,

@@ -40,6 +40,15 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "apply_penalties(Tensor(a!) logits, Tensor rows, Tensor slots, Tensor counts, "
       "Tensor prompt, Tensor presence, Tensor frequency, Tensor repetition) -> Tensor(a!)");
+  // CPU only: the Llama layers' small ops (vLLM's schemas), in place
+  m.def("rms_norm(Tensor(a!) result, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
+      "float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor(a!) result, Tensor input) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
   m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
@@ -60,6 +69,10 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("sample", &cbatch::sample_cpu);
   m.impl("apply_penalties", &cbatch::apply_penalties_cpu);
   m.impl("apply_bitmask", &cbatch::apply_bitmask_cpu);
+  m.impl("rms_norm", &cbatch::rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &cbatch::fused_add_rms_norm_cpu);
+  m.impl("silu_and_mul", &cbatch::silu_and_mul_cpu);
+  m.impl("rotary_embedding", &cbatch::rotary_embedding_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

@@ -49,6 +49,14 @@ constexpr const char* kCpuPathNames[] = {
     "penalties.cpu",
     "bitmask.cpu",
     "write_kv_cache.cpu",
+    "rms_norm.avx2",
+    "rms_norm.generic",
+    "fused_add_rms_norm.avx2",
+    "fused_add_rms_norm.generic",
+    "silu_and_mul.avx2",
+    "silu_and_mul.generic",
+    "rotary_embedding.avx2",
+    "rotary_embedding.generic",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
               "one name per CpuPath");

@@ -50,6 +50,14 @@ enum class CpuPath : int {
   kPenaltiesCpu,
   kBitmaskCpu,
   kWriteKvCacheCpu,
+  kRmsNormAvx2,
+  kRmsNormGeneric,
+  kFusedAddRmsNormAvx2,
+  kFusedAddRmsNormGeneric,
+  kSiluAndMulAvx2,
+  kSiluAndMulGeneric,
+  kRotaryEmbeddingAvx2,
+  kRotaryEmbeddingGeneric,
   kCount,
 };
 
