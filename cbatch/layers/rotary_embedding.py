@@ -13,10 +13,12 @@ its batch-mates' lengths), ``llama3`` (per-frequency smoothing of Llama 3.1).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from cbatch.layers.module import Module
+from cbatch.ops import layer_ops
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -82,6 +84,17 @@ def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+class RotaryAngles(NamedTuple):
+    """A step's rotation, gathered once for every layer: on the CPU kernel the positions
+    ``[T]`` and the table ``cos_sin_cache`` ``[max_positions, D]`` (cos, then sin) it reads in
+    place; elsewhere cos and sin ``[T, 1, D / 2]`` for the torch formula."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+
 class RotaryEmbedding(Module):
     """Rotates q ``[T, H, D]`` and k ``[T, H_kv, D]`` by their tokens' positions ``[T]``.
 
@@ -89,7 +102,8 @@ class RotaryEmbedding(Module):
     device and cast to the activations' dtype (as transformers casts them), then kept: one
     table per model.  :meth:`angles` gathers a step's rows once; every layer then calls
     :meth:`forward` with them.  Every token is rotated on its own, so the result is
-    independent of the batch.
+    independent of the batch.  On the CPU the rotation is one in-place C++ pass over q and k
+    (:func:`cbatch.ops.layer_ops.rotary_embedding`), rounded as the torch formula rounds.
     """
 
     def __init__(self, head_dim: int, max_position_embeddings: int, params: dict):
@@ -114,19 +128,36 @@ class RotaryEmbedding(Module):
                                       for t in (freqs.cos(), freqs.sin()))
         return self._tables[key]
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D / 2]`` of a step's positions (gathered once per step)."""
+    def cos_sin_cache(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``[max_positions, D]``: the cos table, then the sin table (vLLM's layout)."""
+        key = ("cos_sin", device, dtype)
+        if key not in self._tables:
+            self._tables[key] = torch.cat(self.tables(device, dtype), dim=-1)
+        return self._tables[key]
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """What every layer's :meth:`forward` reads for the step's ``positions`` ``[T]``."""
+        if layer_ops.runs_kernel(positions):
+            return RotaryAngles(positions, self.cos_sin_cache(positions.device, dtype),
+                                None, None)
         cos, sin = self.tables(positions.device, dtype)
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        return RotaryAngles(positions, None, cos[positions][:, None, :],
+                            sin[positions][:, None, :])
 
-    def forward(self, angles: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = angles
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, angles: RotaryAngles, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if angles.cos_sin_cache is not None and q.dtype == angles.cos_sin_cache.dtype \
+                and runs_on_kernel(q, k):
+            return layer_ops.rotary_embedding(angles.positions, q, k, angles.cos_sin_cache)
+        if angles.cos is None:  # gathered for the kernel, which these q and k cannot take
+            cos, sin = (t[angles.positions][:, None, :] for t in
+                        angles.cos_sin_cache.chunk(2, dim=-1))
+        else:
+            cos, sin = angles.cos, angles.sin
+        return layer_ops.rotate_torch(q, cos, sin), layer_ops.rotate_torch(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * [cos, cos] + rotate_half(x) * [sin, sin], as transformers writes it, half by half
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def runs_on_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
+    # the kernel's layout: [T, H, D] with dense heads, and no autograd through the in-place op
+    return (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and layer_ops.runs_kernel(q, k))

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cbatch import ops
@@ -27,9 +26,11 @@ from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.layernorm import RMSNorm
 from cbatch.layers.linear import Linear
 from cbatch.layers.module import Module
-from cbatch.layers.rotary_embedding import RotaryEmbedding, max_positions, rope_parameters
+from cbatch.layers.rotary_embedding import (RotaryAngles, RotaryEmbedding, max_positions,
+                                             rope_parameters)
 from cbatch.layers.step_batch import StepBatch
 from cbatch.models.base import PagedCausalLM
+from cbatch.ops import layer_ops
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class LlamaAttention(Module):
 
     def forward(self, x: torch.Tensor, batch: StepBatch, kv_cache: KVCache,
                 kernels: ops.BoundKernels, rotary: RotaryEmbedding,
-                angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                angles: RotaryAngles) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         # q: [T, H, D]; k, v: [T, H_kv, D] (v a view of the projection: dense rows)
@@ -155,8 +156,7 @@ class LlamaMLP(Module):
                                 bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(Module):
@@ -167,9 +167,17 @@ class LlamaDecoderLayer(Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, batch, kv_cache, kernels, rotary, angles):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, kernels, rotary, angles)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, batch, kv_cache, kernels, rotary, angles):
+        """vLLM's residual plumbing: x is the previous layer's output (the embeddings at the
+        first layer, residual None), residual the stream before it; returns this layer's
+        (output, residual).  Each norm adds x into the residual first (one fused pass)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, kv_cache, kernels, rotary, angles)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -205,12 +213,12 @@ class LlamaForCausalLM(PagedCausalLM):
         """One step: write the new tokens' K/V into ``kv_cache``; the final hidden states
         ``[T, hidden_size]`` (after the last RMSNorm)."""
         kernels = self.kernels(batch.input_ids.device)
-        x = self.model.embed_tokens(batch.input_ids)
+        x, residual = self.model.embed_tokens(batch.input_ids), None
         rotary = self.model.rotary
         angles = rotary.angles(batch.positions, x.dtype)  # one gather for every layer
         for layer in self.model.layers:
-            x = layer(x, batch, kv_cache, kernels, rotary, angles)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, batch, kv_cache, kernels, rotary, angles)
+        return self.model.norm(x, residual)[0]
 
     @classmethod
     def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: LlamaConfig
