@@ -14,6 +14,8 @@ import torch
 
 from cbatch import LLM, Engine, KVCache, SamplingParams, bytes_per_token, load_model
 from cbatch.core.input_batch import make_step_batch
+from cbatch.ops import layer_ops
+from cbatch.ops.cpu import kernel_paths
 from tests.helpers import STRESS_CONFIGS, shuffled_block_tables
 
 transformers = pytest.importorskip("transformers")
@@ -94,6 +96,43 @@ def test_loaded_model_is_the_right_class_and_shares_no_kv_heads(checkpoint):
     assert cfg.head_dim == _head_dim(hf.config)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == hf.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layer_kernels_run_and_match_transformers(checkpoint, dtype, monkeypatch):
+    """On the CPU a forward runs the fused C++ ops (their counters move: every norm, SwiGLU
+    and rotary call) and its logits are transformers' (fp32) or the torch formulas' to within
+    bf16's rounding (the sums of squares and e^-x differ in their last fp32 bits)."""
+    if not layer_ops.kernels_available():
+        pytest.skip("the extension lacks the layer ops")
+    arch, path, hf = checkpoint
+    model = load_model(str(path), dtype=dtype)
+    prompts = [[5, 9, 200, 7, 11], [3], [17] * 12]
+    tables = [[i] for i in range(len(prompts))]
+
+    def logits():
+        cache = KVCache(model.config, len(prompts), 16, dtype=dtype)
+        with torch.no_grad():
+            return model.compute_logits(model(make_step_batch(prompts, [0] * 3, tables, 16),
+                                              cache)).float()
+
+    before = kernel_paths()
+    fused = logits()
+    moved = {k.split(".")[0]: v - before[k] for k, v in kernel_paths().items() if v != before[k]}
+    layers = model.config.num_hidden_layers
+    # the first layer's input norm alone (no residual yet), then every norm adds the residual
+    # (the final one too); Qwen3's q and k norms are plain
+    norms = 1 + (2 * layers if arch == "qwen3" else 0)
+    assert moved["fused_add_rms_norm"] == 2 * layers and moved["rms_norm"] == norms
+    assert moved["silu_and_mul"] == layers and moved["rotary_embedding"] == layers
+    monkeypatch.setattr(layer_ops, "_HAS_KERNELS", [False])
+    formulas = logits()
+    if dtype == torch.float32:
+        ref = hf(torch.tensor([prompts[0]])).logits[0]
+        torch.testing.assert_close(fused[:5], ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fused, formulas, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(fused, formulas, atol=0.05, rtol=0.05)
 
 
 @pytest.mark.slow
