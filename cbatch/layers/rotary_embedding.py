@@ -114,7 +114,8 @@ class RotaryEmbedding(Module):
         self.max_position_embeddings = max_position_embeddings
         self.params = params
         self.max_positions = max_positions(max_position_embeddings, params)
-        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        # (device, dtype) -> (cos, sin); ("cos_sin", device, dtype) -> the two side by side
+        self._tables: dict[tuple, tuple[torch.Tensor, ...] | torch.Tensor] = {}
 
     def tables(self, device: torch.device, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
