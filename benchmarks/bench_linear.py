@@ -12,7 +12,7 @@ Shapes are GPT-2 small's (``N x K`` weights: c_attn 2304x768, attn c_proj 768x76
 - ``onednn-packed``: the same with the weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout;
 - ``cbatch``: cbatch's own kernel (csrc/cpu/linear.cpp, gemm.h) on its packed layout, on CPUs with
-  AVX-512 or (fp32) AVX2 (``cbatch.ops.cpu``, which picks the route the model runs);
+  AVX-512 or AVX2 (``cbatch.ops.cpu``, which picks the route the model runs);
 - ``cbatch-greedy`` (the lm_head; fp32 on CPUs with AVX2 or AVX-512, bf16 on those with
   AVX512-BF16 and AVX512-VNNI): what a greedy step runs instead of the lm_head, its tokens
   through the screen (a bf16 copy of an fp32 weight, an int8 one of a bf16 weight:

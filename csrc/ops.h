@@ -56,7 +56,7 @@ at::Tensor paged_decode_attention_cuda(const at::Tensor& query, const at::Tensor
 
 // CPU linear layers (cpu/linear.cpp; the kernel: cpu/gemm.h).  Whether this CPU runs
 // linear_cpu for `dtype` (float32: AVX2 + FMA, or AVX-512; bfloat16: AVX-512 and
-// AVX512-BF16).
+// AVX512-BF16, or AVX2 + FMA without AVX-512, widened to fp32 in registers).
 bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];

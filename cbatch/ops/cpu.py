@@ -5,12 +5,16 @@ Linear routes (:data:`ROUTES`; why each, measured per shape and row count, in
 benchmarks/NOTES.md, "CPU GEMM routes", with ``benchmarks/bench_linear.py``):
 
 - ``"cbatch"``: cbatch's own kernel (``csrc/cpu/linear.cpp`` over the tiles of
-  ``csrc/cpu/gemm.h``) on x86 CPUs with AVX-512 (bf16: with AVX512-BF16) and, fp32 only, on
-  those with AVX2 and FMA.  The weight is packed into blocks of 16 output columns, each
-  ``[K, 16]`` (bf16: pairs of k side by side, the operand of ``vdpbf16ps``), streamed once
-  per call; bias, GELU (tanh) and the residual add run in the epilogue.  Few-row GEMMs
-  (decode steps) are memory-bound, and there it beats oneDNN (no per-call primitive
-  set-up); it also runs long prefill chunks and the lm_head.
+  ``csrc/cpu/gemm.h``) on x86 CPUs with AVX-512 or with AVX2 and FMA: fp32, and bf16 with
+  ``vdpbf16ps`` where the CPU has AVX512-BF16 or, on CPUs without AVX-512, widened to fp32
+  in registers (each sum fp32, one fma per k, rounded to bf16 once after the epilogue; an
+  AVX-512 CPU without AVX512-BF16 keeps oneDNN for bf16, not measured against it).  The
+  weight is packed into blocks of 16 output columns, each ``[K, 16]`` (bf16: pairs of k side
+  by side, the operand of ``vdpbf16ps``), streamed once per call; bias, GELU (tanh) and the
+  residual add run in the epilogue.  Few-row GEMMs (decode steps) are memory-bound, and
+  there it beats oneDNN (no per-call primitive set-up); it also runs long prefill chunks and
+  the lm_head (bf16 on AVX2 too: oneDNN has no bf16 there, and ``F.linear``'s is several
+  times slower at every row count).
 - ``"onednn"``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once into
   oneDNN's blocked layout (the route of vLLM's and IPEX's CPU backends).  torch's fp32
   ``F.linear`` runs MKL's sgemm, which on a CPU that is not Intel's takes its AVX2 path even

@@ -24,6 +24,7 @@ constexpr const char* kCpuPathNames[] = {
     "linear.avx512",
     "linear.avx2",
     "linear.amx",
+    "linear.bf16.avx2",
     "quantized_linear.w8.avx512",
     "quantized_linear.w8.avx2",
     "quantized_linear.w4.avx512",

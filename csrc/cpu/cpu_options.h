@@ -25,6 +25,7 @@ enum class CpuPath : int {
   kLinearAvx512,
   kLinearAvx2,
   kLinearAmx,
+  kLinearBf16Avx2,  // bf16 on the AVX2 tiles (linear.avx2 counts fp32 there)
   kQuantizedLinearW8Avx512,
   kQuantizedLinearW8Avx2,
   kQuantizedLinearW4Avx512,

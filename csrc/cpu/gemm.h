@@ -1,9 +1,9 @@
 // The packed GEMM of the CPU linear layers and of the greedy head's screens: out = act(x @ W^T
 // + bias) + residual for the few-row GEMMs of decode steps, which stream every weight once and
 // so run at memory bandwidth.  Tiles for AVX-512 (namespace avx512: fp32, bf16 with
-// AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, and bf16 in /
-// fp32 out for the screen), and the row and column loop they share (run_gemm); the bf16 GEMM
-// of many rows on AMX tiles is amx.h's.
+// AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, and bf16
+// widened to fp32 in registers, out in bf16 or, for the screen, fp32), and the row and column
+// loop they share (run_gemm); the bf16 GEMM of many rows on AMX tiles is amx.h's.
 //
 // The weight is packed once (cbatch/ops/cpu.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16 and int8
@@ -322,10 +322,11 @@ struct Gemm {
 }  // namespace
 }  // namespace avx512
 
-// ---- AVX2 + FMA: CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.  fp32 linear
-// layers, and bf16 in / fp32 out for the greedy head's screen (no bf16 linear layers here).
-// The same packed layout and loop; a tile is kRows rows times one block of 16 columns (two
-// 8-lane halves): 8 of the 16 ymm registers hold sums, 2 (bf16: 4) the block's weights.
+// ---- AVX2 + FMA: CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.  fp32 and
+// bf16 linear layers (bf16 widened to fp32 in registers, the sums fp32), and bf16 in / fp32
+// out for the greedy head's screen.  The same packed layout and loop; a tile is kRows rows
+// times one block of 16 columns (two 8-lane halves): 8 of the 16 ymm registers hold sums, 2
+// (bf16: 4) the block's weights.
 namespace avx2 {
 namespace {
 
@@ -365,9 +366,10 @@ CBATCH_AVX2 CBATCH_INLINE void dot_tile(const float* x, int64_t rs, int64_t ks, 
 
 // bf16 x and W (pairs of k, as packed), widened to fp32 in registers: a bf16 value is the top
 // half of its fp32, so the low element of a 32-bit pair is `pair << 16` and the high one
-// `pair & 0xffff0000`.  The sums are fp32 fmas, two per pair of k, in order: within the
-// greedy screen's bound, which holds for sums of the K products in any order (its `tiny`
-// term covering products that underflow).
+// `pair & 0xffff0000`.  Each sum is fp32 fmas from zero, k = 0, 1, 2, ... in order, one
+// rounding per k (a bf16 linear's logits, which an exact screen reproduces bit for bit; the
+// fp32 screen's bound holds for sums of the K products in any order, its `tiny` term covering
+// products that underflow).
 CBATCH_AVX2 CBATCH_INLINE __m256 low_bf16(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
 }
@@ -400,10 +402,51 @@ CBATCH_AVX2 CBATCH_INLINE void dot_tile(const c10::BFloat16* x, int64_t rs, int6
   }
 }
 
-// Rows [m, m + R) times the block that starts at column n; epilogue; store.  fp32 in and out,
-// or (the greedy head's screen) bf16 in, fp32 out, with no bias, GELU or residual.
-template <typename T, int R, bool kNext>
-CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, float>& a, int64_t m, int64_t n) {
+// The first n of 8 elements (n in [1, 8]) as fp32, the others 0; mask is first_lanes(n).
+CBATCH_AVX2 CBATCH_INLINE __m256 load_first(const float* p, int64_t, __m256i mask) {
+  return _mm256_maskload_ps(p, mask);
+}
+CBATCH_AVX2 CBATCH_INLINE __m256 load_first(const c10::BFloat16* p, int64_t n, __m256i) {
+  if (n >= 8) return load(p);
+  c10::BFloat16 part[8] = {};
+  std::memcpy(part, p, n * sizeof *p);
+  return load(part);
+}
+
+// fp32 to bf16 as torch casts it: rounded to nearest even, a NaN to the quiet NaN 0x7fc0
+// (vcvtneps2bf16 rounds alike, but flushes subnormals to zero and keeps a NaN's sign and top
+// payload bits); 8 lanes in the low 16 bits of each 32-bit one.
+CBATCH_AVX2 CBATCH_INLINE __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0),
+                         _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // each lane is below 2^16: packus keeps it; lanes 0-3 and 4-7 land in 64-bit parts 0 and 2
+  return _mm256_castsi256_si128(
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+// The first n of v's 8 lanes (n in [1, 8]) to p, rounded to p's type; mask is first_lanes(n).
+CBATCH_AVX2 CBATCH_INLINE void store_first(float* p, __m256 v, int64_t, __m256i mask) {
+  _mm256_maskstore_ps(p, mask, v);
+}
+CBATCH_AVX2 CBATCH_INLINE void store_first(c10::BFloat16* p, __m256 v, int64_t n, __m256i) {
+  const __m128i h = to_bf16(v);
+  if (n >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  c10::BFloat16 part[8];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(part), h);
+  std::memcpy(p, part, n * sizeof *p);
+}
+
+// Rows [m, m + R) times the block that starts at column n; epilogue; store.  T in, O out:
+// fp32 in and out; bf16 in and out (the linear layers); bf16 in, fp32 out (the greedy head's
+// screen, with no bias, GELU or residual).  The epilogue is avx512::tile's: the fp32 sum + the
+// bias (0 where there is none), then GELU, then + the residual, in fp32, rounded to O once at
+// the store.
+template <typename T, typename O, int R, bool kNext>
+CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   __m256 acc[kRows][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -418,33 +461,28 @@ CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, float>& a, int64_t m, int64_t 
   for (int h = 0; h < 2; ++h) {  // unrolled, so that acc stays in registers
     const int64_t col = n + 8 * h;
     if (col >= a.N) continue;
-    const __m256i mask = first_lanes(a.N - col);
-    __m256 bias = _mm256_setzero_ps();
-    if constexpr (std::is_same_v<T, float>) {
-      if (a.bias) bias = _mm256_maskload_ps(a.bias + col, mask);
-    }
+    const int64_t lanes = a.N - col;
+    const __m256i mask = first_lanes(lanes);
+    const __m256 bias = a.bias ? load_first(a.bias + col, lanes, mask) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      __m256 v = acc[r][h];
-      if constexpr (std::is_same_v<T, float>) {
-        v = _mm256_add_ps(v, bias);
-        if (a.gelu) v = gelu_tanh(v);
-        if (a.residual) {
-          v = _mm256_add_ps(_mm256_maskload_ps(a.residual + (m + r) * a.ldr + col, mask), v);
-        }
+      __m256 v = _mm256_add_ps(acc[r][h], bias);
+      if (a.gelu) v = gelu_tanh(v);
+      if (a.residual) {
+        v = _mm256_add_ps(load_first(a.residual + (m + r) * a.ldr + col, lanes, mask), v);
       }
-      _mm256_maskstore_ps(a.out + (m + r) * a.N + col, mask, v);
+      store_first(a.out + (m + r) * a.N + col, v, lanes, mask);
     }
   }
 }
 
 // Rows [m, m_end) times the block that starts at column n, kRows at a time, then the rest.
-template <typename T, bool kNext>
-CBATCH_AVX2 void passes(const Args<T, float>& a, int64_t n, int64_t m, int64_t m_end) {
-  for (; m + kRows <= m_end; m += kRows) tile<T, kRows, kNext>(a, m, n);
+template <typename T, typename O, bool kNext>
+CBATCH_AVX2 void passes(const Args<T, O>& a, int64_t n, int64_t m, int64_t m_end) {
+  for (; m + kRows <= m_end; m += kRows) tile<T, O, kRows, kNext>(a, m, n);
   switch (m_end - m) {
-    case 3: return tile<T, 3, kNext>(a, m, n);
-    case 2: return tile<T, 2, kNext>(a, m, n);
-    case 1: return tile<T, 1, kNext>(a, m, n);
+    case 3: return tile<T, O, 3, kNext>(a, m, n);
+    case 2: return tile<T, O, 2, kNext>(a, m, n);
+    case 1: return tile<T, O, 1, kNext>(a, m, n);
     default: return;
   }
 }
@@ -459,16 +497,17 @@ struct Gemm {
   template <typename T, typename O>
   static void item(const Args<T, O>& a, int64_t block, int64_t, int64_t m0, int64_t m1,
                    bool next) {
-    static_assert(std::is_same_v<O, float>, "the AVX2 kernel writes fp32");
+    static_assert(std::is_same_v<O, T> || std::is_same_v<O, float>,
+                  "the AVX2 kernel writes its input's type or fp32");
     const int64_t n = block * kBlock;
-    if (!next) return passes<T, false>(a, n, m0, m1);
+    if (!next) return passes<T, O, false>(a, n, m0, m1);
     const int64_t first = std::min(m1, m0 + kRows);  // one tile
     if (m1 - m0 < 2 * kRows) {
-      passes<T, true>(a, n, m0, first);
-      return passes<T, false>(a, n, first, m1);
+      passes<T, O, true>(a, n, m0, first);
+      return passes<T, O, false>(a, n, first, m1);
     }
-    passes<T, false>(a, n, m0, first);
-    passes<T, true>(a, n, first, m1);
+    passes<T, O, false>(a, n, m0, first);
+    passes<T, O, true>(a, n, first, m1);
   }
 };
 

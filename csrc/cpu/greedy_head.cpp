@@ -290,7 +290,7 @@ void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                               .xp = nullptr, .w = screen.data_ptr<B16>(), .bias = nullptr,
                               .residual = nullptr, .ldr = 0, .gelu = false,
                               .out = approx.data_ptr<float>()};
-  if (cpu_linear_supported(at::kBFloat16)) {  // vdpbf16ps
+  if (cpu_has_avx512bf16()) {  // vdpbf16ps
     count_path(CpuPath::kGreedyHeadBf16Avx512);
     run_gemm<avx512::Gemm>(args);
   } else {  // bf16 widened to fp32 in registers

@@ -1,7 +1,7 @@
 // The CPU linear op: y = act(x @ W^T + bias) + residual on weights packed once
 // (cbatch/ops/cpu.py), through gemm.h's kernel: AVX-512 tiles for fp32 and (with
-// AVX512-BF16) bf16, AVX2 + FMA tiles for fp32 elsewhere.  cpu_linear_supported says where it
-// runs.
+// AVX512-BF16) bf16, AVX2 + FMA tiles for fp32 and bf16 elsewhere (bf16 widened to fp32 in
+// registers).  cpu_linear_supported says where it runs.
 #include <ATen/ops/empty.h>
 
 #include "../checks.h"
@@ -13,8 +13,11 @@ namespace cbatch {
 
 bool cpu_linear_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
+  // bf16: vdpbf16ps, or the AVX2 tiles on CPUs without AVX-512 (one with AVX-512 but not
+  // AVX512-BF16 keeps oneDNN's avx512_core bf16, which was not measured against them)
   return dtype == at::kFloat ? cpu_has_avx512() || cpu_has_avx2()
-                             : dtype == at::kBFloat16 && cpu_has_avx512bf16();
+                             : dtype == at::kBFloat16 &&
+                                   (cpu_has_avx512bf16() || (cpu_has_avx2() && !cpu_has_avx512()));
 #else
   (void)dtype;
   return false;
@@ -39,8 +42,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                    " but the packed weight is ", packed.scalar_type());
   TORCH_CHECK_VALUE(cpu_linear_supported(x.scalar_type()), "cbatch's CPU linear runs ",
                     x.scalar_type(), " only on an x86 CPU with ",
-                    x.scalar_type() == at::kBFloat16 ? "AVX-512 and AVX512-BF16"
-                                                     : "AVX2 and FMA, or AVX-512");
+                    x.scalar_type() == at::kBFloat16
+                        ? "AVX512-BF16, or AVX2 and FMA without AVX-512"
+                        : "AVX2 and FMA, or AVX-512");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == blocks &&
@@ -63,12 +67,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #ifdef CBATCH_X86
-  const bool avx512 = x.scalar_type() == at::kBFloat16 || cpu_has_avx512();
-  const bool tiles = amx && x.scalar_type() == at::kBFloat16 && M >= kAmxFromRows &&
-                     K % amx::kTileK == 0 && amx::available();
+  // bf16 takes the AVX-512 tiles with vdpbf16ps (AVX512-BF16), else the AVX2 ones
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool avx512 = bf16 ? cpu_has_avx512bf16() : cpu_has_avx512();
+  const bool tiles = amx && bf16 && avx512 && M >= kAmxFromRows && K % amx::kTileK == 0 &&
+                     amx::available();
   if (kCounted) {
-    count_path(tiles ? CpuPath::kLinearAmx
-                     : avx512 ? CpuPath::kLinearAvx512 : CpuPath::kLinearAvx2);
+    count_path(tiles    ? CpuPath::kLinearAmx
+               : avx512 ? CpuPath::kLinearAvx512
+               : bf16   ? CpuPath::kLinearBf16Avx2
+                        : CpuPath::kLinearAvx2);
   }
   if (x.scalar_type() == at::kFloat) {
     const Args<float> args{.x = x.data_ptr<float>(), .ldx = x.stride(0), .M = M, .K = K, .N = N,
@@ -92,8 +100,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                          .gelu = activation == "gelu_tanh", .out = out.data_ptr<B16>()};
     if (tiles) {
       amx::run(args);
-    } else {
+    } else if (avx512) {
       run_gemm<avx512::Gemm>(args);
+    } else {
+      run_gemm<avx2::Gemm>(args);
     }
   }
 #else

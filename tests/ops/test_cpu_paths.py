@@ -60,7 +60,8 @@ def test_path_names_and_counts():
     names, counts = torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()
     assert len(names) == len(set(names)) == len(counts)
     assert all(count >= 0 for count in counts)
-    assert {"linear.avx512", "linear.avx2", "linear.amx", "quantized_linear.w8.avx512",
+    assert {"linear.avx512", "linear.avx2", "linear.amx", "linear.bf16.avx2",
+            "quantized_linear.w8.avx512",
             "quantized_linear.w8.avx2", "quantized_linear.w4.avx512",
             "quantized_linear.w4.avx2", "quantized_linear.w8a8.avx512vnni",
             "quantized_linear.w8a8.avx2", "greedy_head.int8",
@@ -103,8 +104,9 @@ def _linear(dtype, M=3, N=40, K=32):
 def test_linear_runs_the_widest_tile():
     want = "linear.avx512" if HAS_AVX512 else "linear.avx2"
     assert _ran(_linear(torch.float32)) == {want: 1}
-    if "avx512bf16" in _isa():
-        assert _ran(_linear(torch.bfloat16)) == {"linear.avx512": 1}
+    # bf16: vdpbf16ps with AVX512-BF16, else the AVX2 tile (bf16 widened in registers)
+    want = "linear.avx512" if "avx512bf16" in _isa() else "linear.bf16.avx2"
+    assert _ran(_linear(torch.bfloat16)) == {want: 1}
 
 
 @needs_avx2
@@ -112,9 +114,10 @@ def test_set_cpu_options_avx2_switches_linear_to_its_avx2_tile():
     torch.ops.cbatch.set_cpu_options("avx2", "")
     assert torch.ops.cbatch.cpu_isa() == "avx2"
     assert torch.ops.cbatch.cpu_linear_supported(torch.float32)
-    assert not torch.ops.cbatch.cpu_linear_supported(torch.bfloat16)
+    assert torch.ops.cbatch.cpu_linear_supported(torch.bfloat16)
     assert not torch.ops.cbatch.greedy_head_supported(torch.bfloat16)
     assert _ran(_linear(torch.float32)) == {"linear.avx2": 1}
+    assert _ran(_linear(torch.bfloat16)) == {"linear.bf16.avx2": 1}
     torch.ops.cbatch.set_cpu_options("", "")  # and back, on the next call
     if HAS_AVX512:
         assert _ran(_linear(torch.float32)) == {"linear.avx512": 1}
