@@ -6,6 +6,7 @@ rope scaling; Qwen2 with GQA 2:1, QKV bias and tied embeddings; Qwen3 with GQA 4
 q/k norms and a head_dim wider than hidden / heads.
 """
 
+import copy
 import json
 import shutil
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from cbatch import LLM, Engine, KVCache, SamplingParams, bytes_per_token, load_model
+from cbatch.core.cpu.packing import pack_linears
 from cbatch.core.input_batch import make_step_batch
-from cbatch.ops import layer_ops
+from cbatch.ops import cpu, layer_ops
 from cbatch.ops.cpu import kernel_paths
 from tests.helpers import STRESS_CONFIGS, shuffled_block_tables
 
@@ -165,6 +167,41 @@ def test_packed_prefill_then_decode_logits_match_transformers(checkpoint):
                 seqs[s] += tok
                 ref = hf(torch.tensor([seqs[s]])).logits[0, -1]
                 torch.testing.assert_close(logits[s], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_packed_logits_match_transformers(checkpoint):
+    """The model in bf16 with its linears packed for this CPU's route (cbatch's kernel with
+    AVX2 or AVX-512: its bf16 tiles run, the lm_head too): prefill and decode logits against
+    transformers in fp32, with an error at most twice that of transformers' own model run in
+    bf16 (plus 1e-2), as the GPT-2 bf16 parity test (tests/ops/test_cpu_linear.py) allows."""
+    arch, path, hf = checkpoint
+    model = load_model(str(path), dtype=torch.bfloat16)
+    route = cpu.cpu_linear_route(torch.bfloat16)
+    assert pack_linears(model) == (route != "torch")
+    block_size = 8
+    prompts = [[(5 * i + 3 * j) % VOCAB + 3 for j in range(n)] for i, n in enumerate((1, 9, 17))]
+    cache = KVCache(model.config, 9, block_size, dtype=torch.bfloat16)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    before = cpu.kernel_paths()
+    with torch.no_grad():
+        batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
+        prefill = model.compute_logits(model(batch, cache)).float()
+        batch = make_step_batch([[7]] * len(prompts), [len(p) for p in prompts], tables,
+                                block_size)
+        decode = model.compute_logits(model(batch, cache)[batch.logits_indices]).float()
+        ran = {k: n - before[k] for k, n in cpu.kernel_paths().items() if n > before[k]}
+        if route == "cbatch":  # qkv, o, gate_up and down per layer, and the lm_head, per step
+            bf16_path = "linear.avx512" if "avx512bf16" in cpu.cpu_isa() else "linear.bf16.avx2"
+            assert ran.get(bf16_path, 0) == 2 * (4 * hf.config.num_hidden_layers + 1), ran
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        offset = 0
+        for s, p in enumerate(prompts):
+            ids = torch.tensor([p + [7]])
+            truth = hf(ids).logits[0]
+            ours = torch.cat([prefill[offset:offset + len(p)], decode[s:s + 1]])
+            offset += len(p)
+            hf_err = (hf_bf16(ids).logits[0].float() - truth).abs().max().item()
+            assert (ours - truth).abs().max().item() <= 2 * hf_err + 1e-2, arch
 
 
 @pytest.mark.slow
