@@ -182,14 +182,14 @@ def test_bf16_packed_logits_match_transformers(checkpoint):
     prompts = [[(5 * i + 3 * j) % VOCAB + 3 for j in range(n)] for i, n in enumerate((1, 9, 17))]
     cache = KVCache(model.config, 9, block_size, dtype=torch.bfloat16)
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    before = cpu.kernel_paths()
+    before = kernel_paths()
     with torch.no_grad():
         batch = make_step_batch(prompts, [0] * len(prompts), tables, block_size)
         prefill = model.compute_logits(model(batch, cache)).float()
         batch = make_step_batch([[7]] * len(prompts), [len(p) for p in prompts], tables,
                                 block_size)
         decode = model.compute_logits(model(batch, cache)[batch.logits_indices]).float()
-        ran = {k: n - before[k] for k, n in cpu.kernel_paths().items() if n > before[k]}
+        ran = {k: n - before[k] for k, n in kernel_paths().items() if n > before[k]}
         if route == "cbatch":  # qkv, o, gate_up and down per layer, and the lm_head, per step
             bf16_path = "linear.avx512" if "avx512bf16" in cpu.cpu_isa() else "linear.bf16.avx2"
             assert ran.get(bf16_path, 0) == 2 * (4 * hf.config.num_hidden_layers + 1), ran
