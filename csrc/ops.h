@@ -87,6 +87,16 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
 at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t out_features,
                                      const std::optional<at::Tensor>& bias);
+// W4A8 (cpu/quantized_linear_w4a8.cpp): x quantized to int8 per token and per group of
+// group_size k in the kernel, int4 x int8 dot products summed exactly in int32 per group,
+// y = sum over groups of S * s_w[g, n] * s_x[m, g] (+ bias) in fp32, in a fixed order.
+// qweight: uint8 [N16 / 16, G * group_size / 4, 32], q + 8 as nibbles (columns j and 8 + j of
+// a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32.
+// Supported on x86 with AVX2 and FMA (its one path, AVX-512 CPUs included).
+at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                     const at::Tensor& scales, int64_t group_size,
+                                     int64_t out_features,
+                                     const std::optional<at::Tensor>& bias);
 
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`

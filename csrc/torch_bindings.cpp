@@ -28,6 +28,9 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "quantized_linear_w8a8(Tensor x, Tensor qweight, Tensor scales, int out_features, "
       "Tensor? bias) -> Tensor");
+  m.def(
+      "quantized_linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, "
+      "int out_features, Tensor? bias) -> Tensor");
   m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
@@ -64,6 +67,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("linear", &cbatch::linear_cpu);
   m.impl("quantized_linear", &cbatch::quantized_linear_cpu);
   m.impl("quantized_linear_w8a8", &cbatch::quantized_linear_w8a8_cpu);
+  m.impl("quantized_linear_w4a8", &cbatch::quantized_linear_w4a8_cpu);
   m.impl("greedy_head", &cbatch::greedy_head_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
   m.impl("sample", &cbatch::sample_cpu);

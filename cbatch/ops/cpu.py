@@ -172,6 +172,14 @@ def quantized_linear_w8a8_isa() -> str:
     return "avx512vnni" if "avx512vnni" in cpu_isa().split() else "avx2"
 
 
+@functools.cache
+def quantized_linear_w4a8_available() -> bool:
+    """Whether cbatch's W4A8 CPU kernel (``cbatch::quantized_linear_w4a8``; its one path,
+    ``quantized_linear.w4a8.avx2``, also on AVX-512 CPUs) runs here: x86 with AVX2 and FMA;
+    elsewhere W4A8 layers run the pure-torch reference."""
+    return quantized_linear_available() and "avx2" in cpu_isa().split()
+
+
 @dataclass(frozen=True)
 class GreedyScreen:
     """A smaller copy of an lm_head's weight ``W [N, K]`` for :func:`greedy_head`.
@@ -297,7 +305,7 @@ def attention_step(head_dim: int) -> str:
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
-    ``quantized_linear.w8a8.avx512vnni``, ``greedy_head.int8``,
+    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``, ``greedy_head.int8``,
     ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
     left to the kernel, not calls); empty without the extension.  Counts only grow: compare
     two readings."""
@@ -322,6 +330,12 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
     @torch.library.register_fake("cbatch::quantized_linear_w8a8")
     def _(x, qweight, scales, out_features, bias):
         check_no_meta_mix("cbatch::quantized_linear_w8a8", x=x, qweight=qweight,
+                          scales=scales, bias=bias)
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("cbatch::quantized_linear_w4a8")
+    def _(x, qweight, scales, group_size, out_features, bias):
+        check_no_meta_mix("cbatch::quantized_linear_w4a8", x=x, qweight=qweight,
                           scales=scales, bias=bias)
         return x.new_empty((x.shape[0], out_features))
 

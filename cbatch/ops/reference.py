@@ -194,3 +194,56 @@ def quantized_linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def quantize_per_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token`'s rule per token and per group of ``group_size`` k (W4A8's
+    activations, as ``cbatch::quantized_linear_w4a8`` quantizes them; llama.cpp's Q8_0 with
+    its blocks of 32): per row of x ``[M, K]`` and group ``g`` (k in ``[g gs, (g + 1) gs)``,
+    the last group cut at K), in fp32, ``a = max |x|``, ``q = round(x * (127 / a))`` (ties to
+    even) and ``scale = a / 127``; a group of zeros gets q 0 and scale 0.  Returns int8
+    ``[M, K]`` and fp32 ``[M, G]``."""
+    M, K = x.shape
+    G = -(-K // group_size)
+    xf = torch.nn.functional.pad(x.float(), (0, G * group_size - K)).view(M, G, group_size)
+    top = xf.abs().amax(dim=-1)  # [M, G]
+    levels = torch.full_like(top, 127.0)
+    inv = torch.where(top > 0, levels / top, torch.zeros_like(top))
+    q = (xf * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.view(M, G * group_size)[:, :K], top / levels
+
+
+def unpack_w4a8(qweight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """int32 ``q [N, K]`` in [-8, 7] from the W4A8 layout (``cbatch::quantized_linear_w4a8``'s
+    weight, :func:`cbatch.layers.quantization.weight.pack_w4a8`): uint8 ``[N16 / 16, Q, 32]``,
+    byte ``[b, i, 4 j + t]`` holding ``q[16 b + j, 4 i + t] + 8`` in its low nibble and
+    ``q[16 b + 8 + j, 4 i + t] + 8`` in its high one."""
+    blocks, quads, _ = qweight.shape
+    u = qweight.view(blocks, quads, 8, 4).to(torch.int32)  # [b, i, j, t]
+    halves = torch.stack((u & 15, u >> 4), dim=2)  # [b, i, half, j, t]: column 8 half + j
+    q = halves.permute(0, 2, 3, 1, 4).reshape(blocks * 16, quads * 4)
+    return q[:out_features, :in_features] - 8
+
+
+def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          group_size: int, out_features: int, bias: torch.Tensor | None
+                          ) -> torch.Tensor:
+    """W4A8: x ``[M, K]`` quantized per token and group (:func:`quantize_per_group`: ``xq``,
+    ``s_x [M, G]``), each group's exact integer sums ``S[m, n, g]`` (in float64, exact below
+    2^53), then in fp32, the groups in order, ``y = sum_g (S * s_w[g, n]) * s_x[m, g]`` (each
+    product and each add rounded; the sum starts at 0) and ``+ bias[n]`` last, returned in x's
+    dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit for bit.  qweight:
+    :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``."""
+    M, K = x.shape
+    N, G = out_features, scales.shape[0]
+    pad = G * group_size - K
+    q = torch.nn.functional.pad(unpack_w4a8(qweight, N, K), (0, pad)).view(N, G, group_size)
+    xq, sx = quantize_per_group(x, group_size)
+    xq = torch.nn.functional.pad(xq, (0, pad)).view(M, G, group_size)
+    S = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # [M, N, G], exact
+    y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    for g in range(G):
+        y = y + (S[:, :, g].float() * scales[g, :N]) * sx[:, g, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

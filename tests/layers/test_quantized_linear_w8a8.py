@@ -86,5 +86,6 @@ def test_interface():
         QuantizedLinear(qw, act_bits=4)
     for bad in (quantize(w, 4, 10), quantize(w, 8, 10),
                 pack(torch.zeros(20, 30), torch.ones(1, 20), torch.ones(1, 20), 8, 30)):
-        with pytest.raises(ValueError, match="act_bits=8 \\(W8A8\\) takes symmetric int8"):
+        with pytest.raises(ValueError, match="act_bits=8 takes symmetric int8 weights with "
+                                             "one group per output channel \\(W8A8\\)"):
             QuantizedLinear(bad, act_bits=8)

@@ -64,7 +64,7 @@ def test_path_names_and_counts():
             "quantized_linear.w8.avx512",
             "quantized_linear.w8.avx2", "quantized_linear.w4.avx512",
             "quantized_linear.w4.avx2", "quantized_linear.w8a8.avx512vnni",
-            "quantized_linear.w8a8.avx2", "greedy_head.int8",
+            "quantized_linear.w8a8.avx2", "quantized_linear.w4a8.avx2", "greedy_head.int8",
             "greedy_head.bf16.avx512", "greedy_head.bf16.avx2", "greedy_head.kernel",
             "greedy_head.unsettled_rows",
             "decode_attention.avx512",

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch.layers.module import Module
-from cbatch.layers.quantization.weight import QuantizedWeight, pack_w8a8, quantize, unpack_w8a8
+from cbatch.layers.quantization.weight import (QuantizedWeight, pack_w4a8, pack_w8a8, quantize,
+                                               unpack_w4a8, unpack_w8a8)
 from cbatch.ops import cpu, reference
 from cbatch.ops.backends import triton_available
 
@@ -62,6 +63,11 @@ class QuantizedLinear(Module):
     and the sums run in integers (``cbatch::quantized_linear_w8a8``); the weight must be
     symmetric int8 with one group per output channel, and ``qweight`` holds it in the W8A8
     layout (:func:`~cbatch.layers.quantization.weight.pack_w8a8`; :attr:`weight` unpacks it).
+    On symmetric int4 in groups of a multiple of 32 k (W4A8, llama.cpp's Q4_0 x Q8_0 route),
+    x is quantized per token and per group of the weight's k
+    (:func:`cbatch.ops.reference.quantize_per_group`), each group's sums run in integers and
+    the groups' scaled sums in fp32 (``cbatch::quantized_linear_w4a8``; the weight in
+    :func:`~cbatch.layers.quantization.weight.pack_w4a8`'s layout).  It has no CUDA kernel.
 
     ``forward(x, gelu=None, residual=None)`` as :class:`cbatch.layers.linear.Linear`'s (the
     GELU and the add run after the matmul).  The packed tensors are buffers: they follow
@@ -76,10 +82,11 @@ class QuantizedLinear(Module):
         super().__init__()
         if act_bits not in (None, 8):
             raise ValueError(f"act_bits must be None or 8, got {act_bits}")
-        if act_bits == 8 and (weight.bits != 8 or weight.groups != 1
-                              or weight.zeros is not None):
-            raise ValueError(f"act_bits=8 (W8A8) takes symmetric int8 weights with one group "
-                             f"per output channel, got bits={weight.bits}, group_size="
+        if act_bits == 8 and (weight.zeros is not None or (
+                weight.groups != 1 if weight.bits == 8 else weight.group_size % 32)):
+            raise ValueError(f"act_bits=8 takes symmetric int8 weights with one group per "
+                             f"output channel (W8A8) or symmetric int4 in groups of a multiple "
+                             f"of 32 (W4A8), got bits={weight.bits}, group_size="
                              f"{weight.group_size} of in_features={weight.in_features}"
                              + (", zero points" if weight.zeros is not None else ""))
         if perm is not None and (perm.dtype != torch.int64
@@ -89,7 +96,7 @@ class QuantizedLinear(Module):
         self.bits, self.group_size, self.act_bits = weight.bits, weight.group_size, act_bits
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("qweight", weight.qweight if act_bits is None
-                             else pack_w8a8(weight))
+                             else pack_w8a8(weight) if weight.bits == 8 else pack_w4a8(weight))
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
         self.register_buffer("perm", perm)
@@ -104,6 +111,9 @@ class QuantizedLinear(Module):
 
     @property
     def weight(self) -> QuantizedWeight:
+        if self.act_bits == 8 and self.bits == 4:
+            return unpack_w4a8(self.qweight, self.scales, self.group_size, self.out_features,
+                               self.in_features)
         if self.act_bits == 8:
             return unpack_w8a8(self.qweight, self.scales, self.out_features, self.in_features)
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,
@@ -113,7 +123,9 @@ class QuantizedLinear(Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        if self.act_bits == 8:
+        if self.act_bits == 8 and self.bits == 4:
+            y = self._forward_w4a8(x)
+        elif self.act_bits == 8:
             y = self._forward_w8a8(x)
         else:
             y = self._forward_w16(x)
@@ -139,6 +151,16 @@ class QuantizedLinear(Module):
             return torch.ops.cbatch.quantized_linear_w8a8(
                 x if x.stride(-1) == 1 else x.contiguous(), *args)
         return reference.quantized_linear_w8a8(x, *args)
+
+    def _forward_w4a8(self, x: torch.Tensor) -> torch.Tensor:
+        args = (self.qweight, self.scales, self.group_size, self.out_features, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.device.type == "cpu" and cpu.quantized_linear_w4a8_available():
+            y = torch.ops.cbatch.quantized_linear_w4a8(
+                x2 if x2.stride(-1) == 1 else x2.contiguous(), *args)
+        else:
+            y = reference.quantized_linear_w4a8(x2, *args)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

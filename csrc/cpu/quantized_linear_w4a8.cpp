@@ -1,0 +1,260 @@
+// The CPU W4A8 linear op (llama.cpp's route for int4: Q4_0 weights against Q8_0 activations):
+// int4 weights, symmetric, one scale per group of group_size k and output column; x quantized
+// to int8 on every call per token and per group of the same k; each group's integer dot
+// product summed exactly in int32, then scaled and summed over groups in fp32:
+//   y[m, n] = fl(...fl(fl(0 + t[m, n, 0]) + t[m, n, 1]) ... + t[m, n, G - 1]) (+ bias[n]),
+//   t[m, n, g] = fl(fl(fl(S[m, n, g]) * s_w[g, n]) * s_x[m, g]),
+// S the exact sum over group g of q_w * q_x, the groups in order, every fl one fp32 rounding
+// (the bias a last, separate add).  cbatch/ops/reference.py (quantized_linear_w4a8) computes
+// the same, so the output is the reference's bit for bit.  GCC contracts a multiply and an add
+// into an fma where it may (C++ defaults to -ffp-contract=fast): `rounded` keeps t a rounded
+// fp32 so that the sum's add stays an add.  A row's result depends on nothing but that row.
+//
+// The activation quantization, per row of x in fp32 and per group g of k (cbatch/ops/
+// reference.py, quantize_per_group, computes the same): a = max |x| over the group,
+// q = nearbyint(x * fl(127 / a)) (ties to even; |q| <= 127), s_x = fl(a / 127); a group of
+// zeros has q 0 and s_x 0.  The quantized row is 0 past K, up to the last group's end.
+//
+// The weight's layout (cbatch/layers/quantization/weight.py, pack_w4a8): uint8
+// [N16 / 16, G * group_size / 4, 32], byte [b, i, 4 j + t] = u[16 b + j, 4 i + t] in its low
+// nibble and u[16 b + 8 + j, 4 i + t] in its high one (j < 8), u = q + 8 in [0, 15] (q in
+// [-8, 7]; u 8 past K, to the last group's end).  One 32-byte load is 16 columns x 4 k: the low
+// nibbles (an and) are columns 0..7 and the high ones (a shift, an and) columns 8..15, each
+// column's 4 k in one 4-byte lane, so one broadcast of the row's 4 int8 k serves both halves.
+// The weight is the unsigned operand of vpmaddubsw and x the signed one:
+// sum (q + 8) x = sum q x + 8 sum x, and the kernel subtracts 8 times the row's sum of its q
+// over the group, one number per row and group (no per-column correction).
+//
+// No overflow: vpmaddubsw adds two products u x with u <= 15 and |x| <= 127, so each int16
+// lane is at most 2 * 15 * 127 = 3810 in magnitude (it never saturates); the kernel adds 8
+// such lanes (8 quads, 32 k) in int16, at most 8 * 3810 = 30480 < 32767, before vpmaddwd with
+// ones widens each pair of lanes (one column's 4 k) into int32.  A group's int32 sum is at
+// most 15 * 127 * group_size < 2^31 (group_size <= 65536), and 8 sum x at most
+// 8 * 127 * group_size.  So every integer is exact.  group_size must be a multiple of 32 (whole
+// runs of 8 quads).
+//
+// Paths: AVX2 only (vpmaddubsw, 4 rows x 16 columns per tile), also on AVX-512 CPUs (no VNNI
+// path: none could be tested).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../ops.h"
+#include "avx2.h"
+
+namespace cbatch {
+
+namespace {
+
+constexpr int64_t kBlock = 16;         // output columns per packed block
+constexpr int64_t kChunkRows = 64;     // rows per pass over the weights (they stay in L2)
+constexpr int64_t kRunQuads = 8;       // quads summed in int16 before widening to int32
+constexpr int64_t kMaxGroup = 65536;   // a group's int32 sum stays below 2^31
+
+struct W4A8Args {
+  const int8_t* xq;     // [M, Q * 4] the quantized rows, 0 past K
+  const int32_t* xsum;  // [M, G] each row's sum of q per group
+  const float* xscale;  // [M, G] s_x
+  int64_t M, G, GQ, N;  // GQ: quads per group (Q = G * GQ per row)
+  const uint8_t* w;     // [N16 / 16, Q, 32]
+  const float* wscale;  // [G, N16] s_w
+  int64_t N16;
+  const float* bias;    // [N] fp32 or null
+  float* out;           // [M, N] fp32
+};
+
+// Per-token, per-group quantization of rows [m0, m1) of xf [M, K] (fp32) into a's buffers.
+void quantize_rows(const float* xf, int64_t K, int64_t group_size, int64_t m0, int64_t m1,
+                   const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* x = xf + m * K;
+    int8_t* q = xq + m * a.G * a.GQ * 4;
+    for (int64_t g = 0; g < a.G; ++g) {
+      const int64_t k0 = g * group_size, k1 = std::min(K, k0 + group_size);
+      float top = 0.f;
+      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
+      const float inv = top > 0.f ? 127.f / top : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float v = std::nearbyint(x[k] * inv);
+        q[k] = int8_t(std::clamp(v, -127.f, 127.f));
+        sum += q[k];
+      }
+      xsum[m * a.G + g] = sum;
+      xscale[m * a.G + g] = top / 127.f;
+    }
+  }
+}
+
+#ifdef CBATCH_X86
+constexpr int kRows = 4;  // 4 rows x 2 halves = 8 int16 sums, 2 weight vectors, 1 x
+
+// t as it is: an fp32 the compiler cannot fuse into the add that takes it.
+CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
+  asm("" : "+x"(t));
+  return t;
+}
+
+template <int R>
+CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
+  const int64_t Q = a.G * a.GQ;
+  const uint8_t* w = a.w + block * Q * 32;
+  const int8_t* x = a.xq + m * Q * 4;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 y[kRows][2];  // [row][half]: the sum over groups so far
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i s[kRows][2];  // [row][half]: this group's int32 sums
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int64_t i0 = g * a.GQ; i0 < (g + 1) * a.GQ; i0 += kRunQuads) {
+      __m256i h[kRows][2];  // [row][half]: int16 sums of this run of 8 quads
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {  // the run's 4 cache lines, 1 KiB ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + i0 * 32) + 1024 + 64 * l, _MM_HINT_T0);
+      }
+      // Not unrolled: unrolled, GCC reassociates the int16 adds into a tree of all 8 quads'
+      // products and spills them.
+#pragma GCC unroll 1
+      for (int64_t i = i0; i < i0 + kRunQuads; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;  // the row's four k as int8
+          std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(lo, xv));
+          h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(hi, xv));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(h[r][0], ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(h[r][1], ones));
+      }
+    }
+    const float* sw = a.wscale + g * a.N16 + block * kBlock;
+    const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i shift = _mm256_set1_epi32(8 * a.xsum[(m + r) * a.G + g]);
+      const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
+      const __m256 t0 = _mm256_mul_ps(
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift)), sw0), sx);
+      const __m256 t1 = _mm256_mul_ps(
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift)), sw1), sx);
+      y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
+      y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    float* out = a.out + (m + r) * a.N;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
+      const int64_t n = block * kBlock + 8 * h, left = a.N - n;
+      if (left <= 0) break;
+      const __m256i lanes = avx2::first_lanes(left);
+      const __m256 yv = a.bias ? _mm256_add_ps(y[r][h], _mm256_maskload_ps(a.bias + n, lanes))
+                               : y[r][h];
+      _mm256_maskstore_ps(out + n, lanes, yv);
+    }
+  }
+}
+
+void item_avx2(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kRows <= m1; m += kRows) tile_avx2<kRows>(a, m, block);
+  switch (m1 - m) {
+    case 3: return tile_avx2<3>(a, m, block);
+    case 2: return tile_avx2<2>(a, m, block);
+    case 1: return tile_avx2<1>(a, m, block);
+    default: return;
+  }
+}
+
+// Chunks of rows, each over every block of columns, the blocks shared out among threads.
+void run(const W4A8Args& a) {
+  const int64_t blocks = a.N16 / kBlock;
+  for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(a.M, m0 + kChunkRows);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) item_avx2(a, b, m0, m1);
+    });
+  }
+}
+#endif  // CBATCH_X86
+
+}  // namespace
+
+at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                     const at::Tensor& scales, int64_t group_size,
+                                     int64_t out_features,
+                                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "x must be float32 or bfloat16, got ", x.scalar_type());
+#ifdef CBATCH_X86
+  const bool avx2 = cpu_has_avx2();
+#else
+  const bool avx2 = false;
+#endif
+  TORCH_CHECK_VALUE(avx2, "cbatch's W4A8 CPU linear runs only on an x86 CPU with AVX2 and FMA");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK_VALUE(N >= 1 && K >= 1, "empty weight: ", N, " x ", K);
+  TORCH_CHECK_VALUE(group_size >= 32 && group_size % 32 == 0 && group_size <= kMaxGroup,
+                    "W4A8 group_size must be a multiple of 32 in [32, ", kMaxGroup, "], got ",
+                    group_size);
+  const int64_t N16 = (N + kBlock - 1) / kBlock * kBlock, G = (K + group_size - 1) / group_size;
+  const int64_t GQ = group_size / 4;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, "a W4A8 qweight is uint8, got ",
+                   qweight.scalar_type());
+  TORCH_CHECK_VALUE(qweight.is_contiguous() && qweight.dim() == 3 &&
+                        qweight.size(0) == N16 / kBlock && qweight.size(1) == G * GQ &&
+                        qweight.size(2) == 2 * kBlock,
+                    "qweight ", qweight.sizes(), " does not hold W4A8 ", N, " x ", K,
+                    " in groups of ", group_size, " (expected [", N16 / kBlock, ", ", G * GQ,
+                    ", 32])");
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                        scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N16,
+                    "scales must be a dense float32 [", G, ", ", N16, "], got ",
+                    scales.scalar_type(), " ", scales.sizes());
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
+                      bias->sizes());
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out.to(x.scalar_type());
+#ifdef CBATCH_X86
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bf =
+      bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  const auto opts = x.options();
+  at::Tensor xq = at::zeros({M, G * GQ * 4}, opts.dtype(at::kChar));
+  at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
+  at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
+  const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
+                   .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .N = N,
+                   .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
+                   .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
+                   .out = out.data_ptr<float>()};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xf.data_ptr<float>(), K, group_size, m0, m1, a, xq.data_ptr<int8_t>(),
+                  xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+  });
+  count_path(CpuPath::kQuantizedLinearW4A8Avx2);
+  run(a);
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace cbatch

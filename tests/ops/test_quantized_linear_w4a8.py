@@ -1,0 +1,207 @@
+"""cbatch::quantized_linear_w4a8 (csrc/cpu/quantized_linear_w4a8.cpp) against its oracles.
+
+Each group's integer sum is exact in the kernel (int32, no saturation) and in the oracle (int64
+here, from the unpacked integers that tests/quant_utils.py drew, not from cbatch's packing),
+and the per-token, per-group quantization of x is defined to the bit
+(reference.quantize_per_group, itself checked by hand), so the kernel's fp32 output is the
+reference's bit for bit: y = (...(0 + t_0) + t_1 ... + t_{G-1}) + b, t_g = fl(fl(S_g s_w) s_x).
+Against the exact value sum_g S_g s_w s_x + b (float64) every output is within
+gamma_{G+3} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S_g < 2^24 is
+exact in fp32; two multiplies per term, G adds, the bias's); bf16 outputs add 2^-8 |y|.
+The kernel has one path (AVX2, on AVX-512 CPUs too); each call asserts it ran.
+"""
+
+import pytest
+import torch
+
+from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.quantization.weight import pack_w4a8, unpack_w4a8
+from cbatch.ops import cpu, reference
+from tests.quant_utils import random_quantized
+
+U = 2.0 ** -24
+PATH = "quantized_linear.w4a8.avx2"
+needs_kernel = pytest.mark.skipif(not cpu.quantized_linear_w4a8_available(),
+                                  reason="cbatch's W4A8 CPU kernel (AVX2) does not run here")
+
+
+def _random_w4a8(N, K, group_size, gen):
+    """The kernel's operands (W4A8 qweight, scales [G, N16]) and the unpacked q [N, K] in
+    [-8, 7], s_w [G, N]."""
+    qw, (q, s, _) = random_quantized(N, K, 4, group_size, False, gen)
+    return pack_w4a8(qw), qw.scales, q - 8, s
+
+
+def _run(x, qweight, scales, group_size, N, bias):
+    before = cpu.kernel_paths()[PATH]
+    ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias)
+    assert cpu.kernel_paths()[PATH] == before + 1
+    assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
+    return ours
+
+
+def _check(x, q, s_w, group_size, bias, ours, ref):
+    """ours against the exact value (int64 group sums of the quantized x) and the reference."""
+    xq, s_x = reference.quantize_per_group(x, group_size)
+    M, K = x.shape
+    G = s_x.shape[1]
+    g = torch.arange(K) // group_size
+    exact = torch.zeros(M, q.shape[0], dtype=torch.float64)
+    size = torch.zeros_like(exact)
+    for j in range(G):
+        cols = g == j
+        S = xq[:, cols].long() @ q[:, cols].long().t()  # [M, N], exact
+        term = S.double() * s_w[j].double() * s_x[:, j, None].double()
+        exact, size = exact + term, size + term.abs()
+    b = 0 if bias is None else bias.double()
+    n = G + 3
+    bound = n * U / (1 - n * U) * (size + abs(b))
+    if x.dtype == torch.bfloat16:
+        bound = bound + (exact + b).abs() * 2.0 ** -8
+    assert ((ours.double() - (exact + b)).abs() <= bound).all()
+    if ref is not None:
+        assert torch.equal(ours, ref)
+
+
+def test_quantize_per_group_by_hand():
+    """Per group of 4: scale = max |x| / 127, q = round(x * 127 / max) ties to even; a zero
+    group 0, 0; the last group cut at K (6 = 4 + 2)."""
+    x = torch.tensor([[254.0, 1.0, 3.0, -5.0, -1.0, 0.5],
+                      [0.0, 0.0, 0.0, 0.0, 0.25, 0.0]])
+    q, scale = reference.quantize_per_group(x, 4)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2, 2)
+    # 254: x * 0.5 -> 127, 0.5 -> 0, 1.5 -> 2, -2.5 -> -2; -1: x * 127 -> -127, 63.5 -> 64
+    assert q.tolist() == [[127, 0, 2, -2, -127, 64], [0, 0, 0, 0, 127, 0]]
+    assert scale.tolist() == [[2.0, torch.tensor(1 / 127, dtype=torch.float32).item()],
+                              [0.0, torch.tensor(0.25 / 127, dtype=torch.float32).item()]]
+
+
+@pytest.mark.parametrize("N,K,group_size", [(1, 1, 32), (5, 3, 128), (33, 130, 32),
+                                            (16, 256, 128), (20, 64, 64)])
+def test_w4a8_layout_round_trips(N, K, group_size):
+    """pack_w4a8: byte [b, i, 4 j + t] = q[16 b + j, 4 i + t] + 8 (low nibble) and
+    q[16 b + 8 + j, 4 i + t] + 8 (high), 8 past K; unpack_w4a8 gives the weight back."""
+    gen = torch.Generator().manual_seed(N + K)
+    qw, (q, s, _) = random_quantized(N, K, 4, group_size, False, gen)
+    packed = pack_w4a8(qw)
+    G = -(-K // group_size)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-N // 16), G * group_size // 4, 32)
+    byte = packed[0, 0, 0].item()  # column 0 and column 8's k = 0
+    assert byte & 15 == q[0, 0] and (N <= 8 or byte >> 4 == q[8, 0])
+    if K > 1:
+        assert packed[0, 0, 1].item() & 15 == q[0, 1]
+    assert torch.equal(reference.unpack_w4a8(packed, N, K), q.to(torch.int32) - 8)
+    past = reference.unpack_w4a8(packed, N, G * group_size)[:, K:]
+    assert (past == 0).all()  # 8 past K: zero weights
+    back = unpack_w4a8(packed, qw.scales, group_size, N, K)
+    assert torch.equal(back.qweight, qw.qweight) and torch.equal(back.scales, qw.scales)
+
+
+# (N, K, group_size): one column and one k, odd K and N, K a group less one, a group, a group
+# and one (a last group of one k), several groups of 32, a partial last block
+SHAPES = [(1, 1, 128), (5, 3, 32), (33, 127, 128), (17, 128, 128), (24, 129, 128),
+          (130, 261, 32), (64, 512, 128), (7, 300, 64)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K,group_size", SHAPES)
+def test_w4a8_matches_exact_integer_sums(N, K, group_size):
+    """Rows 1, 2, 3, 8, 33 and 300 (past four chunks of 64), fp32 and bf16 x, with and without
+    bias; a row of zeros (the output is the bias), a group of zeros in another row, and an
+    outlier in one group (its own scale only)."""
+    gen = torch.Generator().manual_seed(N * 1000 + K)
+    qweight, scales, q, s_w = _random_w4a8(N, K, group_size, gen)
+    for M, dtype, with_bias in ((1, torch.float32, False), (2, torch.bfloat16, True),
+                                (3, torch.float32, True), (8, torch.float32, False),
+                                (33, torch.bfloat16, False), (300, torch.float32, True)):
+        x = torch.randn(M, K, generator=gen)
+        if M > 1:
+            x[M // 2] = 0
+            x[0, :group_size] = 0
+        x[-1, K // 2] = 1e4 if M > 2 else x[-1, K // 2]
+        x = x.to(dtype)
+        bias = (torch.randn(N, generator=gen) * 0.1).to(dtype) if with_bias else None
+        ours = _run(x, qweight, scales, group_size, N, bias)
+        ref = reference.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias)
+        _check(x, q, s_w, group_size, bias, ours, ref)
+        if M > 1:
+            assert torch.equal(ours[M // 2], torch.zeros(N, dtype=dtype) if bias is None
+                               else bias.float().to(dtype))
+
+
+@needs_kernel
+def test_extreme_integers_are_exact():
+    """q all -8 or 7 against x quantized to +-127 in groups of 65536 (the largest the kernel
+    takes): the int16 runs' and the group sums' largest magnitudes come out exact."""
+    K, N, gs = 65536 + 64, 20, 65536
+    q = torch.where(torch.arange(N)[:, None] % 2 == 0, 0, 15).expand(N, K)
+    s = torch.rand(2, N, generator=torch.Generator().manual_seed(0)) + 0.5
+    qw = pack(q, s, None, 4, gs)
+    qweight = pack_w4a8(qw)
+    x = torch.ones(3, K)
+    x[1] = -1
+    x[2, ::2] = -1
+    ours = _run(x, qweight, qw.scales, gs, N, None)
+    _check(x, q - 8, s, gs, None, ours,
+           reference.quantized_linear_w4a8(x, qweight, qw.scales, gs, N, None))
+    with pytest.raises(ValueError, match="group_size must be a multiple of 32 in \\[32, 65536\\]"):
+        torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, 2 * gs, N, None)
+
+
+@needs_kernel
+def test_many_rows_and_rows_are_independent():
+    """2048 rows: within the bound, and each row bitwise the row computed alone, and in a
+    batch of 8 at another offset."""
+    gen = torch.Generator().manual_seed(5)
+    N, K, gs = 40, 256, 128
+    qweight, scales, q, s_w = _random_w4a8(N, K, gs, gen)
+    x = torch.randn(2048, K, generator=gen).to(torch.bfloat16)
+    ours = _run(x, qweight, scales, gs, N, None)
+    _check(x, q, s_w, gs, None, ours, None)
+    for m in (0, 3, 64, 2047):
+        alone = torch.ops.cbatch.quantized_linear_w4a8(x[m:m + 1], qweight, scales, gs, N, None)
+        assert torch.equal(alone, ours[m:m + 1])
+    eight = torch.ops.cbatch.quantized_linear_w4a8(x[61:69], qweight, scales, gs, N, None)
+    assert torch.equal(eight, ours[61:69])
+
+
+@needs_kernel
+def test_the_layer_runs_the_kernel():
+    gen = torch.Generator().manual_seed(2)
+    qw, (q, s, _) = random_quantized(24, 70, 4, 32, False, gen)
+    layer = QuantizedLinear(qw, torch.randn(24, generator=gen), act_bits=8)
+    x = torch.randn(2, 5, 70, generator=gen)
+    before = cpu.kernel_paths()[PATH]
+    y = layer(x)
+    assert cpu.kernel_paths()[PATH] == before + 1 and y.shape == (2, 5, 24)
+    _check(x.view(10, 70), q - 8, s, 32, layer.bias.detach(), y.view(10, 24),
+           reference.quantized_linear_w4a8(x.view(10, 70), layer.qweight, layer.scales, 32,
+                                           24, layer.bias))
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    qweight, scales, _, _ = _random_w4a8(24, 66, 32, gen)
+    torch.library.opcheck(torch.ops.cbatch.quantized_linear_w4a8,
+                          (torch.randn(3, 66, generator=gen), qweight, scales, 32, 24, None))
+
+
+@needs_kernel
+@pytest.mark.parametrize("change,match", [
+    (dict(out_features=40), "does not hold W4A8 40 x 66 in groups of 32"),
+    (dict(group_size=64), "does not hold W4A8 24 x 66 in groups of 64"),
+    (dict(group_size=48), "group_size must be a multiple of 32"),
+    (dict(qweight=torch.zeros(2, 24, 32, dtype=torch.int8)), "a W4A8 qweight is uint8"),
+    (dict(scales=torch.zeros(1, 32)), "scales must be a dense float32 \\[3, 32\\]"),
+    (dict(bias=torch.zeros(23)), "bias must be \\[24\\]"),
+    (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
+])
+def test_bad_operands_get_a_sentence(change, match):
+    qweight, scales, _, _ = _random_w4a8(24, 66, 32, torch.Generator().manual_seed(0))
+    args = dict(x=torch.zeros(3, 66), qweight=qweight, scales=scales, group_size=32,
+                out_features=24, bias=None)
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.cbatch.quantized_linear_w4a8(*args.values())
