@@ -117,9 +117,10 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
-    ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``): the decoder layers' linear weights
-    quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`); they run
-    cbatch's kernel on the CPU and the Triton GEMMs on CUDA (:func:`_check_quantized_run`).
+    ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"``): the decoder layers'
+    linear weights quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`);
+    they run cbatch's kernel on the CPU and the Triton GEMMs on CUDA (w4a8: the CPU only;
+    :func:`_check_quantized_run`).
     A checkpoint that is quantized already (a ``quantization_config`` in config.json: GPTQ,
     AWQ, compressed-tensors) loads its own quantized layers
     (:mod:`cbatch.models.quantized_checkpoint`); ``quantization`` may then be None or that
@@ -201,13 +202,17 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
 
 def _check_quantized_run(method: str | None, device, dtype) -> None:
     """Quantized layers run on the CPU (cbatch's kernel; float32 or bfloat16 activations) and
-    on CUDA (the Triton GEMMs of ``kernels/quant_matmul.py``; float16 too)."""
+    on CUDA (the Triton GEMMs of ``kernels/quant_matmul.py``; float16 too), but w4a8, which
+    has no CUDA kernel."""
     if method is None:
         return
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"quantization={method!r} runs on the CPU and on CUDA (Triton), "
                          f"not on {device}")
+    if method == "w4a8" and device_type == "cuda":
+        raise ValueError("quantization='w4a8' runs on the CPU only (there is no CUDA kernel "
+                         "for it); on CUDA choose int4 or w8a8")
     if dtype not in (torch.float32, torch.bfloat16) + (
             (torch.float16,) if device_type == "cuda" else ()):
         raise ValueError(f"quantization={method!r} runs float32 or bfloat16 activations "

@@ -1,7 +1,8 @@
-"""Online quantization (``quantization="int8" | "int4" | "w8a8"``): which layers it replaces,
-that a quantized model's logits are those of the same model with the dequantized weights in
-fp32 (the oracle: F.linear on cbatch.ops.reference.dequantize's weights; W8A8: the same model
-with every layer on the pure-torch reference, whose integer sums are exact), that an engine
+"""Online quantization (``quantization="int8" | "int4" | "w8a8" | "w4a8"``): which layers it
+replaces, that a quantized model's logits are those of the same model with the dequantized
+weights in fp32 (the oracle: F.linear on cbatch.ops.reference.dequantize's weights; W8A8,
+W4A8: the same model with every layer on the pure-torch reference, whose integer sums are
+exact), that an engine
 runs the quantized kernel and keeps the lm_head's greedy screen, and what is refused, by
 name."""
 
@@ -72,7 +73,37 @@ def test_w8a8_logits_are_the_references(name, monkeypatch):
     assert (ours - int8).abs().max() < 0.05 * int8.abs().max()
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2 (bias)
+def test_w4a8_logits_are_the_references_and_near_int4s(name, monkeypatch):
+    """quantization="w4a8": every linear but the lm_head holds int4 in groups of 128 and takes
+    int8 activations per token and group; the logits are those of the same layers on the
+    pure-torch reference (the kernel is the reference's bit for bit, so the logits are equal),
+    and within 5% of the largest int4 (W4A16) logit of the W4A16 model's on the same weights
+    (what quantizing x to int8 costs)."""
+    model = load_model(name, quantization="w4a8", seed=3)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.act_bits == 8 and m.bits == 4 and m.group_size == 128
+                          for m in layers)
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
+    before = cpu.kernel_paths().get("quantized_linear.w4a8.avx2", 0)
+    ours = torch.cat(prefill_logits(model, prompts))
+    moved = cpu.kernel_paths().get("quantized_linear.w4a8.avx2", 0) - before
+    assert moved >= len(layers) or not cpu.quantized_linear_w4a8_available()
+    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available", lambda: False)
+    assert torch.equal(ours, torch.cat(prefill_logits(model, prompts)))
+    int4 = torch.cat(prefill_logits(load_model(name, quantization="int4", seed=3), prompts))
+    assert (ours - int4).abs().max() < 0.05 * int4.abs().max()
+
+
+def test_w4a8_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="quantization='w4a8' runs on the CPU only \\(there is "
+                                         "no CUDA kernel for it\\); on CUDA choose int4 or w8a8"):
+        load_model("random:llama-tiny", device="cuda", quantization="w4a8")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
 def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     if not cpu.quantized_linear_available():
         pytest.skip("cbatch's quantized CPU kernel does not run here")
@@ -80,7 +111,8 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
               quantization=method, max_num_seqs=4)
     path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa()}",
             "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa()}",
-            "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"}[method]
+            "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}",
+            "w4a8": "quantized_linear.w4a8.avx2"}[method]
     before = cpu.kernel_paths()
     outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
@@ -91,7 +123,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     assert quantized and all(m.placed for m in quantized)  # on the runner's huge pages
     described = llm.engine.runner.describe()
     assert described["quantized linear"].startswith(
-        {"int8": "int8", "int4": "int4 g128", "w8a8": "w8a8"}[method])
+        {"int8": "int8", "int4": "int4 g128", "w8a8": "w8a8", "w4a8": "w4a8 g128"}[method])
     assert f"(cbatch {path.rsplit('.', 1)[1]})" in described["quantized linear"]
     if llm.engine.runner.greedy_screen is not None:  # the lm_head stays float and screened
         screened = [k for k in after if k.startswith("greedy_head.") and "rows" not in k]
@@ -100,7 +132,8 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 
 def test_quantization_methods_are_refused_by_name():
     with pytest.raises(ValueError, match="quantization='fp8' is not supported; cbatch runs "
-                                         "int8, int4, w8a8 \\(online\\) and a checkpoint's own"):
+                                         "int8, int4, w8a8, w4a8 \\(online\\) and a "
+                                         "checkpoint's own"):
         LLM("random:llama-tiny", quantization="fp8")
     with pytest.raises(ValueError, match="runs on the CPU and on CUDA \\(Triton\\), not on mps"):
         load_model("random:llama-tiny", device="mps", quantization="int8")

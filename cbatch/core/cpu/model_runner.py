@@ -88,10 +88,14 @@ class CPUModelRunner(ModelRunner):
         layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if not layers:
             return "none"
-        kinds = sorted({("w8a8" if m.act_bits else f"int{m.bits}")
+        kinds = sorted({(f"w{m.bits}a8" if m.act_bits else f"int{m.bits}")
                         + (f" g{m.group_size}" if m.bits == 4 else "") for m in layers})
-        w8a8 = all(m.act_bits for m in layers)  # their kernel's ISA (VNNI where present)
-        isa = cpu.quantized_linear_w8a8_isa() if w8a8 else cpu.quantized_linear_isa()
+        if all(m.act_bits and m.bits == 4 for m in layers):  # W4A8's one kernel path
+            isa = "avx2" if cpu.quantized_linear_w4a8_available() else ""
+        elif all(m.act_bits for m in layers):  # W8A8's kernel's ISA (VNNI where present)
+            isa = cpu.quantized_linear_w8a8_isa()
+        else:
+            isa = cpu.quantized_linear_isa()
         where = f"cbatch {isa}" if isa else "the pure-torch reference"
         return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
 

@@ -71,13 +71,16 @@ def cpu_paths() -> dict[str, str]:
 
 
 def quantized_phrase() -> str:
-    """Where int8 and int4 weights (W8A16, W4A16) and W8A8 run: cbatch's kernels and their
-    ISA, or the reference."""
+    """Where int8 and int4 weights (W8A16, W4A16), W8A8 and W4A8 run: cbatch's kernels and
+    their ISA, or the reference."""
     isa = cpu.quantized_linear_isa()
     if isa:
+        w4a8 = ("cbatch's kernel (avx2), int8 dot products" if
+                cpu.quantized_linear_w4a8_available() else "the pure-torch reference")
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers; w8a8: "
-                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products")
-    return "int8, int4, w8a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
+                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products; "
+                f"w4a8: {w4a8}")
+    return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 
 
 def isa_phrase() -> str:

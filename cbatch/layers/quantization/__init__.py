@@ -4,7 +4,9 @@ runs on it (:mod:`.linear`), and online quantization at load (:func:`quantize_mo
 ``quantization="int8"``: every linear layer of the decoder layers int8, per output channel,
 symmetric; ``"int4"``: int4 in groups of 128 along k, symmetric; ``"w8a8"``: int8 as
 ``"int8"``, and the layers' inputs quantized to int8 per token on every call (W8A8, as vLLM
-runs compressed-tensors' int8 checkpoints; vLLM has no online name for it).  The lm_head
+runs compressed-tensors' int8 checkpoints; vLLM has no online name for it); ``"w4a8"``: int4
+as ``"int4"``, and the inputs quantized to int8 per token and per group of 128 k (W4A8,
+llama.cpp's Q4_0 x Q8_0 route; CPU only).  The lm_head
 stays in the model's dtype (as llama.cpp keeps ``output.weight`` at higher precision), so that
 its greedy screen keeps working (:mod:`cbatch.ops.cpu`).
 """
@@ -21,7 +23,8 @@ from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
 
 # method (config.QUANTIZATION_METHODS) -> (bits, group_size; None: one per output channel,
 # act_bits; None: x as it is)
-QUANTIZATION_METHODS = {"int8": (8, None, None), "int4": (4, 128, None), "w8a8": (8, None, 8)}
+QUANTIZATION_METHODS = {"int8": (8, None, None), "int4": (4, 128, None), "w8a8": (8, None, 8),
+                        "w4a8": (4, 128, 8)}
 assert tuple(QUANTIZATION_METHODS) == config.QUANTIZATION_METHODS
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "QuantizedWeight", "check_quantization",
