@@ -90,7 +90,7 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 // W4A8 (cpu/quantized_linear_w4a8.cpp): x quantized to int8 per token and per group of
 // group_size k in the kernel, int4 x int8 dot products summed exactly in int32 per group,
 // y = sum over groups of S * s_w[g, n] * s_x[m, g] (+ bias) in fp32, in a fixed order.
-// qweight: uint8 [N16 / 16, G * group_size / 4, 32], q + 8 as nibbles (columns j and 8 + j of
+// qweight: uint8 [N16 / 16, 8 ceil(K / 32), 32], q + 8 as nibbles (columns j and 8 + j of
 // a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32.
 // Supported on x86 with AVX2 and FMA (its one path, AVX-512 CPUs included).
 at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,

@@ -13,12 +13,13 @@
 // The activation quantization, per row of x in fp32 and per group g of k (cbatch/ops/
 // reference.py, quantize_per_group, computes the same): a = max |x| over the group,
 // q = nearbyint(x * fl(127 / a)) (ties to even; |q| <= 127), s_x = fl(a / 127); a group of
-// zeros has q 0 and s_x 0.  The quantized row is 0 past K, up to the last group's end.
+// zeros has q 0 and s_x 0.  The quantized row is 0 past K, to a multiple of 32 k.
 //
 // The weight's layout (cbatch/layers/quantization/weight.py, pack_w4a8): uint8
-// [N16 / 16, G * group_size / 4, 32], byte [b, i, 4 j + t] = u[16 b + j, 4 i + t] in its low
+// [N16 / 16, Q, 32], Q = 8 ceil(K / 32) (K rounded up to whole runs of 32 k, not to whole
+// groups: a last group may be short), byte [b, i, 4 j + t] = u[16 b + j, 4 i + t] in its low
 // nibble and u[16 b + 8 + j, 4 i + t] in its high one (j < 8), u = q + 8 in [0, 15] (q in
-// [-8, 7]; u 8 past K, to the last group's end).  One 32-byte load is 16 columns x 4 k: the low
+// [-8, 7]; u 8 past K).  One 32-byte load is 16 columns x 4 k: the low
 // nibbles (an and) are columns 0..7 and the high ones (a shift, an and) columns 8..15, each
 // column's 4 k in one 4-byte lane, so one broadcast of the row's 4 int8 k serves both halves.
 // The weight is the unsigned operand of vpmaddubsw and x the signed one:
@@ -31,7 +32,7 @@
 // ones widens each pair of lanes (one column's 4 k) into int32.  A group's int32 sum is at
 // most 15 * 127 * group_size < 2^31 (group_size <= 65536), and 8 sum x at most
 // 8 * 127 * group_size.  So every integer is exact.  group_size must be a multiple of 32 (whole
-// runs of 8 quads).
+// runs of 8 quads in every group but the last).
 //
 // Paths: AVX2 only (vpmaddubsw, 4 rows x 16 columns per tile), also on AVX-512 CPUs (no VNNI
 // path: none could be tested).
@@ -59,7 +60,7 @@ struct W4A8Args {
   const int8_t* xq;     // [M, Q * 4] the quantized rows, 0 past K
   const int32_t* xsum;  // [M, G] each row's sum of q per group
   const float* xscale;  // [M, G] s_x
-  int64_t M, G, GQ, N;  // GQ: quads per group (Q = G * GQ per row)
+  int64_t M, G, GQ, Q, N;  // GQ: quads per group; Q: quads per row (the last group's fewer)
   const uint8_t* w;     // [N16 / 16, Q, 32]
   const float* wscale;  // [G, N16] s_w
   int64_t N16;
@@ -72,7 +73,7 @@ void quantize_rows(const float* xf, int64_t K, int64_t group_size, int64_t m0, i
                    const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale) {
   for (int64_t m = m0; m < m1; ++m) {
     const float* x = xf + m * K;
-    int8_t* q = xq + m * a.G * a.GQ * 4;
+    int8_t* q = xq + m * a.Q * 4;
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t k0 = g * group_size, k1 = std::min(K, k0 + group_size);
       float top = 0.f;
@@ -101,7 +102,7 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 
 template <int R>
 CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
-  const int64_t Q = a.G * a.GQ;
+  const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * 32;
   const int8_t* x = a.xq + m * Q * 4;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -112,7 +113,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
     __m256i s[kRows][2];  // [row][half]: this group's int32 sums
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-    for (int64_t i0 = g * a.GQ; i0 < (g + 1) * a.GQ; i0 += kRunQuads) {
+    for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
       __m256i h[kRows][2];  // [row][half]: int16 sums of this run of 8 quads
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
@@ -215,15 +216,14 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
                     "W4A8 group_size must be a multiple of 32 in [32, ", kMaxGroup, "], got ",
                     group_size);
   const int64_t N16 = (N + kBlock - 1) / kBlock * kBlock, G = (K + group_size - 1) / group_size;
-  const int64_t GQ = group_size / 4;
+  const int64_t GQ = group_size / 4, Q = (K + 31) / 32 * kRunQuads;
   TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, "a W4A8 qweight is uint8, got ",
                    qweight.scalar_type());
   TORCH_CHECK_VALUE(qweight.is_contiguous() && qweight.dim() == 3 &&
-                        qweight.size(0) == N16 / kBlock && qweight.size(1) == G * GQ &&
+                        qweight.size(0) == N16 / kBlock && qweight.size(1) == Q &&
                         qweight.size(2) == 2 * kBlock,
                     "qweight ", qweight.sizes(), " does not hold W4A8 ", N, " x ", K,
-                    " in groups of ", group_size, " (expected [", N16 / kBlock, ", ", G * GQ,
-                    ", 32])");
+                    " (expected [", N16 / kBlock, ", ", Q, ", 32])");
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                         scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N16,
                     "scales must be a dense float32 [", G, ", ", N16, "], got ",
@@ -239,11 +239,12 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
   const std::optional<at::Tensor> bf =
       bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   const auto opts = x.options();
-  at::Tensor xq = at::zeros({M, G * GQ * 4}, opts.dtype(at::kChar));
+  at::Tensor xq = at::zeros({M, Q * 4}, opts.dtype(at::kChar));
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
-                   .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .N = N,
+                   .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .Q = Q,
+                   .N = N,
                    .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
                    .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
                    .out = out.data_ptr<float>()};

@@ -59,7 +59,7 @@ def test_interface():
     qw = quantize(w, 4, 32)
     layer = QuantizedLinear(qw, act_bits=8)
     assert "bits=4, group_size=32, act_bits=8" in repr(layer)
-    assert layer.qweight.shape == (2, 3 * 32 // 4, 32) and layer.qweight.dtype == torch.uint8
+    assert layer.qweight.shape == (2, 3 * 8, 32) and layer.qweight.dtype == torch.uint8
     assert torch.equal(layer.weight.dequantize(), qw.dequantize())
     assert torch.equal(layer.weight.qweight, qw.qweight)
     for bad in (quantize(w, 4, 10), quantize(w, 4, 48),

@@ -41,9 +41,9 @@ gives the :class:`QuantizedWeight` back (bitwise).
 W4A8 (``QuantizedLinear(..., act_bits=8)`` on int4: x quantized to int8 per token and per
 group, int4 x int8 dot products in int32 per group) takes symmetric int4 in groups of a
 multiple of 32 k, repacked (:func:`pack_w4a8`) for AVX2's ``vpmaddubsw`` (u8 x s8 pairs):
-uint8 ``[N16 / 16, G * group_size / 4, 32]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j,
+uint8 ``[N16 / 16, 8 ceil(K / 32), 32]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j,
 4 i + t]`` (0..15, zero point 8) in its low nibble and ``q[16 b + 8 + j, 4 i + t]`` in its
-high one (8 past K, to the last group's end): one 32-byte load is 16 columns x 4 k, whose
+high one (8 past K, to a multiple of 32 k): one 32-byte load is 16 columns x 4 k, whose
 low nibbles are columns 0..7 and high nibbles columns 8..15, each column's 4 k in a 4-byte
 lane.  ``sum q x = sum (q - 8) x + 8 sum x``: the kernel subtracts 8 times each row's sum of x
 per group.  Half a byte per weight, as int4's own layout.  :func:`unpack_w4a8` gives the
@@ -190,8 +190,8 @@ def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
                          f"got bits={weight.bits}, group_size={weight.group_size}, "
                          f"zeros={weight.zeros is not None}")
     blocks, pairs, _ = weight.qweight.shape
-    K, G = weight.in_features, weight.groups
-    quads = G * weight.group_size // 4
+    K = weight.in_features
+    quads = -(-K // 32) * 8
     packed = weight.qweight.to(torch.int32)  # [b, i, j]: k = 2 i (low nibble), 2 i + 1
     q = torch.stack((packed & 15, packed >> 4), dim=2).view(blocks, 2 * pairs, BLOCK)[:, :K]
     q = F.pad(q, (0, 0, 0, 4 * quads - K), value=8)  # [b, k, j]
