@@ -26,11 +26,11 @@ benchmarks/NOTES.md, "CPU GEMM routes", with ``benchmarks/bench_linear.py``):
 
 A greedy step needs only each row's argmax of the lm_head, a large share of the bytes a
 decode step reads.  :func:`pack_screen` makes a :class:`GreedyScreen`, a smaller copy of the
-lm_head's weight: int8 with a scale per column on CPUs with AVX512-BF16 and AVX512-VNNI (fp32
-or bf16 lm_heads), else a bf16 copy (fp32 lm_heads, on x86 CPUs with AVX2 or AVX-512);
-:func:`greedy_head` screens every column on it, then computes the few it cannot rule out as
-the kernel does: the argmax of the kernel's logits, bit for bit, from a half or a quarter of
-the bytes (the bound that makes it exact is in ``csrc/cpu/greedy_head.cpp``).
+lm_head's weight: int8 with a scale per column (fp32 lm_heads on x86 CPUs with AVX2 or
+AVX-512; bf16 ones on CPUs with AVX512-BF16 and AVX512-VNNI), or, asked for, a bf16 copy of
+an fp32 lm_head; :func:`greedy_head` screens every column on it, then computes the few it
+cannot rule out as the kernel does: the argmax of the kernel's logits, bit for bit, from a
+half or a quarter of the bytes (the bound that makes it exact is in ``csrc/cpu/greedy_head.cpp``).
 ``$CBATCH_GREEDY_SCREEN=0`` turns it off.
 
 :func:`kernel_paths` says which path of each C++ CPU kernel ran how often (the tests assert
@@ -198,18 +198,18 @@ class GreedyScreen:
 
 
 def int8_screens() -> bool:
-    """Whether int8 screens run here (AVX-512 with AVX512-BF16 and AVX512-VNNI:
-    ``vpdpwssd``); a bf16 lm_head has no other."""
+    """Whether an fp32 lm_head's screen is int8 here: wherever it has one (x86 with AVX2 and
+    FMA, or AVX-512: ``vpdpwssd`` with AVX512-VNNI and AVX512-BF16, else AVX2's ``vpmaddwd``),
+    as it reads half the bf16 screen's bytes (benchmarks/NOTES.md, "The int8 screen on
+    AVX2").  A bf16 lm_head's screen, where it has one, is int8 (:func:`screen_available`)."""
     return "cpu" in compiled.compiled_backends() and \
-        torch.ops.cbatch.greedy_head_supported(torch.bfloat16)
+        torch.ops.cbatch.greedy_head_supported(torch.float32)
 
 
 def screen_available(dtype: torch.dtype) -> bool:
     """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32 on cbatch's
-    kernel (x86 with AVX2 and FMA, or AVX-512: an int8 screen where :func:`int8_screens`,
-    else a bf16 one, which runs ``vdpbf16ps`` where the CPU has AVX512-BF16 and bf16 widened
-    to fp32 in registers elsewhere), bf16 where :func:`int8_screens`; and
-    ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
+    kernel (x86 with AVX2 and FMA, or AVX-512; int8, :func:`int8_screens`), bf16 on CPUs with
+    AVX512-BF16 and AVX512-VNNI (int8); and ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
     return dtype in (torch.float32, torch.bfloat16) \
         and envs.CBATCH_GREEDY_SCREEN \
         and route_available("cbatch", dtype) and torch.ops.cbatch.greedy_head_supported(dtype)
@@ -305,7 +305,7 @@ def attention_step(head_dim: int) -> str:
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
-    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``, ``greedy_head.int8``,
+    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``, ``greedy_head.int8.avx2``,
     ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
     left to the kernel, not calls); empty without the extension.  Counts only grow: compare
     two readings."""

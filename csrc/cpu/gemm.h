@@ -1,9 +1,10 @@
 // The packed GEMM of the CPU linear layers and of the greedy head's screens: out = act(x @ W^T
 // + bias) + residual for the few-row GEMMs of decode steps, which stream every weight once and
 // so run at memory bandwidth.  Tiles for AVX-512 (namespace avx512: fp32, bf16 with
-// AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, and bf16
-// widened to fp32 in registers, out in bf16 or, for the screen, fp32), and the row and column
-// loop they share (run_gemm); the bf16 GEMM of many rows on AMX tiles is amx.h's.
+// AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, bf16 widened
+// to fp32 in registers, out in bf16 or, for the screens, fp32, and int8 for the screens), and
+// the row and column loop they share (run_gemm); the bf16 GEMM of many rows on AMX tiles is
+// amx.h's.
 //
 // The weight is packed once (cbatch/ops/cpu.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16 and int8
@@ -65,8 +66,9 @@ CBATCH_INLINE void prefetch_ahead(const T* p, int64_t next_item) {
   if constexpr (kNext) _mm_prefetch(reinterpret_cast<const char*>(p + next_item), _MM_HINT_T1);
 }
 
-// The type of x for a weight of type T: T, or int16 for the int8 weight of a bf16 lm_head's
-// greedy screen (vpdpwssd multiplies pairs of int16; the weight is widened in registers).
+// The type of x for a weight of type T: T, or int16 for the int8 weight of an lm_head's
+// greedy screen (vpdpwssd and vpmaddwd multiply pairs of int16; the weight is widened in
+// registers).
 template <typename T>
 struct XOf {
   using type = T;
@@ -203,7 +205,7 @@ CBATCH_AVX512_DOT CBATCH_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b
   return acc;
 }
 
-// int16 x and int8 W (pairs of k, as bf16 is packed; the greedy screen of a bf16 lm_head):
+// int16 x and int8 W (pairs of k, as bf16 is packed; the greedy screen of an lm_head):
 // exact int32 sums, kept in acc's bits (the caller's scale keeps them from overflowing).
 template <int R, int B, bool kNext>
 CBATCH_AVX512_DOT CBATCH_INLINE void dot_tile(const int16_t* x, int64_t rs, int64_t ks,
@@ -324,9 +326,9 @@ struct Gemm {
 
 // ---- AVX2 + FMA: CPUs without AVX-512, e.g. AMD Zen 2/3, Intel before Ice Lake.  fp32 and
 // bf16 linear layers (bf16 widened to fp32 in registers, the sums fp32), and bf16 in / fp32
-// out for the greedy head's screen.  The same packed layout and loop; a tile is kRows rows
-// times one block of 16 columns (two 8-lane halves): 8 of the 16 ymm registers hold sums, 2
-// (bf16: 4) the block's weights.
+// out and int16 x int8 W for the greedy head's screens.  The same packed layout and loop; a
+// tile is kRows rows times one block of 16 columns (two 8-lane halves): 8 of the 16 ymm
+// registers hold sums, 2 (bf16: 4) the block's weights.
 namespace avx2 {
 namespace {
 
@@ -402,6 +404,41 @@ CBATCH_AVX2 CBATCH_INLINE void dot_tile(const c10::BFloat16* x, int64_t rs, int6
   }
 }
 
+// int16 x and int8 W (pairs of k, as packed; the greedy screen of an lm_head), avx512's
+// vpdpwssd tile on AVX2: W's int8 pairs widened to int16 (vpmovsxbw), vpmaddwd's exact int32
+// sum of each pair's two products, added into int32 sums kept in acc's bits.  No sum wraps
+// where the caller's scale keeps every partial sum within int32 (greedy_head.cpp), so the
+// sums are avx512's bit for bit.
+template <int R, bool kNext>
+CBATCH_AVX2 CBATCH_INLINE void dot_tile(const int16_t* x, int64_t rs, int64_t ks,
+                                        const int8_t* w, int64_t K, __m256 (&acc)[kRows][2]) {
+  const int64_t next_item = K * kBlock;  // in int8 elements
+  __m256i sum[kRows][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = _mm256_castps_si256(acc[r][0]), sum[r][1] = _mm256_castps_si256(acc[r][1]);
+  }
+  for (int64_t k = 0; k < K; k += 2) {
+    const int8_t* wk = w + k * kBlock;  // 16 columns x 2 k: columns 0-7, then 8-15
+    prefetch_ahead<kNext>(wk, next_item);
+    const __m128i* half = reinterpret_cast<const __m128i*>(wk);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(half)),
+                  w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(half + 1));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * rs + k * ks, sizeof pair);
+      const __m256i p = _mm256_set1_epi32(pair);
+      sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(p, w0));
+      sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(p, w1));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_castsi256_ps(sum[r][0]), acc[r][1] = _mm256_castsi256_ps(sum[r][1]);
+  }
+}
+
 // The first n of 8 elements (n in [1, 8]) as fp32, the others 0; mask is first_lanes(n).
 CBATCH_AVX2 CBATCH_INLINE __m256 load_first(const float* p, int64_t, __m256i mask) {
   return _mm256_maskload_ps(p, mask);
@@ -441,10 +478,10 @@ CBATCH_AVX2 CBATCH_INLINE void store_first(c10::BFloat16* p, __m256 v, int64_t n
 }
 
 // Rows [m, m + R) times the block that starts at column n; epilogue; store.  T in, O out:
-// fp32 in and out; bf16 in and out (the linear layers); bf16 in, fp32 out (the greedy head's
-// screen, with no bias, GELU or residual).  The epilogue is avx512::tile's: the fp32 sum + the
-// bias (0 where there is none), then GELU, then + the residual, in fp32, rounded to O once at
-// the store.
+// fp32 in and out; bf16 in and out (the linear layers); bf16 in, fp32 out, and int16 x and
+// int8 W, the int32 sums times the column scales, fp32 out (the greedy head's screens, with no
+// bias, GELU or residual).  The epilogue is avx512::tile's: the fp32 sum + the bias (0 where
+// there is none), then GELU, then + the residual, in fp32, rounded to O once at the store.
 template <typename T, typename O, int R, bool kNext>
 CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   __m256 acc[kRows][2];
@@ -454,8 +491,8 @@ CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, O>& a, int64_t m, int64_t n) {
   // Row r's broadcast at k is x[r * rs + k * ks] (packed: groups of kPackedRows rows,
   // k-major).
   constexpr int64_t P = kPairs<T>;
-  const T* x = a.xp ? a.xp + (m / kPackedRows) * kPackedRows * a.K + (m % kPackedRows) * P
-                    : a.x + m * a.ldx;
+  const X<T>* x = a.xp ? a.xp + (m / kPackedRows) * kPackedRows * a.K + (m % kPackedRows) * P
+                       : a.x + m * a.ldx;
   dot_tile<R, kNext>(x, a.xp ? P : a.ldx, a.xp ? kPackedRows : 1, w, a.K, acc);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {  // unrolled, so that acc stays in registers
@@ -463,14 +500,22 @@ CBATCH_AVX2 CBATCH_INLINE void tile(const Args<T, O>& a, int64_t m, int64_t n) {
     if (col >= a.N) continue;
     const int64_t lanes = a.N - col;
     const __m256i mask = first_lanes(lanes);
-    const __m256 bias = a.bias ? load_first(a.bias + col, lanes, mask) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m256 v = _mm256_add_ps(acc[r][h], bias);
-      if (a.gelu) v = gelu_tanh(v);
-      if (a.residual) {
-        v = _mm256_add_ps(load_first(a.residual + (m + r) * a.ldr + col, lanes, mask), v);
+    if constexpr (std::is_same_v<T, int8_t>) {  // the screen: int32 sums times column scales
+      const __m256 scale = _mm256_maskload_ps(a.scale + col, mask);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_castps_si256(acc[r][h]));
+        store_first(a.out + (m + r) * a.N + col, _mm256_mul_ps(sum, scale), lanes, mask);
       }
-      store_first(a.out + (m + r) * a.N + col, v, lanes, mask);
+    } else {
+      const __m256 bias = a.bias ? load_first(a.bias + col, lanes, mask) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        __m256 v = _mm256_add_ps(acc[r][h], bias);
+        if (a.gelu) v = gelu_tanh(v);
+        if (a.residual) {
+          v = _mm256_add_ps(load_first(a.residual + (m + r) * a.ldr + col, lanes, mask), v);
+        }
+        store_first(a.out + (m + r) * a.N + col, v, lanes, mask);
+      }
     }
   }
 }

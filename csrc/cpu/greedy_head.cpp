@@ -4,9 +4,9 @@
 //
 // A greedy step needs each row's argmax of x @ W^T, not its logits, and the lm_head is a
 // third of the bytes a GPT-2 decode step reads (fp32), a quarter in bf16.  A screen runs the
-// GEMM kernel (gemm.h) on a smaller copy of W (int8 with AVX512-VNNI and AVX512-BF16: half a
-// bf16 W's bytes, a quarter of an fp32 one's; elsewhere, for fp32, bf16), then bounds how far
-// each screened value can be from the lm_head's own logit:
+// GEMM kernel (gemm.h) on a smaller copy of W (int8: half a bf16 W's bytes, a quarter of an
+// fp32 one's; or, for fp32, bf16), then bounds how far each screened value can be from the
+// lm_head's own logit:
 // - fp32 lm_head, bf16 screen (vdpbf16ps with AVX512-BF16, else the AVX2 tile with bf16
 //   widened in registers) on x and W rounded to bf16: its A_j differs from the fp32
 //   kernel's logit E_j by at most
@@ -16,10 +16,15 @@
 //   flushed to zero), with each column norm's maximum over W.  A column with A_j < A_t - 2B,
 //   t the screen's argmax, has E_j < E_t, so the fp32 kernel's argmax (its first maximum) is
 //   among the others.
-// - int8 screen (AVX512-VNNI's vpdpwssd) of a bf16 or fp32 lm_head: W ~ s_j q_j per column
-//   (q int8, s_j = max_k |w_jk| / 127), x ~ t p per row (p int16, t a power of two so large
-//   that no int32 sum of K products overflows), exact int32 sums S_j = p . q_j, and A_j =
-//   fl(fl(S_j) s_j) in units of t.  The kernel's fp32 sum E_j is within
+// - int8 screen (AVX512-VNNI's vpdpwssd, else AVX2's vpmaddwd on W widened to int16) of a
+//   bf16 or fp32 lm_head: W ~ s_j q_j per column (q int8, s_j = max_k |w_jk| / 127), x ~ t p
+//   per row (p int16, t a power of two so large that no int32 sum of K products overflows),
+//   exact int32 sums S_j = p . q_j, and A_j = fl(fl(S_j) s_j) in units of t.  Exact: |p_k| <=
+//   L = min(32767, floor((2^31 - 1) / (128 K))) and |q_jk| <= 127, so each product, each
+//   pair's sum (vpdpwssd's and vpmaddwd's, in int32) and each partial sum of S_j, in any
+//   order, is at most 128 K L <= 2^31 - 1 in magnitude: no int32 sum wraps (K below 2^24,
+//   where L >= 1), and both ISAs' S_j are the same integer.  The kernel's fp32 sum E_j is
+//   within
 //     B = g |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j| + tiny
 //   of t A_j: g = g_K for fp32 (one fma per k), g_2K for bf16 (vdpbf16ps as two roundings per
 //   pair of k, as Intel's manual has it, and as measured here; g_2K holds for either order
@@ -310,6 +315,10 @@ void greedy_fp32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   }
 }
 
+// Whether the int8 screen's tile is AVX-512's (vpdpwssd; its target holds AVX512-BF16 too), not
+// AVX2's (vpmaddwd): the sums are the same integers either way.
+bool int8_vnni() { return cpu_has_avx512bf16() && cpu_has_avx512vnni(); }
+
 // An int8 screen (copy and column scales) of a bf16 or fp32 (T) lm_head: each row's cut,
 // then the tokens.
 template <typename T>
@@ -364,8 +373,13 @@ void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                                  .residual = nullptr, .ldr = 0, .gelu = false,
                                  .out = approx.data_ptr<float>(),
                                  .scale = scales.data_ptr<float>()};
-  count_path(CpuPath::kGreedyHeadInt8);
-  run_gemm<avx512::Gemm>(args);
+  if (int8_vnni()) {
+    count_path(CpuPath::kGreedyHeadInt8Avx512Vnni);
+    run_gemm<avx512::Gemm>(args);
+  } else {
+    count_path(CpuPath::kGreedyHeadInt8Avx2);
+    run_gemm<avx2::Gemm>(args);
+  }
   const at::Tensor top = argmax_rows_cpu(approx);
   std::vector<float> cuts(M);
   for (int64_t m = 0; m < M; ++m) {
@@ -379,6 +393,9 @@ void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
         cuts[m] = float_below((bf16_below(bf16_floor(lb)) - bound[m]) / t);
       }
     }
+  }
+  if constexpr (std::is_same_v<T, float>) {  // the fp32 kernel's sums: avx2's are avx512's
+    if (!cpu_has_avx512()) return settle_rows<avx2::Screen, T>(x, packed, N, approx, cuts, out);
   }
   settle_rows<avx512::Screen, T>(x, packed, N, approx, cuts, out);
 }
@@ -411,11 +428,11 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
       "fp32 or bf16 x and packed weight with an int8 screen and fp32 scales; got ",
       x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type(),
       scales ? " and scales" : " and no scales");
-  // where the kernel runs, whose sums settle_row reproduces (and, int8, vpdpwssd)
-  TORCH_CHECK_VALUE(greedy_head_supported(int8 ? at::kBFloat16 : at::kFloat),
-                    "greedy_head runs ", int8 ? "an int8" : "a bf16",
+  // where the kernel runs, whose sums settle_row reproduces
+  TORCH_CHECK_VALUE(greedy_head_supported(x.scalar_type()), "greedy_head runs ",
+                    bf16 ? "a bf16 lm_head's" : "an fp32 lm_head's",
                     " screen only on an x86 CPU with ",
-                    int8 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
+                    bf16 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
                     x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;

@@ -107,7 +107,8 @@ def test_w4a8_is_refused_on_cuda():
 def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     if not cpu.quantized_linear_available():
         pytest.skip("cbatch's quantized CPU kernel does not run here")
-    llm = LLM("random:llama-tiny", dtype="bfloat16" if cpu.int8_screens() else "float32",
+    llm = LLM("random:llama-tiny",
+              dtype="bfloat16" if cpu.screen_available(torch.bfloat16) else "float32",
               quantization=method, max_num_seqs=4)
     path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa()}",
             "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa()}",

@@ -64,9 +64,9 @@ def test_path_names_and_counts():
             "quantized_linear.w8.avx512",
             "quantized_linear.w8.avx2", "quantized_linear.w4.avx512",
             "quantized_linear.w4.avx2", "quantized_linear.w8a8.avx512vnni",
-            "quantized_linear.w8a8.avx2", "quantized_linear.w4a8.avx2", "greedy_head.int8",
-            "greedy_head.bf16.avx512", "greedy_head.bf16.avx2", "greedy_head.kernel",
-            "greedy_head.unsettled_rows",
+            "quantized_linear.w8a8.avx2", "quantized_linear.w4a8.avx2",
+            "greedy_head.int8.avx512vnni", "greedy_head.int8.avx2", "greedy_head.bf16.avx512",
+            "greedy_head.bf16.avx2", "greedy_head.kernel", "greedy_head.unsettled_rows",
             "decode_attention.avx512",
             "decode_attention.avx2", "decode_attention.generic", "prefill_attention.avx512",
             "prefill_attention.avx2", "prefill_attention.generic", "argmax.avx512",
@@ -156,11 +156,25 @@ def test_greedy_head_bf16_screen():
         {"greedy_head.bf16.avx2": 1}
 
 
+@needs_avx2
+def test_greedy_head_int8_screen_of_fp32_on_avx2():
+    """An fp32 lm_head's int8 screen runs AVX2's vpmaddwd tile where the CPU lacks
+    AVX512-VNNI, and under the avx2 cap."""
+    vnni = {"avx512bf16", "avx512vnni"} <= _isa()
+    want = "greedy_head.int8.avx512vnni" if vnni else "greedy_head.int8.avx2"
+    for M in (1, 4, 17):  # one tile, a tile and part of one, packed rows
+        assert _without_linear(_ran(_greedy(torch.float32, True, M))) == {want: 1}
+    torch.ops.cbatch.set_cpu_options("avx2", "")
+    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == \
+        {"greedy_head.int8.avx2": 1}
+
+
 @pytest.mark.skipif(not ({"avx512_bf16", "avx512_vnni"} <= FLAGS and HAS_AVX512),
                     reason="the int8 screen needs AVX-512 with AVX512-BF16 and AVX512-VNNI")
 def test_greedy_head_int8_screen_and_the_kernel_from_16_bf16_rows():
-    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == {"greedy_head.int8": 1}
-    assert _without_linear(_ran(_greedy(torch.bfloat16, True, 4))) == {"greedy_head.int8": 1}
+    want = {"greedy_head.int8.avx512vnni": 1}
+    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == want
+    assert _without_linear(_ran(_greedy(torch.bfloat16, True, 4))) == want
     # from 16 rows a bf16 lm_head is compute-bound: the kernel runs every row
     assert _without_linear(_ran(_greedy(torch.bfloat16, True, 16))) == \
         {"greedy_head.kernel": 1}

@@ -1,6 +1,8 @@
 """The lm_head's greedy screens (cbatch.ops.cpu.greedy_head, csrc/cpu/greedy_head.cpp's
 greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
-of the weight (int8 with a scale per column, or for fp32 bf16)."""
+of the weight (int8 with a scale per column, or for fp32 bf16).  An fp32 lm_head's int8
+screen runs wherever its screens do (AVX512-VNNI's tile, else AVX2's); a bf16 lm_head's only
+with AVX512-BF16 and AVX512-VNNI."""
 
 import pytest
 import torch
@@ -15,14 +17,14 @@ pytestmark = [
     pytest.mark.skipif(not cpu.screen_available(torch.float32),
                        reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
-INT8 = pytest.mark.skipif(not cpu.int8_screens(),
-                          reason="the int8 screen (and the bf16 lm_head's) needs AVX512-BF16 "
-                                 "and AVX512-VNNI")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=INT8)]
+BF16 = pytest.mark.skipif(not cpu.screen_available(torch.bfloat16),
+                          reason="a bf16 lm_head's screen (int8) needs AVX512-BF16 and "
+                                 "AVX512-VNNI")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=BF16)]
 # (the lm_head's dtype, whether its screen is int8): every screen this CPU may run
 KINDS = [pytest.param((torch.float32, False), id="fp32-bf16screen"),
-         pytest.param((torch.float32, True), id="fp32-int8screen", marks=INT8),
-         pytest.param((torch.bfloat16, True), id="bf16-int8screen", marks=INT8)]
+         pytest.param((torch.float32, True), id="fp32-int8screen"),
+         pytest.param((torch.bfloat16, True), id="bf16-int8screen", marks=BF16)]
 
 
 def _kernel_argmax(x, packed, N):
@@ -97,6 +99,84 @@ def test_near_ties_are_settled_by_the_kernels_sums(kind):
     _check(x.flip(0), w, int8)
 
 
+FP32_KINDS = KINDS[:2]
+
+
+def _check_settled(x, w, int8):
+    """_check, and the screen's own path ran (this CPU's int8 tile, or the bf16 screen) and
+    settled every row itself."""
+    path = _int8_path() if int8 else _bf16_path()
+    before = cpu.kernel_paths()
+    _check(x, w, int8)
+    after = cpu.kernel_paths()
+    assert after[path] == before[path] + 1
+    assert after["greedy_head.unsettled_rows"] == before["greedy_head.unsettled_rows"]
+
+
+@pytest.mark.parametrize("kind", FP32_KINDS)
+@pytest.mark.parametrize("power", [0, -40, 60])
+def test_fp32_logits_whole_ulps_apart(kind, power):
+    """Near ties whose fp32 logits are exact and differ by whole ulps.  Weights are whole
+    units (2^power; each column's largest 127 units, so exact in int8 too) and x is 80 but on
+    4 fine k, where it is -1, 0 or 1: a near column's logit is 80 * 127 * 1020 units plus a
+    few, in [2^23, 2^24) units, where a unit is one ulp, and every partial sum is exact.  The
+    screen's bound is far wider than these gaps; the kernel's sums decide, and float64 gives
+    the same logits: exact ties go to the first column, one ulp more wins."""
+    _, int8 = kind
+    K, N, M, fine = 1024, 300, 24, 4
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randint(-127, 128, (N, K), generator=gen).float()
+    near = list(range(20, 280, 9))
+    w[near] = 127.0
+    w[near, :fine] = torch.randint(-3, 4, (len(near), fine), generator=gen).float()
+    w[:, fine] = 127.0
+    w *= 2.0 ** power
+    x = torch.full((M, K), 80.0)
+    x[:, :fine] = torch.randint(-1, 2, (M, fine), generator=gen).float()
+    exact = x.double() @ w.double().T
+    logits = cpu.packed_linear(x, cpu.pack(w, "cbatch"), None, N)
+    assert torch.equal(logits.double(), exact)  # every sum exact
+    top2 = logits[:, near].topk(2, dim=-1).values
+    assert (top2[:, 0] == top2[:, 1]).any()  # exact ties
+    assert (torch.nextafter(top2[:, 0], torch.tensor(-1.0)) == top2[:, 1]).any()  # one ulp
+    assert set(exact.argmax(dim=-1).tolist()) <= set(near)
+    _check_settled(x, w, int8)
+    got = cpu.greedy_head(x, cpu.pack(w, "cbatch"), cpu.pack_screen(w, int8), N)
+    assert torch.equal(got, exact.argmax(dim=-1))  # float64's first maximum
+
+
+@pytest.mark.parametrize("kind", FP32_KINDS)
+def test_fp32_logits_that_only_rounding_tells_apart(kind):
+    """Near ties that differ from one column in one weight by a 2^-22 part of it: their exact
+    sums differ by less than an ulp of the logit, so which fp32 logit is largest, and which
+    ones tie, is the kernel's rounding alone (one fma per k, in order, from zero), and the
+    correctly rounded sums pick another column in some rows.  Exact duplicates further on
+    tie with the winner.  The screen cannot tell them apart; the logits it recomputes must be
+    the kernel's bit for bit."""
+    _, int8 = kind
+    K, N, M = 768, 400, 64
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) * 0.02
+    base = 2 * x.sum(0) / x.sum(0).norm()  # a column every row likes (logits ~7)
+    near = list(range(30, 330, 6))
+    for j in near:
+        w[j] = base
+        k = int(torch.randint(0, K, (), generator=gen))
+        w[j, k] += base[k] * 2.0 ** -22 * float(torch.randn((), generator=gen))
+    w[350:360] = w[near[:10]]  # later exact copies
+    logits = cpu.packed_linear(x, cpu.pack(w, "cbatch"), None, N)
+    winners = logits.argmax(dim=-1)
+    assert set(winners.tolist()) <= set(near)
+    top2 = logits[:, near].topk(2, dim=-1).values
+    assert (top2[:, 0] == top2[:, 1]).any()
+    assert (torch.nextafter(top2[:, 0], torch.tensor(-1.0)) == top2[:, 1]).any()
+    rounded = (x.double() @ w.double().T).float()  # the same sums, correctly rounded
+    assert not torch.equal(rounded.argmax(dim=-1), winners)
+    _check_settled(x, w, int8)
+    _check_settled(x.flip(0), w, int8)
+
+
 UNIT = 2.0 ** -14  # weights in multiples of it with a column maximum of 127 units: exact in int8
 
 
@@ -111,7 +191,7 @@ def _column(units, K):
     return c * UNIT
 
 
-@INT8
+@BF16
 def test_bf16_logits_that_round_alike_go_to_the_first():
     """A bf16 lm_head's logits are its fp32 sums rounded to bf16: an earlier column whose sum
     is smaller by far more than the screen's error, but rounds to the same bf16, ties with the
@@ -137,7 +217,7 @@ def test_bf16_logits_that_round_alike_go_to_the_first():
     _check(x, w)
 
 
-@INT8
+@BF16
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("power", [0, 3, -5, 20, -60])
 def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
@@ -160,7 +240,7 @@ def test_bf16_ties_a_whole_step_apart_on_both_signs(sign, power):
                                     100).tolist() == [30, 30, 30]
 
 
-@INT8
+@BF16
 def test_bf16_random_ties_of_exact_int8_columns():
     """Columns that differ in a few whole units (exact in int8, so the bound is only the
     kernel's rounding) against x of small integers, at scales 2^-54 to 2^26: bf16 rounding
@@ -216,7 +296,7 @@ def _bound_case(name):
     return x, w, 5
 
 
-@INT8
+@BF16
 @pytest.mark.parametrize("name", ["x quantization", "kernel rounding", "int32 range",
                                   "overflow"])
 def test_bf16_bound_terms_each_decide_a_row(name):
@@ -264,9 +344,13 @@ def test_rejects_bad_arguments():
                                      1.0, None)
     with pytest.raises(ValueError, match="a bf16 screen is for an fp32 weight"):
         cpu.pack_screen(w.bfloat16(), int8=False)
-    if cpu.int8_screens():
-        w16 = w.bfloat16()
-        packed16, screen16 = cpu.pack(w16, "cbatch"), cpu.pack_screen(w16)
+    w16 = w.bfloat16()
+    packed16, screen16 = cpu.pack(w16, "cbatch"), cpu.pack_screen(w16)
+    if not torch.ops.cbatch.greedy_head_supported(torch.bfloat16):  # AVX2: fp32 lm_heads only
+        with pytest.raises(ValueError, match="runs a bf16 lm_head's screen only on an x86 CPU "
+                                             "with AVX-512, AVX512-BF16 and AVX512-VNNI"):
+            cpu.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16, 40)
+    else:
         with pytest.raises(TypeError, match="greedy_head takes"):  # no scales
             torch.ops.cbatch.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16.weight,
                                          40, 1.0, 1.0, 1.0, None)
@@ -276,8 +360,8 @@ def test_rejects_bad_arguments():
 
 
 def test_packing_gives_the_lm_head_a_screen(monkeypatch):
-    """pack_linears gives the lm_head a screen, int8 where the CPU has AVX512-BF16 and
-    AVX512-VNNI (bf16 lm_heads only there), else bf16 (fp32), and keeps it on cbatch's kernel
+    """pack_linears gives the lm_head a screen, int8 (bf16 lm_heads only where the CPU has
+    AVX512-BF16 and AVX512-VNNI), and keeps it on cbatch's kernel
     (the logits the screen is exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then
     goes back to its route without a screen); unpacking drops it."""
     model = load_model("random:tiny")
@@ -318,10 +402,14 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch, dtyp
         return [o.token_ids for o in outs], _greedy_head_calls() - before, outs
 
     llm = LLM("random:tiny", dtype=dtype, max_num_seqs=4)
-    assert llm.engine.runner.describe()["greedy screen"] in ("int8", "bf16")
+    int8 = dtype == torch.bfloat16 or cpu.int8_screens()
+    assert llm.engine.runner.describe()["greedy screen"] == ("int8" if int8 else "bf16")
     unsettled = cpu.kernel_paths()["greedy_head.unsettled_rows"]
+    int8_calls = cpu.kernel_paths()[_int8_path()]
     on, calls, _ = tokens(llm)
     assert calls >= 12  # every decode step of the greedy requests, at least
+    if int8:  # each of them through this CPU's int8 tile
+        assert cpu.kernel_paths()[_int8_path()] - int8_calls >= 12
     # and the screen settled every row itself (none went back to the full kernel)
     assert cpu.kernel_paths()["greedy_head.unsettled_rows"] == unsettled
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
@@ -338,6 +426,18 @@ def test_engine_screens_greedy_steps_and_gives_the_same_tokens(monkeypatch, dtyp
     assert outs[1].logprobs and outs[1].logprobs[0]
     engine = Engine(load_model("random:tiny", dtype=dtype), max_num_seqs=4, batch_invariant=True)
     assert engine.runner.greedy_screen is not None  # exact, so batch-invariant too
+
+
+def _int8_path() -> str:
+    """The counter of the int8 screen's tile on this CPU (csrc/cpu/greedy_head.cpp)."""
+    vnni = {"avx512bf16", "avx512vnni"} <= set(cpu.cpu_isa().split())
+    return "greedy_head.int8.avx512vnni" if vnni else "greedy_head.int8.avx2"
+
+
+def _bf16_path() -> str:
+    """The counter of the fp32 lm_head's bf16 screen on this CPU."""
+    bf16 = "avx512bf16" in cpu.cpu_isa().split()
+    return "greedy_head.bf16.avx512" if bf16 else "greedy_head.bf16.avx2"
 
 
 def _screened(model) -> bool:
