@@ -106,9 +106,8 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 //   over columns of |w_j|, |bf16(w_j)| and |w_j - bf16(w_j)| (2-norms, rounded up).
 // - screen = q, int8, with W ~ diag(scales) q (fp32 [N] scales; x fp32 or bf16); the norms
 //   those of w_j, s_j q_j and w_j - s_j q_j.
-// Returns int64 [M].  greedy_head_supported(kFloat): where an fp32 lm_head's screens (bf16 and
-// int8) run, wherever linear_cpu runs fp32; greedy_head_supported(kBFloat16): where a bf16
-// lm_head's int8 screen runs (AVX-512 with AVX512-BF16 and AVX512-VNNI).
+// Returns int64 [M].  greedy_head_supported(dtype): where an lm_head of dtype gets screens
+// (fp32: bf16 and int8; bf16: int8), wherever linear_cpu runs dtype.
 bool greedy_head_supported(at::ScalarType dtype);
 at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,

@@ -26,11 +26,11 @@ benchmarks/NOTES.md, "CPU GEMM routes", with ``benchmarks/bench_linear.py``):
 
 A greedy step needs only each row's argmax of the lm_head, a large share of the bytes a
 decode step reads.  :func:`pack_screen` makes a :class:`GreedyScreen`, a smaller copy of the
-lm_head's weight: int8 with a scale per column (fp32 lm_heads on x86 CPUs with AVX2 or
-AVX-512; bf16 ones on CPUs with AVX512-BF16 and AVX512-VNNI), or, asked for, a bf16 copy of
-an fp32 lm_head; :func:`greedy_head` screens every column on it, then computes the few it
-cannot rule out as the kernel does: the argmax of the kernel's logits, bit for bit, from a
-half or a quarter of the bytes (the bound that makes it exact is in ``csrc/cpu/greedy_head.cpp``).
+lm_head's weight: int8 with a scale per column (fp32 and bf16 lm_heads, wherever cbatch's
+kernel runs them), or, asked for, a bf16 copy of an fp32 lm_head; :func:`greedy_head`
+screens every column on it, then computes the few it cannot rule out as the kernel does: the
+argmax of the kernel's logits, bit for bit, from a half or a quarter of the bytes (the bound
+that makes it exact is in ``csrc/cpu/greedy_head.cpp``).
 ``$CBATCH_GREEDY_SCREEN=0`` turns it off.
 
 :func:`kernel_paths` says which path of each C++ CPU kernel ran how often (the tests assert
@@ -208,8 +208,9 @@ def int8_screens() -> bool:
 
 def screen_available(dtype: torch.dtype) -> bool:
     """Whether an lm_head of ``dtype`` gets a :class:`GreedyScreen` here: fp32 on cbatch's
-    kernel (x86 with AVX2 and FMA, or AVX-512; int8, :func:`int8_screens`), bf16 on CPUs with
-    AVX512-BF16 and AVX512-VNNI (int8); and ``$CBATCH_GREEDY_SCREEN`` not ``0``."""
+    kernel (x86 with AVX2 and FMA, or AVX-512; int8, :func:`int8_screens`), bf16 on cbatch's
+    kernel too (AVX512-BF16, or AVX2 without AVX-512; int8); and ``$CBATCH_GREEDY_SCREEN``
+    not ``0``."""
     return dtype in (torch.float32, torch.bfloat16) \
         and envs.CBATCH_GREEDY_SCREEN \
         and route_available("cbatch", dtype) and torch.ops.cbatch.greedy_head_supported(dtype)

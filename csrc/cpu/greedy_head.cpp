@@ -28,21 +28,24 @@
 //     B = g |x| |w_j| + |x - t p| |w_j| + |t p| |w_j - s_j q_j| + 2.01 u |t p| |s_j q_j| + tiny
 //   of t A_j: g = g_K for fp32 (one fma per k), g_2K for bf16 (vdpbf16ps as two roundings per
 //   pair of k, as Intel's manual has it, and as measured here; g_2K holds for either order
-//   of the two).  fp32: a column with t A_j < t A_t - 2B is dropped, as above.  bf16: the
+//   of the two; without AVX512-BF16 the AVX2 tile rounds once per k, one fma per k as fp32,
+//   and g_K <= g_2K).  fp32: a column with t A_j < t A_t - 2B is dropped, as above.  bf16: the
 //   logit is E_j rounded to bf16, which ties far more often; with lb = t A_t - B <= E_t, q
 //   the largest bf16 <= lb and p' the largest bf16 < q, a column with t A_j + B <= p' has
 //   bf16(E_j) <= p' < q <= bf16(E_t): neither the maximum nor a tie of it.
 // For each block of 16 columns that holds one the screen keeps, the logits are computed as
 // the kernel computes them (fp32: one fma per k, in order, from zero, then + 0 for the absent
-// bias; bf16: one vdpbf16ps per pair of k, in order, from zero, + 0, rounded to bf16), bit for
-// bit, and the first maximum wins.  Rows the screen cannot settle cheaply run the kernel on
+// bias; bf16: one vdpbf16ps per pair of k, in order, from zero, + 0, rounded to bf16, or on
+// AVX2 one fma per k as fp32, + 0, rounded to bf16 to nearest even), bit for bit, and the
+// first maximum wins.  Rows the screen cannot settle cheaply run the kernel on
 // the whole row: a NaN or infinity anywhere, sums that could overflow (or, bf16, a bound
 // reaching bf16's subnormals), or more than kMaxBlocks blocks to sum (x = 0 ties every
 // column).
 //
 // A bf16 lm_head's int8 screen runs below kPackFrom rows (16).  From there the bf16 lm_head
 // is compute-bound, and the screen's multiply-adds are as many as the kernel's, so the kernel
-// alone is as fast or faster (benchmarks/NOTES.md, "An int8 screen for the lm_head").
+// alone is as fast or faster (benchmarks/NOTES.md, "An int8 screen for the lm_head"; on AVX2,
+// where the kernel also widens bf16, "The int8 screen on AVX2").
 // An fp32 lm_head's screens (their multiply-adds cost half the kernel's) run at every row
 // count.
 #include <ATen/Parallel.h>
@@ -72,8 +75,8 @@ constexpr int64_t kMaxBlocks = 256;
 // logits of the 16 columns of each of `count` (at most kGroup) packed blocks, starting at
 // columns cols[], as the kernels (avx512::tile, avx2::tile) compute them: on AVX-512 kGroup
 // blocks at once, so that one sum's chain of K dependent multiply-adds hides the others'
-// latency.  The bf16 exact exists only on AVX-512 (AVX512-BF16: the one place bf16 lm_heads
-// run the kernel).
+// latency.  bf16's exact is the one of the ISA whose tile runs a bf16 linear: AVX-512's with
+// AVX512-BF16, else AVX2's.
 constexpr int kGroup = 4;
 namespace avx512 {
 namespace {
@@ -168,6 +171,33 @@ struct Screen {
       }
       _mm256_storeu_ps(out[g], _mm256_add_ps(acc0, _mm256_setzero_ps()));
       _mm256_storeu_ps(out[g] + 8, _mm256_add_ps(acc1, _mm256_setzero_ps()));
+    }
+  }
+  // (a bf16 lm_head on a CPU without AVX512-BF16: the AVX2 tile's fmas, k then k + 1 of each
+  // pair, from zero, + 0, rounded to bf16 as its store rounds, to_bf16)
+  CBATCH_AVX2 static void exact(const c10::BFloat16* x, const c10::BFloat16* packed,
+                                const int64_t* cols, int count, int64_t K,
+                                float (*out)[kBlock]) {
+    const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+    for (int g = 0; g < count; ++g) {  // one block at a time
+      const c10::BFloat16* block = packed + cols[g] * K;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 2) {
+        const __m256i* wk = reinterpret_cast<const __m256i*>(block + k * kBlock);
+        const __m256i v0 = _mm256_loadu_si256(wk), v1 = _mm256_loadu_si256(wk + 1);
+        int32_t pair;
+        std::memcpy(&pair, x + k, sizeof pair);
+        const __m256i p = _mm256_set1_epi32(pair);
+        const __m256 x0 = low_bf16(p), x1 = high_bf16(p, high);
+        acc0 = _mm256_fmadd_ps(x1, high_bf16(v0, high), _mm256_fmadd_ps(x0, low_bf16(v0), acc0));
+        acc1 = _mm256_fmadd_ps(x1, high_bf16(v1, high), _mm256_fmadd_ps(x0, low_bf16(v1), acc1));
+      }
+      const __m256 sums[2] = {acc0, acc1};
+      for (int h = 0; h < 2; ++h) {  // + 0, to bf16 and back to fp32 (exact)
+        const __m128i b = to_bf16(_mm256_add_ps(sums[h], _mm256_setzero_ps()));
+        _mm256_storeu_ps(out[g] + 8 * h,
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+      }
     }
   }
 };
@@ -394,10 +424,13 @@ void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       }
     }
   }
-  if constexpr (std::is_same_v<T, float>) {  // the fp32 kernel's sums: avx2's are avx512's
-    if (!cpu_has_avx512()) return settle_rows<avx2::Screen, T>(x, packed, N, approx, cuts, out);
+  // the kernel's sums as linear_cpu runs them: fp32's are the same on both ISAs; bf16 takes
+  // vdpbf16ps with AVX512-BF16, else AVX2's fmas
+  if (std::is_same_v<T, float> ? cpu_has_avx512() : cpu_has_avx512bf16()) {
+    settle_rows<avx512::Screen, T>(x, packed, N, approx, cuts, out);
+  } else {
+    settle_rows<avx2::Screen, T>(x, packed, N, approx, cuts, out);
   }
-  settle_rows<avx512::Screen, T>(x, packed, N, approx, cuts, out);
 }
 
 }  // namespace
@@ -405,9 +438,9 @@ void greedy_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 
 bool greedy_head_supported(at::ScalarType dtype) {
 #ifdef CBATCH_X86
-  return dtype == at::kFloat ? cpu_linear_supported(at::kFloat)
-                             : dtype == at::kBFloat16 && cpu_has_avx512bf16() &&
-                                   cpu_has_avx512vnni();
+  // wherever linear_cpu runs the lm_head, whose sums settle_row reproduces; the int8 tile is
+  // vpdpwssd's where the CPU has it, else vpmaddwd's
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && cpu_linear_supported(dtype);
 #else
   (void)dtype;
   return false;
@@ -428,11 +461,11 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
       "fp32 or bf16 x and packed weight with an int8 screen and fp32 scales; got ",
       x.scalar_type(), ", ", packed.scalar_type(), ", ", screen.scalar_type(),
       scales ? " and scales" : " and no scales");
-  // where the kernel runs, whose sums settle_row reproduces
   TORCH_CHECK_VALUE(greedy_head_supported(x.scalar_type()), "greedy_head runs ",
-                    bf16 ? "a bf16 lm_head's" : "an fp32 lm_head's",
-                    " screen only on an x86 CPU with ",
-                    bf16 ? "AVX-512, AVX512-BF16 and AVX512-VNNI" : "AVX2 and FMA, or AVX-512");
+                    x.scalar_type(), " only where cbatch's CPU linear runs it (an x86 CPU with ",
+                    bf16 ? "AVX512-BF16, or AVX2 and FMA without AVX-512"
+                         : "AVX2 and FMA, or AVX-512",
+                    ")");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with dense rows, got ",
                     x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;

@@ -119,7 +119,7 @@ def test_set_cpu_options_avx2_switches_linear_to_its_avx2_tile():
     assert torch.ops.cbatch.cpu_isa() == "avx2"
     assert torch.ops.cbatch.cpu_linear_supported(torch.float32)
     assert torch.ops.cbatch.cpu_linear_supported(torch.bfloat16)
-    assert not torch.ops.cbatch.greedy_head_supported(torch.bfloat16)
+    assert torch.ops.cbatch.greedy_head_supported(torch.bfloat16)  # as bf16's linear
     assert _ran(_linear(torch.float32)) == {"linear.avx2": 1}
     assert _ran(_linear(torch.bfloat16)) == {"linear.bf16.avx2": 1}
     torch.ops.cbatch.set_cpu_options("", "")  # and back, on the next call
@@ -157,25 +157,21 @@ def test_greedy_head_bf16_screen():
 
 
 @needs_avx2
-def test_greedy_head_int8_screen_of_fp32_on_avx2():
-    """An fp32 lm_head's int8 screen runs AVX2's vpmaddwd tile where the CPU lacks
-    AVX512-VNNI, and under the avx2 cap."""
+def test_greedy_head_int8_screens_and_the_kernel_from_16_bf16_rows():
+    """The int8 screens run vpdpwssd's tile where the CPU has AVX512-VNNI (and AVX512-BF16),
+    else AVX2's vpmaddwd one, as under the avx2 cap; a bf16 lm_head's wherever its linear runs
+    on cbatch's kernel, and from 16 rows, compute-bound, the kernel runs every row."""
     vnni = {"avx512bf16", "avx512vnni"} <= _isa()
-    want = "greedy_head.int8.avx512vnni" if vnni else "greedy_head.int8.avx2"
+    want = {"greedy_head.int8.avx512vnni" if vnni else "greedy_head.int8.avx2": 1}
     for M in (1, 4, 17):  # one tile, a tile and part of one, packed rows
-        assert _without_linear(_ran(_greedy(torch.float32, True, M))) == {want: 1}
+        assert _without_linear(_ran(_greedy(torch.float32, True, M))) == want
+    if torch.ops.cbatch.greedy_head_supported(torch.bfloat16):
+        assert _without_linear(_ran(_greedy(torch.bfloat16, True, 4))) == want
+        assert _without_linear(_ran(_greedy(torch.bfloat16, True, 16))) == \
+            {"greedy_head.kernel": 1}
     torch.ops.cbatch.set_cpu_options("avx2", "")
-    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == \
-        {"greedy_head.int8.avx2": 1}
-
-
-@pytest.mark.skipif(not ({"avx512_bf16", "avx512_vnni"} <= FLAGS and HAS_AVX512),
-                    reason="the int8 screen needs AVX-512 with AVX512-BF16 and AVX512-VNNI")
-def test_greedy_head_int8_screen_and_the_kernel_from_16_bf16_rows():
-    want = {"greedy_head.int8.avx512vnni": 1}
-    assert _without_linear(_ran(_greedy(torch.float32, True, 4))) == want
-    assert _without_linear(_ran(_greedy(torch.bfloat16, True, 4))) == want
-    # from 16 rows a bf16 lm_head is compute-bound: the kernel runs every row
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _without_linear(_ran(_greedy(dtype, True, 4))) == {"greedy_head.int8.avx2": 1}
     assert _without_linear(_ran(_greedy(torch.bfloat16, True, 16))) == \
         {"greedy_head.kernel": 1}
 

@@ -1,8 +1,8 @@
 """The lm_head's greedy screens (cbatch.ops.cpu.greedy_head, csrc/cpu/greedy_head.cpp's
 greedy_head_cpu): the argmax of the kernel's logits, bit for bit, read through a smaller copy
-of the weight (int8 with a scale per column, or for fp32 bf16).  An fp32 lm_head's int8
-screen runs wherever its screens do (AVX512-VNNI's tile, else AVX2's); a bf16 lm_head's only
-with AVX512-BF16 and AVX512-VNNI."""
+of the weight (int8 with a scale per column, or for fp32 bf16).  The int8 screens run
+AVX512-VNNI's tile where the CPU has it, else AVX2's; a bf16 lm_head's kept columns are summed
+as its kernel sums them (AVX512-BF16's vdpbf16ps, else AVX2's fmas)."""
 
 import pytest
 import torch
@@ -18,8 +18,7 @@ pytestmark = [
                        reason="the greedy screen runs on x86 CPUs with AVX2 or AVX-512"),
 ]
 BF16 = pytest.mark.skipif(not cpu.screen_available(torch.bfloat16),
-                          reason="a bf16 lm_head's screen (int8) needs AVX512-BF16 and "
-                                 "AVX512-VNNI")
+                          reason="a bf16 lm_head's screen (int8) needs cbatch's bf16 kernel")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=BF16)]
 # (the lm_head's dtype, whether its screen is int8): every screen this CPU may run
 KINDS = [pytest.param((torch.float32, False), id="fp32-bf16screen"),
@@ -346,9 +345,9 @@ def test_rejects_bad_arguments():
         cpu.pack_screen(w.bfloat16(), int8=False)
     w16 = w.bfloat16()
     packed16, screen16 = cpu.pack(w16, "cbatch"), cpu.pack_screen(w16)
-    if not torch.ops.cbatch.greedy_head_supported(torch.bfloat16):  # AVX2: fp32 lm_heads only
-        with pytest.raises(ValueError, match="runs a bf16 lm_head's screen only on an x86 CPU "
-                                             "with AVX-512, AVX512-BF16 and AVX512-VNNI"):
+    if not torch.ops.cbatch.greedy_head_supported(torch.bfloat16):
+        with pytest.raises(ValueError, match="runs BFloat16 only where cbatch's CPU linear "
+                                             "runs it"):
             cpu.greedy_head(torch.randn(2, 8).bfloat16(), packed16, screen16, 40)
     else:
         with pytest.raises(TypeError, match="greedy_head takes"):  # no scales
@@ -360,8 +359,8 @@ def test_rejects_bad_arguments():
 
 
 def test_packing_gives_the_lm_head_a_screen(monkeypatch):
-    """pack_linears gives the lm_head a screen, int8 (bf16 lm_heads only where the CPU has
-    AVX512-BF16 and AVX512-VNNI), and keeps it on cbatch's kernel
+    """pack_linears gives the lm_head a screen, int8 (fp32 and bf16), and keeps it on cbatch's
+    kernel
     (the logits the screen is exact for); not with $CBATCH_GREEDY_SCREEN=0 (the lm_head then
     goes back to its route without a screen); unpacking drops it."""
     model = load_model("random:tiny")
