@@ -39,8 +39,8 @@ def test_the_variable_caps_the_kernels_at_avx2():
              "cpu.screen_available(torch.bfloat16), torch.ops.cbatch.cpu_isa())")
     out = _run(["-c", probe])
     assert out.returncode == 0, out.stderr
-    # fp32, its screen and bf16 linears, on the AVX2 paths alone (no bf16 lm_head's screen)
-    assert out.stdout.split() == ["True", "True", "True", "False", "avx2"]
+    # fp32 and bf16 linears and their lm_heads' screens, on the AVX2 paths alone
+    assert out.stdout.split() == ["True", "True", "True", "True", "avx2"]
 
 
 def test_linear_and_greedy_screen_tests_pass_on_the_avx2_paths():
@@ -50,6 +50,5 @@ def test_linear_and_greedy_screen_tests_pass_on_the_avx2_paths():
     summary = out.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary, summary
     skipped_screen = [line for line in out.stdout.splitlines()
-                      if line.startswith("SKIPPED") and "test_greedy_head" in line
-                      and "bf16 lm_head" not in line]  # bf16 needs AVX-512
-    assert not skipped_screen, skipped_screen  # the fp32 screen's tests ran on the AVX2 path
+                      if line.startswith("SKIPPED") and "test_greedy_head" in line]
+    assert not skipped_screen, skipped_screen  # every screen's tests ran on the AVX2 paths
