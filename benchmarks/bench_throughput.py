@@ -190,18 +190,25 @@ class StepClock:
 
 
 @torch.inference_mode()
-def compute_floor(llm, rows: int, reps: int = 20) -> float:
-    """Seconds a decode step of ``rows`` rows needs for its linear layers' multiply-adds
-    alone: 2 x rows x (every Linear's in x out features, the lm_head included) FLOP at the
-    rate the model's first linear layer reaches on ``rows`` random rows with its weight in
-    cache (min of ``reps`` calls after a warm-up, at torch's thread count; its own call
-    overhead counts, as in a step).  Where this exceeds the weight-streaming floor, the step
-    is compute-bound."""
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's linear layers, dense (:class:`~cbatch.layers.linear.Linear`, the lm_head
+    among them) and quantized (:class:`QuantizedLinear`), in module order."""
     from cbatch.layers.linear import Linear
 
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    return [m for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
+
+
+def compute_floor(llm, rows: int, reps: int = 20) -> float:
+    """Seconds a decode step of ``rows`` rows needs for its linear layers' multiply-adds
+    alone: 2 x rows x (every linear layer's in x out features, quantized ones and the lm_head
+    included) FLOP at the rate the model's first linear layer reaches on ``rows`` random rows
+    with its weight in cache (a rate the other layers' formats may not share; min of ``reps``
+    calls after a warm-up, at torch's thread count; its own call overhead counts, as in a
+    step).  Where this exceeds the weight-streaming floor, the step
+    is compute-bound."""
+    layers = linear_layers(llm.engine.model)
     first = layers[0]
-    x = torch.randn(rows, first.in_features).to(first.weight.dtype)  # packed or not: its dtype
+    x = torch.randn(rows, first.in_features).to(llm.engine.model.dtype)
     best = float("inf")
     for i in range(reps + 3):
         start = time.perf_counter()
@@ -259,11 +266,10 @@ def paired_floor(llm, wl, rows: int, pairs: int = 30) -> dict:
 
 
 def gemm_share(llm, wl, num_requests: int = 8) -> float:
-    """The share of the model's step time spent in its linear layers (lm_head included),
+    """The share of the model's step time spent in its linear layers (quantized ones and the
+    lm_head included),
     timed by wrapping each layer's forward over a rerun of the first ``num_requests``
     requests (after the timed run, so the wrappers do not slow it)."""
-    from cbatch.layers.linear import Linear
-
     spent = [0.0]
 
     def timed(forward):
@@ -276,7 +282,7 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
         return run
 
     model = llm.engine.model
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = linear_layers(model)
     for layer in layers:  # an instance attribute, which cbatch's layers call (layers/module.py)
         layer.forward = timed(layer.forward)
     runner = llm.engine.runner
@@ -551,12 +557,14 @@ def run(args) -> Path:
             "step_over_paired_floor": "CPU: the median over those pairs of replayed step time "
                                       "/ the read's time",
             "compute_floor_ms": "CPU: the decode step's linear-layer FLOPs (2 x rows x in x "
-                                "out features, lm_head included) at the rate the model's "
+                                "out features, quantized layers and lm_head included) at "
+                                "the rate the model's "
                                 "first linear layer reaches on that many rows with its weight "
                                 "in cache; the step cannot beat the larger of the two floors "
                                 "(greedy steps excepted, whose fp32 lm_head a screen computes "
                                 "in bf16)",
-            "gemm_share": "CPU: time inside the linear layers (each Linear's forward and the "
+            "gemm_share": "CPU: time inside the linear layers (each dense and quantized "
+                          "linear layer's forward and the "
                           "screened lm_head wrapped with a timer) / step time, over a rerun "
                           "of the first 8 requests after the timed run"}
     name = ("throughput" + ("-batch-invariant" if args.batch_invariant else "")

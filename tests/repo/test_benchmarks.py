@@ -253,3 +253,20 @@ def test_throughput_benchmark_quantized(tmp_path):
     others = sum(p.numel() * 4 for p in model.parameters())  # float32, not quantized
     got = bench_throughput.weight_bytes_of(model)
     assert others + weights < got <= others + weights + sum(16 * m.out_features for m in layers)
+
+
+def test_throughput_linear_layers_include_quantized():
+    """compute_floor and gemm_share count every linear layer: the quantized ones too (a
+    W4A8 model's GEMM share once counted its lm_head alone)."""
+    from cbatch import load_model
+    from cbatch.layers.linear import Linear
+    from cbatch.layers.quantization import QuantizedLinear
+
+    model = load_model("random:llama-tiny", device="cpu", dtype=torch.float32,
+                       quantization="int8")
+    layers = bench_throughput.linear_layers(model)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    dense = [m for m in model.modules() if isinstance(m, Linear)]
+    assert quantized and dense  # the lm_head stays dense
+    assert len(layers) == len(quantized) + len(dense)
+    assert {id(m) for m in layers} == {id(m) for m in quantized + dense}
