@@ -34,11 +34,14 @@
 // 8 * 127 * group_size.  So every integer is exact.  group_size must be a multiple of 32 (whole
 // runs of 8 quads in every group but the last).
 //
+// x (fp32 or bf16) is read in place, rows x.stride(0) apart; a bf16 x gets a bf16 output,
+// each fp32 result rounded in the tile's epilogue by c10::BFloat16's rounding (to nearest
+// even, as Tensor.to(torch.bfloat16)): no fp32 copy of x or of the output.
+//
 // Paths: AVX2 only (vpmaddubsw, 4 rows x 16 columns per tile), also on AVX-512 CPUs (no VNNI
 // path: none could be tested).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +49,7 @@
 
 #include "../ops.h"
 #include "avx2.h"
+#include "quantized_operands.h"
 
 namespace cbatch {
 
@@ -65,23 +69,27 @@ struct W4A8Args {
   const float* wscale;  // [G, N16] s_w
   int64_t N16;
   const float* bias;    // [N] fp32 or null
-  float* out;           // [M, N] fp32
+  float* out;           // [M, N] fp32 (an fp32 x), or null
+  c10::BFloat16* out_bf16;  // [M, N] (a bf16 x: each fp32 result rounded as torch rounds it)
 };
 
-// Per-token, per-group quantization of rows [m0, m1) of xf [M, K] (fp32) into a's buffers.
-void quantize_rows(const float* xf, int64_t K, int64_t group_size, int64_t m0, int64_t m1,
-                   const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale) {
+// Per-token, per-group quantization of rows [m0, m1) of x [M, K] (fp32 or bf16, rows
+// x_stride apart; bf16 widens to fp32 exactly) into a's buffers, 0 past K.
+template <typename T>
+void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size, int64_t m0,
+                   int64_t m1, const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale) {
   for (int64_t m = m0; m < m1; ++m) {
-    const float* x = xf + m * K;
+    const T* x = xs + m * x_stride;
     int8_t* q = xq + m * a.Q * 4;
+    std::memset(q + K, 0, a.Q * 4 - K);
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t k0 = g * group_size, k1 = std::min(K, k0 + group_size);
       float top = 0.f;
-      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
+      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(float(x[k])));
       const float inv = top > 0.f ? 127.f / top : 0.f;
       int32_t sum = 0;
       for (int64_t k = k0; k < k1; ++k) {
-        const float v = std::nearbyint(x[k] * inv);
+        const float v = std::nearbyint(float(x[k]) * inv);
         q[k] = int8_t(std::clamp(v, -127.f, 127.f));
         sum += q[k];
       }
@@ -159,7 +167,6 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    float* out = a.out + (m + r) * a.N;
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
       const int64_t n = block * kBlock + 8 * h, left = a.N - n;
@@ -167,7 +174,14 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       const __m256i lanes = avx2::first_lanes(left);
       const __m256 yv = a.bias ? _mm256_add_ps(y[r][h], _mm256_maskload_ps(a.bias + n, lanes))
                                : y[r][h];
-      _mm256_maskstore_ps(out + n, lanes, yv);
+      if (a.out) {
+        _mm256_maskstore_ps(a.out + (m + r) * a.N + n, lanes, yv);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, yv);
+        c10::BFloat16* o = a.out_bf16 + (m + r) * a.N + n;
+        for (int64_t i = 0; i < std::min<int64_t>(left, 8); ++i) o[i] = c10::BFloat16(t[i]);
+      }
     }
   }
 }
@@ -197,13 +211,11 @@ void run(const W4A8Args& a) {
 
 }  // namespace
 
-at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,
                                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-                   "x must be float32 or bfloat16, got ", x.scalar_type());
+  const at::Tensor x = quantized_operands::checked_x(x_in, out_features, bias);
 #ifdef CBATCH_X86
   const bool avx2 = cpu_has_avx2();
 #else
@@ -211,7 +223,6 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 #endif
   TORCH_CHECK_VALUE(avx2, "cbatch's W4A8 CPU linear runs only on an x86 CPU with AVX2 and FMA");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK_VALUE(N >= 1 && K >= 1, "empty weight: ", N, " x ", K);
   TORCH_CHECK_VALUE(group_size >= 32 && group_size % 32 == 0 && group_size <= kMaxGroup,
                     "W4A8 group_size must be a multiple of 32 in [32, ", kMaxGroup, "], got ",
                     group_size);
@@ -228,18 +239,14 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
                         scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N16,
                     "scales must be a dense float32 [", G, ", ", N16, "], got ",
                     scales.scalar_type(), " ", scales.sizes());
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
-                      bias->sizes());
-  }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return out.to(x.scalar_type());
+  // The output in x's dtype, written by the tiles (a bf16 one rounded there): no fp32 copy.
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
 #ifdef CBATCH_X86
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> bf =
-      bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  at::Tensor xq = at::zeros({M, Q * 4}, opts.dtype(at::kChar));
+  at::Tensor xq = at::empty({M, Q * 4}, opts.dtype(at::kChar));  // 0 past K: quantize_rows
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
@@ -247,15 +254,21 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qwei
                    .N = N,
                    .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
                    .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
-                   .out = out.data_ptr<float>()};
+                   .out = bf16 ? nullptr : out.data_ptr<float>(),
+                   .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xf.data_ptr<float>(), K, group_size, m0, m1, a, xq.data_ptr<int8_t>(),
-                  xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+    if (bf16) {
+      quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), K, group_size, m0, m1, a,
+                    xq.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+    } else {
+      quantize_rows(x.data_ptr<float>(), x.stride(0), K, group_size, m0, m1, a,
+                    xq.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+    }
   });
   count_path(CpuPath::kQuantizedLinearW4A8Avx2);
   run(a);
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 }  // namespace cbatch

@@ -33,6 +33,7 @@
 #include "../ops.h"
 #include "avx2.h"
 #include "avx512.h"
+#include "quantized_operands.h"
 
 namespace cbatch {
 
@@ -224,14 +225,11 @@ void run(const W8A8Args& a, int64_t item_blocks, Item item) {
 at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t out_features,
                                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-                   "x must be float32 or bfloat16, got ", x.scalar_type());
+  quantized_operands::checked_x(x, out_features, bias);
   TORCH_CHECK_VALUE(quantized_linear_supported(),
                     "cbatch's W8A8 CPU linear runs only on an x86 CPU with AVX2 and FMA, "
                     "or AVX-512");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK_VALUE(N >= 1 && K >= 1, "empty weight: ", N, " x ", K);
   TORCH_CHECK_VALUE(K <= kMaxK, "W8A8 sums int32: K must be <= ", kMaxK, ", got ", K);
   const int64_t N16 = (N + kBlock - 1) / kBlock * kBlock, K4 = (K + 3) / 4;
   TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, "a W8A8 qweight is uint8, got ",
@@ -245,16 +243,11 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qwei
                         scales.dim() == 2 && scales.size(0) == 1 && scales.size(1) == N16,
                     "scales must be a dense float32 [1, ", N16, "], got ",
                     scales.scalar_type(), " ", scales.sizes());
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
-                      bias->sizes());
-  }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
 #ifdef CBATCH_X86
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> bf =
-      bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool vnni = cpu_has_avx512vnni();
   const auto opts = x.options();
   at::Tensor xq = at::zeros({M, K4 * 4}, opts.dtype(at::kChar));

@@ -205,3 +205,35 @@ def test_bad_operands_get_a_sentence(change, match):
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         torch.ops.cbatch.quantized_linear_w4a8(*args.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("strided", [False, True])
+def test_bf16_output_rounds_as_torch(strided):
+    """A bf16 x gets its output rounded from fp32 in the kernel's epilogue (no fp32 copy):
+    bitwise as ``Tensor.to(torch.bfloat16)`` rounds, ties to even, overflow to inf, NaN kept.
+    A zero weight makes every output its fp32 bias alone, so the cases are exact fp32 values;
+    x's rows may be strided (the kernel reads them in place)."""
+    N, K, gs = 40, 64, 32
+    qw, _ = random_quantized(N, K, 4, gs, False, torch.Generator().manual_seed(0))
+    qw.qweight.fill_(0x88)  # u = 8 in both nibbles: q = 0
+    one = 1.0
+    cases = [one + 2.0 ** -8,            # halfway: to even (1)
+             one + 3 * 2.0 ** -8,        # halfway: to even (1 + 2^-6)
+             one + 2.0 ** -8 + 2.0 ** -20,  # just above halfway: up
+             -(one + 2.0 ** -8),
+             3.4028234663852886e38,      # the largest fp32: overflows to inf
+             -3.4028234663852886e38, 3.3895313892515355e38,  # the largest bf16: kept
+             float("inf"), float("-inf"), float("nan"),
+             2.0 ** -130,                # fp32 subnormal
+             1e-45, 0.0, -0.0, 65504.0, 1.0e10 + 123.0]
+    bias = torch.tensor((cases * 3)[:N], dtype=torch.float32)
+    x = torch.randn(6, 2 * K if strided else K).to(torch.bfloat16)
+    x = x[:, :K] if strided else x
+    ours = _run(x, pack_w4a8(qw), qw.scales, gs, N, bias)
+    want = (torch.zeros(N) + bias).to(torch.bfloat16).expand(6, N)  # 0 + -0 is +0
+    nan = want.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    ref = reference.quantized_linear_w4a8(x, pack_w4a8(qw), qw.scales, gs, N, bias)
+    assert torch.equal(ours.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])

@@ -1,0 +1,34 @@
+// The operand checks and set-up that the CPU W8A8 and W4A8 linear ops share
+// (quantized_linear_w8a8.cpp, quantized_linear_w4a8.cpp): x [M, K] float32 or bfloat16 with
+// dense rows, out_features N and K not empty, bias [N] or none.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace cbatch::quantized_operands {
+
+// Checks x, N and the bias; returns x with dense rows (itself when its rows are dense).
+inline at::Tensor checked_x(const at::Tensor& x, int64_t out_features,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(out_features >= 1 && x.size(1) >= 1, "empty weight: ", out_features, " x ",
+                    x.size(1));
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [",
+                      out_features, "], got ", bias->sizes());
+  }
+  return x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+}
+
+// The bias as a dense float32 tensor: itself when it is one (no copy on every call).
+inline std::optional<at::Tensor> fp32_bias(const std::optional<at::Tensor>& bias) {
+  if (!bias) return std::nullopt;
+  if (bias->scalar_type() == at::kFloat && bias->is_contiguous()) return bias;
+  return bias->to(at::kFloat).contiguous();
+}
+
+}  // namespace cbatch::quantized_operands
