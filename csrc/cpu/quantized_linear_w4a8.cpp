@@ -257,13 +257,11 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                    .out = bf16 ? nullptr : out.data_ptr<float>(),
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    if (bf16) {
-      quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), K, group_size, m0, m1, a,
-                    xq.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
-    } else {
-      quantize_rows(x.data_ptr<float>(), x.stride(0), K, group_size, m0, m1, a,
-                    xq.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
-    }
+    auto quantize = [&](const auto* xs) {
+      quantize_rows(xs, x.stride(0), K, group_size, m0, m1, a, xq.data_ptr<int8_t>(),
+                    xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+    };
+    bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
   count_path(CpuPath::kQuantizedLinearW4A8Avx2);
   run(a);

@@ -222,10 +222,10 @@ void run(const W8A8Args& a, int64_t item_blocks, Item item) {
 
 }  // namespace
 
-at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
+at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t out_features,
                                      const std::optional<at::Tensor>& bias) {
-  quantized_operands::checked_x(x, out_features, bias);
+  const at::Tensor x = quantized_operands::checked_x(x_in, out_features, bias);
   TORCH_CHECK_VALUE(quantized_linear_supported(),
                     "cbatch's W8A8 CPU linear runs only on an x86 CPU with AVX2 and FMA, "
                     "or AVX-512");
