@@ -16,6 +16,7 @@ from torch import nn
 from cbatch import ops
 from cbatch.config import GPT2Config
 from cbatch.layers.attention import PagedAttention
+from cbatch.layers.embedding import Embedding
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.layernorm import LayerNorm
 from cbatch.layers.linear import Linear
@@ -74,8 +75,8 @@ class Block(Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.wte = Embedding(config.vocab_size, config.n_embd)
+        self.wpe = Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 

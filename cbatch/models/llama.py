@@ -22,6 +22,7 @@ from torch import nn
 
 from cbatch import ops
 from cbatch.layers.attention import PagedAttention
+from cbatch.layers.embedding import Embedding
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.layernorm import RMSNorm
 from cbatch.layers.linear import Linear
@@ -185,7 +186,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -190,20 +190,33 @@ def test_cbatch_route_rejects_bad_arguments():
 
 
 @needs_packing
-def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
-    """Packed weights take the dense weights' place (the tied lm_head keeps its dense weight,
-    which the embedding reads, and gets a packed copy); state_dict and unpacking give the
-    dense weights back bitwise."""
+@pytest.mark.parametrize("route", PACKED_ROUTES)
+def test_packing_replaces_the_weights_and_keeps_the_checkpoint(route, monkeypatch):
+    """Packed weights take the dense weights' place, the tied lm_head's too: the embedding
+    gathers its rows from the packed weight (cbatch's layout; oneDNN's keeps the dense weight
+    and a packed copy); state_dict and unpacking give the dense weights back bitwise, and
+    unpacking ties the two modules to one dense weight again."""
+    if not cpu.route_available(route, torch.float32):
+        pytest.skip(f"{route} does not run float32 here")
+    monkeypatch.setenv("CBATCH_CPU_LINEAR", route)
     model = load_model("random:tiny")
+    wte = model.transformer.wte
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([0, 511, 17, 17, 256])
+    rows = wte(ids)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert pack_linears(model)
     assert pack_linears(model)  # idempotent
     c_fc = model.transformer.h[0].mlp.c_fc
     assert cpu.is_packed(c_fc.weight) and c_fc.packed_weight is not None
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert not cpu.is_packed(model.lm_head.weight)
+    assert model.lm_head.weight is wte.weight
     assert cpu.is_packed(model.lm_head.packed_weight)
+    if route == "cbatch":  # one weight for both, in the packed layout
+        assert cpu.is_packed(wte.weight) and model.lm_head.packed_weight.data_ptr() == \
+            wte.weight.data_ptr()
+    else:
+        assert not cpu.is_packed(wte.weight)
+    assert torch.equal(wte(ids), rows)
     # the same bytes (the cbatch layout pads N to a multiple of 16: GPT-2's are multiples)
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == nbytes
     after = model.state_dict()
@@ -213,7 +226,21 @@ def test_packing_replaces_the_weights_and_keeps_the_checkpoint():
     assert not any(isinstance(m, Linear) and (cpu.is_packed(m.weight)
                                               or m.packed_weight is not None)
                    for m in model.modules())
+    assert model.lm_head.weight is wte.weight and not cpu.is_packed(wte.weight)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+def test_packed_rows_are_the_dense_rows(dtype, n):
+    """cpu.packed_rows (a tied embedding's lookup) gives pack's input rows back bitwise, in
+    the ids' order, repeats and the last (padded) block included."""
+    K = 6
+    w = (torch.randn(n, K) * 50).to(dtype)
+    ids = torch.cat([torch.tensor([n - 1, 0, n - 1]), torch.randint(0, n, (40,))])
+    got = cpu.packed_rows(cpu.pack(w, "cbatch"), ids)
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, w[ids])
+    assert cpu.packed_rows(cpu.pack(w, "cbatch"), ids[:0]).shape == (0, K)
 
 
 @needs_packing

@@ -1,8 +1,10 @@
 """Packing a CPU model's linear layers for this CPU's route, once, when its runner is built.
 
-The packed weight replaces the dense one (the same bytes, plus at most 15 padding columns),
-except for a weight shared with another module (a ``lm_head`` tied to the token embedding,
-which needs the dense rows), which keeps its dense weight and gets a packed copy beside it.
+The packed weight replaces the dense one (the same bytes, plus at most 15 padding columns).
+A weight shared with another module is replaced for both where the other is a token
+embedding (:class:`cbatch.layers.embedding.Embedding`, a ``lm_head`` tied to it) and the
+layout is cbatch's: the embedding gathers its rows from the packed weight.  Else (oneDNN's
+opaque layout) the dense weight stays for its other user and gets a packed copy beside it.
 The lm_head also gets its greedy screen (:class:`cbatch.ops.cpu.GreedyScreen`) where one runs
 here.  Checkpoints saved from a packed model hold the dense layout (:class:`Linear`).
 Quantized layers (:mod:`cbatch.layers.quantization`) are packed at load; their packed weights
@@ -17,18 +19,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from cbatch.layers.embedding import Embedding
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
 
 
-def _shared_weights(model: nn.Module) -> set[int]:
-    """ids of parameters that more than one module holds (tied weights)."""
-    seen: dict[int, int] = {}
+def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """{id of a parameter: the modules that hold it} (more than one: a tied weight)."""
+    holders: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {pid for pid, n in seen.items() if n > 1}
+            holders.setdefault(id(p), []).append(module)
+    return holders
 
 
 def pack_linears(model: nn.Module, batch_invariant: bool = False,
@@ -57,7 +60,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
         unpack_linears(model)
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
-    shared = _shared_weights(model)
+    holders = _holders(model)
     # The lm_head gets a greedy screen (cpu.GreedyScreen) where cbatch's kernel runs it: the
     # screen is exact for the logits of cbatch's kernel alone (benchmarks/NOTES.md, "The
     # lm_head's greedy screen", "An int8 screen for the lm_head").
@@ -77,11 +80,15 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
             packed = cpu.pack(layer.weight, route)
             if place and not packed.is_mkldnn:  # oneDNN's opaque tensors stay where they are
                 packed = place(packed)
-            if id(layer.weight) in shared:
+            users = holders[id(layer.weight)]
+            if len(users) > 1 and (packed.is_mkldnn or not all(
+                    isinstance(m, Embedding) for m in users if m is not layer)):
                 layer.packed_weight = packed  # the dense weight stays for its other user
-            else:
-                layer.weight = nn.Parameter(packed, requires_grad=False)
-                layer.packed_weight = layer.weight.detach()  # a tensor, not a 2nd parameter
+                continue
+            weight = nn.Parameter(packed, requires_grad=False)
+            for user in users:  # the layer, and a tied embedding: one copy for both
+                user.weight = weight
+            layer.packed_weight = weight.detach()  # a tensor, not a 2nd parameter
     return True
 
 
@@ -100,12 +107,17 @@ def place_quantized(model: nn.Module, place: Callable[[torch.Tensor], torch.Tens
 
 
 def unpack_linears(model: nn.Module) -> None:
-    """Give every packed :class:`Linear` its dense weight back."""
+    """Give every packed :class:`Linear` its dense weight back (one weight again for a
+    tied embedding and lm_head)."""
+    dense: dict[int, nn.Parameter] = {}
     with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, Linear) and layer.packed_weight is not None:
-                if cpu.is_packed(layer.weight):
-                    layer.weight = nn.Parameter(
-                        cpu.unpack(layer.weight, layer.out_features))
-                layer.packed_weight = None
-                layer.greedy_screen = None
+        for module in model.modules():
+            if isinstance(module, (Linear, Embedding)) and cpu.is_packed(module.weight):
+                rows = module.out_features if isinstance(module, Linear) \
+                    else module.num_embeddings
+                if id(module.weight) not in dense:
+                    dense[id(module.weight)] = nn.Parameter(cpu.unpack(module.weight, rows))
+                module.weight = dense[id(module.weight)]
+            if isinstance(module, Linear):
+                module.packed_weight = None
+                module.greedy_screen = None

@@ -1,0 +1,36 @@
+"""The token embedding, which can read its rows from a tied lm_head's packed weight.
+
+A tied model (GPT-2, SmolLM2, Qwen2.5-0.5B, Llama 3.2-1B) holds one ``[vocab, hidden]``
+matrix for two uses: the embedding gathers a row per token, the lm_head multiplies every row.
+On the CPU the lm_head runs from a packed layout (:func:`cbatch.ops.cpu.pack`); rather than
+keep the dense matrix beside it for the lookup (SmolLM2-360M in bf16: 94 MB), the CPU model
+runner hands the embedding the packed weight too (:func:`cbatch.core.cpu.packing.pack_linears`)
+and the lookup gathers from it (:func:`cbatch.ops.cpu.packed_rows`: the same values, bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cbatch.layers.module import DirectCall
+from cbatch.ops import cpu
+
+
+class Embedding(DirectCall, nn.Embedding):
+    """``nn.Embedding`` whose ``weight`` may be the tied lm_head's packed weight.
+
+    ``forward(ids)``: ids ``[T]`` (int64) → ``[T, embedding_dim]``.  Checkpoints hold the dense
+    layout whichever the weight is in.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if cpu.is_packed(self.weight):
+            return cpu.packed_rows(self.weight, ids)
+        return F.embedding(ids, self.weight)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if cpu.is_packed(self.weight):  # checkpoints hold the dense layout
+            destination[prefix + "weight"] = cpu.unpack(self.weight, self.num_embeddings)
