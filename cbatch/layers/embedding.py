@@ -6,6 +6,9 @@ On the CPU the lm_head runs from a packed layout (:func:`cbatch.ops.cpu.pack`); 
 keep the dense matrix beside it for the lookup (SmolLM2-360M in bf16: 94 MB), the CPU model
 runner hands the embedding the packed weight too (:func:`cbatch.core.cpu.packing.pack_linears`)
 and the lookup gathers from it (:func:`cbatch.ops.cpu.packed_rows`: the same values, bitwise).
+Quantized with ``quantization="w4a8"``, the lm_head is int8 (W8A8) and the embedding drops its
+weight: its rows are the head's dequantized ones (:meth:`QuantizedLinear.rows`), as llama.cpp
+and OpenVINO read a quantized ``token_embd``.
 """
 
 from __future__ import annotations
@@ -19,18 +22,29 @@ from cbatch.ops import cpu
 
 
 class Embedding(DirectCall, nn.Embedding):
-    """``nn.Embedding`` whose ``weight`` may be the tied lm_head's packed weight.
+    """``nn.Embedding`` whose ``weight`` may be the tied lm_head's packed weight, or None with
+    the rows read from a quantized lm_head (:meth:`tie_quantized`).
 
     ``forward(ids)``: ids ``[T]`` (int64) → ``[T, embedding_dim]``.  Checkpoints hold the dense
     layout whichever the weight is in.
     """
 
+    def tie_quantized(self, head: nn.Module) -> None:
+        """Read the rows from ``head`` (a :class:`~cbatch.layers.quantization.QuantizedLinear`,
+        which quantized this embedding's tied weight) from now on, in this weight's dtype;
+        the weight is dropped."""
+        self.__dict__["quantized_head"] = head  # a reference, not a child module
+        self.__dict__["rows_dtype"] = self.weight.dtype
+        self.weight = None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.quantized_head.rows(ids).to(self.rows_dtype)
         if cpu.is_packed(self.weight):
             return cpu.packed_rows(self.weight, ids)
         return F.embedding(ids, self.weight)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if cpu.is_packed(self.weight):  # checkpoints hold the dense layout
+        if self.weight is not None and cpu.is_packed(self.weight):  # saved dense
             destination[prefix + "weight"] = cpu.unpack(self.weight, self.num_embeddings)

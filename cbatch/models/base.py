@@ -54,8 +54,10 @@ class PagedCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return next(self.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype: the first parameter's (a quantized lm_head has no float
+        weight; the norms are in the model's dtype)."""
+        return next(self.parameters()).dtype

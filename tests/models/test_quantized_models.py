@@ -2,9 +2,8 @@
 replaces, that a quantized model's logits are those of the same model with the dequantized
 weights in fp32 (the oracle: F.linear on cbatch.ops.reference.dequantize's weights; W8A8,
 W4A8: the same model with every layer on the pure-torch reference, whose integer sums are
-exact), that an engine
-runs the quantized kernel and keeps the lm_head's greedy screen, and what is refused, by
-name."""
+exact), that an engine runs the quantized kernel and keeps the lm_head's greedy screen (w4a8:
+an int8 lm_head, which a tied embedding reads), and what is refused, by name."""
 
 import json
 
@@ -53,9 +52,10 @@ def test_quantized_logits_are_the_dequantized_models(name, method):
 
 @pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2 (bias)
 def test_w8a8_logits_are_the_references(name, monkeypatch):
-    """quantization="w8a8": every linear but the lm_head takes int8 activations; the logits
-    are those of the same layers on the reference (exact integer sums; the kernel's fused
-    bias add differs by one rounding), and near the W8A16 model's (the cost of int8 x)."""
+    """quantization="w8a8": every linear but the lm_head (kept, as vLLM keeps it) takes int8
+    activations; the logits are those of the same layers on the reference (exact integer
+    sums; the kernel's fused bias add differs by one rounding), and near the W8A16 model's
+    (the cost of int8 x)."""
     model = load_model(name, quantization="w8a8", seed=3)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.act_bits == 8 and m.bits == 8 for m in layers)
@@ -75,26 +75,62 @@ def test_w8a8_logits_are_the_references(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2 (bias)
 def test_w4a8_logits_are_the_references_and_near_int4s(name, monkeypatch):
-    """quantization="w4a8": every linear but the lm_head holds int4 in groups of 128 and takes
-    int8 activations per token and group; the logits are those of the same layers on the
-    pure-torch reference (the kernel is the reference's bit for bit, so the logits are equal),
-    and within 5% of the largest int4 (W4A16) logit of the W4A16 model's on the same weights
-    (what quantizing x to int8 costs)."""
+    """quantization="w4a8": every linear of the layers holds int4 in groups of 128 and takes
+    int8 activations per token and group, the lm_head int8 per channel (W8A8); the logits are
+    those of the same layers on the pure-torch reference (the W4A8 kernel is the reference's
+    bit for bit, the W8A8 one's integer sums too), and within 5% of the largest logit of the
+    W4A16 model's on the same weights (what int8 x and the int8 lm_head cost)."""
     model = load_model(name, quantization="w4a8", seed=3)
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    head = model.lm_head
+    assert isinstance(head, QuantizedLinear) and (head.bits, head.act_bits) == (8, 8)
+    assert head.group_size == head.in_features  # one group per output channel
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not head]
     assert layers and all(m.act_bits == 8 and m.bits == 4 and m.group_size == 128
                           for m in layers)
-    assert not isinstance(model.lm_head, QuantizedLinear)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
-    before = cpu.kernel_paths().get("quantized_linear.w4a8.avx2", 0)
+    paths = ("quantized_linear.w4a8.avx2",
+             f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}")
+    before = [cpu.kernel_paths().get(p, 0) for p in paths]
     ours = torch.cat(prefill_logits(model, prompts))
-    moved = cpu.kernel_paths().get("quantized_linear.w4a8.avx2", 0) - before
-    assert moved >= len(layers) or not cpu.quantized_linear_w4a8_available()
+    moved = [cpu.kernel_paths().get(p, 0) - b for p, b in zip(paths, before)]
+    assert moved[0] >= len(layers) or not cpu.quantized_linear_w4a8_available()
+    assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
     monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available", lambda: False)
-    assert torch.equal(ours, torch.cat(prefill_logits(model, prompts)))
+    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_available", lambda: False)
+    torch.testing.assert_close(ours, torch.cat(prefill_logits(model, prompts)),
+                               atol=1e-5, rtol=1e-5)
     int4 = torch.cat(prefill_logits(load_model(name, quantization="int4", seed=3), prompts))
     assert (ours - int4).abs().max() < 0.05 * int4.abs().max()
+
+
+@pytest.mark.parametrize("name", ["random:tiny", "random:qwen3-tiny"])  # GPT-2, Qwen3: tied
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_tied_embedding_reads_the_int8_lm_head(name, dtype):
+    """Under w4a8 a tied embedding drops its weight and reads its rows from the int8 lm_head:
+    the head's dequantized rows in the model's dtype, bitwise; the matrix is held once, at a
+    byte per weight; an untied model keeps its embedding."""
+    model = load_model(name, quantization="w4a8", seed=3, dtype=dtype)
+    dense = load_model(name, seed=3, dtype=dtype)
+    path = "transformer.wte" if name == "random:tiny" else "model.embed_tokens"
+    embedding = model.get_submodule(path)
+    assert embedding.weight is None and model.dtype == dtype
+    assert "weight" not in embedding.state_dict()
+    V = model.config.vocab_size
+    ids = torch.tensor([0, V - 1, 7, 7, V // 2])
+    rows = embedding(ids)
+    assert rows.dtype == dtype
+    assert torch.equal(rows, model.lm_head.weight.dequantize()[ids].to(dtype))
+    # the int8 rows are near the float ones: half a step (a column's largest magnitude /
+    # 127) at most, plus the rounding to dtype (half an ulp)
+    reference = dense.get_submodule(path).weight[ids].float().detach()
+    bound = reference.abs().amax(dim=1, keepdim=True) / 254 * 1.001 \
+        + rows.float().abs() * torch.finfo(dtype).eps / 2
+    assert ((rows.float() - reference).abs() <= bound).all()
+    assert model.lm_head.qweight.numel() < V * embedding.embedding_dim * 1.1  # one int8 copy
+    assert model.num_parameters() == dense.num_parameters()
+    untied = load_model("random:llama-tiny", quantization="w4a8", seed=3)
+    assert untied.model.embed_tokens.weight is not None
 
 
 def test_w4a8_is_refused_on_cuda():
@@ -126,7 +162,11 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     assert described["quantized linear"].startswith(
         {"int8": "int8", "int4": "int4 g128", "w8a8": "w8a8", "w4a8": "w4a8 g128"}[method])
     assert f"(cbatch {path.rsplit('.', 1)[1]})" in described["quantized linear"]
-    if llm.engine.runner.greedy_screen is not None:  # the lm_head stays float and screened
+    if method == "w4a8":  # the lm_head is W8A8 and the tied embedding reads it: no screen
+        assert llm.engine.runner.greedy_screen is None
+        head = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+        assert after[head] - before.get(head, 0) >= 6  # one call per step at least
+    elif llm.engine.runner.greedy_screen is not None:  # the lm_head stays float, screened
         screened = [k for k in after if k.startswith("greedy_head.") and "rows" not in k]
         assert sum(after[k] - before[k] for k in screened) > 0
 

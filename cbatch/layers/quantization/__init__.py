@@ -6,9 +6,15 @@ symmetric; ``"int4"``: int4 in groups of 128 along k, symmetric; ``"w8a8"``: int
 ``"int8"``, and the layers' inputs quantized to int8 per token on every call (W8A8, as vLLM
 runs compressed-tensors' int8 checkpoints; vLLM has no online name for it); ``"w4a8"``: int4
 as ``"int4"``, and the inputs quantized to int8 per token and per group of 128 k (W4A8,
-llama.cpp's Q4_0 x Q8_0 route; CPU only).  The lm_head
-stays in the model's dtype (as llama.cpp keeps ``output.weight`` at higher precision), so that
-its greedy screen keeps working (:mod:`cbatch.ops.cpu`).
+llama.cpp's Q4_0 x Q8_0 route; CPU only).
+
+The lm_head stays in the model's dtype (as vLLM keeps it), so that its greedy screen keeps
+working (:mod:`cbatch.ops.cpu`), except under ``"w4a8"``, which follows llama.cpp's route
+there too: the lm_head is int8 per output channel with int8 activations (W8A8; llama.cpp's
+``Q4_0`` files keep ``output.weight`` at 6 bits, OpenVINO's int4 the last layer and the
+embeddings at int8), and a tied embedding reads its rows from the head's int8 weights
+(:class:`cbatch.layers.embedding.Embedding`): the model's largest matrix once, at a byte per
+weight, instead of a bf16 one plus its int8 screen.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 from cbatch import config
 from cbatch.config import check_quantization
+from cbatch.layers.embedding import Embedding
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization.linear import QuantizedLinear
 from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
@@ -26,15 +33,18 @@ from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
 QUANTIZATION_METHODS = {"int8": (8, None, None), "int4": (4, 128, None), "w8a8": (8, None, 8),
                         "w4a8": (4, 128, 8)}
 assert tuple(QUANTIZATION_METHODS) == config.QUANTIZATION_METHODS
+# method -> the lm_head's (bits, group_size, act_bits), where it is quantized too
+QUANTIZED_HEADS = {"w4a8": (8, None, 8)}
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "QuantizedWeight", "check_quantization",
-           "pack", "quantize", "quantize_model"]
+__all__ = ["QUANTIZATION_METHODS", "QUANTIZED_HEADS", "QuantizedLinear", "QuantizedWeight",
+           "check_quantization", "pack", "quantize", "quantize_model"]
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Replace every :class:`Linear` of ``model`` except the lm_head (and any layer whose
-    weight another module shares) with a :class:`QuantizedLinear` of ``method``; the number
-    replaced."""
+    weight another module shares) with a :class:`QuantizedLinear` of ``method``, and the
+    lm_head too where :data:`QUANTIZED_HEADS` names ``method`` (a tied embedding then reads
+    the head's rows); the number replaced."""
     bits, group_size, act_bits = QUANTIZATION_METHODS[check_quantization(method)]
     head = getattr(model, "lm_head", None)
     owners: dict[int, int] = {}
@@ -49,4 +59,11 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size,
                                                                        act_bits))
                 count += 1
+    if method in QUANTIZED_HEADS and isinstance(head, Linear) and head.bias is None:
+        tied = [m for m in model.modules() if isinstance(m, Embedding) and m.weight is head.weight]
+        if owners[id(head.weight)] == 1 + len(tied):
+            model.lm_head = QuantizedLinear.from_linear(head, *QUANTIZED_HEADS[method])
+            for embedding in tied:
+                embedding.tie_quantized(model.lm_head)
+            count += 1
     return count

@@ -119,6 +119,18 @@ class QuantizedLinear(Module):
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,
                                self.qweight, self.scales, self.zeros)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight, fp32 ``[T, in_features]`` (``scales * q``,
+        as :meth:`QuantizedWeight.dequantize`): a tied embedding's lookup.  W8A8 only (the
+        layout a quantized lm_head has), read where they lie: a 4-byte lane of ``qweight`` is
+        one column's four k (:func:`~cbatch.layers.quantization.weight.pack_w8a8`)."""
+        if self.act_bits != 8 or self.bits != 8:
+            raise ValueError(f"rows() reads the W8A8 layout, not bits={self.bits}, "
+                             f"act_bits={self.act_bits}")
+        quads = cpu.packed_rows(self.qweight.view(torch.int32), ids)  # [T, ceil(K / 4)]
+        q = quads.view(torch.uint8)[:, :self.in_features].to(torch.int16) - 128
+        return q * self.scales[0, ids, None]
+
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.perm is not None:
