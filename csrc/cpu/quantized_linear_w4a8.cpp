@@ -179,8 +179,8 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       } else {
         alignas(32) float t[8];
         _mm256_store_ps(t, yv);
-        c10::BFloat16* o = a.out_bf16 + (m + r) * a.N + n;
-        for (int64_t i = 0; i < std::min<int64_t>(left, 8); ++i) o[i] = c10::BFloat16(t[i]);
+        quantized_operands::store_bf16(t, std::min<int64_t>(left, 8),
+                                       a.out_bf16 + (m + r) * a.N + n);
       }
     }
   }

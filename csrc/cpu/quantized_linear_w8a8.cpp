@@ -19,12 +19,15 @@
 // fp32 rounding of it: tests/ops/test_quantized_linear_w8a8.py).  A row's result depends on
 // nothing but that row.
 //
+// x (fp32 or bf16) is read in place, rows x.stride(0) apart; a bf16 x gets a bf16 output,
+// each fp32 result rounded in the tile's epilogue as Tensor.to(torch.bfloat16) rounds: no fp32
+// copy of x or of the output.
+//
 // Paths: AVX512-VNNI (vpdpbusd, 4 rows x 4 blocks of 16 columns per tile) where the CPU has
 // it, else AVX2 (vpmaddwd on 16-bit lanes, 2 rows x 16 columns per tile).  AMX-INT8 tiles are
 // not used.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,22 +55,26 @@ struct W8A8Args {
   const uint8_t* w;      // [N16 / 16, K4, 64]
   const float* wscale;   // [N16] s_w
   const float* bias;     // [N] fp32 or null
-  float* out;            // [M, N] fp32
+  float* out;            // [M, N] fp32 (an fp32 x), or null
+  c10::BFloat16* out_bf16;  // [M, N] (a bf16 x: each fp32 result rounded as torch rounds it)
 };
 
-// Per-token quantization of rows [m0, m1) of xf [M, K] (fp32) into a's buffers.
-void quantize_rows(const float* xf, int64_t K, int64_t m0, int64_t m1, int8_t* xq,
-                   int16_t* xq16, int32_t* xsum, float* xscale, int64_t K4) {
+// Per-token quantization of rows [m0, m1) of x [M, K] (fp32 or bf16, rows x_stride apart; bf16
+// widens to fp32 exactly) into a's buffers, 0 past K.
+template <typename T>
+void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t m1,
+                   int8_t* xq, int16_t* xq16, int32_t* xsum, float* xscale, int64_t K4) {
   for (int64_t m = m0; m < m1; ++m) {
-    const float* x = xf + m * K;
+    const T* x = xs + m * x_stride;
     float a = 0.f;
-    for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(x[k]));
+    for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(float(x[k])));
     const float inv = a > 0.f ? 127.f / a : 0.f;
     xscale[m] = a / 127.f;
     int32_t sum = 0;
     int8_t* q = xq + m * K4 * 4;
+    std::memset(q + K, 0, K4 * 4 - K);
     for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint(x[k] * inv);
+      const float v = std::nearbyint(float(x[k]) * inv);
       q[k] = int8_t(std::clamp(v, -127.f, 127.f));
       sum += q[k];
     }
@@ -115,7 +122,6 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
   for (int r = 0; r < R; ++r) {
     const __m256i shift = _mm256_set1_epi32(128 * a.xsum[m + r]);
     const __m256 sx = _mm256_set1_ps(a.xscale[m + r]);
-    float* out = a.out + (m + r) * a.N;
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
       // hadd: [c0, c1, c4, c5 | c2, c3, c6, c7] of the half; 0xD8 puts them in order
@@ -128,7 +134,14 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
       const __m256i lanes = avx2::first_lanes(left);
       const __m256 y = a.bias ? _mm256_fmadd_ps(t, sx, _mm256_maskload_ps(a.bias + n, lanes))
                               : _mm256_mul_ps(t, sx);
-      _mm256_maskstore_ps(out + n, lanes, y);
+      if (a.out) {
+        _mm256_maskstore_ps(a.out + (m + r) * a.N + n, lanes, y);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, y);
+        quantized_operands::store_bf16(t, std::min<int64_t>(left, 8),
+                                       a.out_bf16 + (m + r) * a.N + n);
+      }
     }
   }
 }
@@ -174,7 +187,6 @@ CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
   for (int r = 0; r < R; ++r) {
     const __m512i shift = _mm512_set1_epi32(128 * a.xsum[m + r]);
     const __m512 sx = _mm512_set1_ps(a.xscale[m + r]);
-    float* out = a.out + (m + r) * a.N;
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       const int64_t n = (block + v) * kBlock;
@@ -183,7 +195,14 @@ CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
                                      _mm512_loadu_ps(a.wscale + n));
       const __m512 y = a.bias ? _mm512_fmadd_ps(t, sx, _mm512_maskz_loadu_ps(lanes, a.bias + n))
                               : _mm512_mul_ps(t, sx);
-      _mm512_mask_storeu_ps(out + n, lanes, y);
+      if (a.out) {
+        _mm512_mask_storeu_ps(a.out + (m + r) * a.N + n, lanes, y);
+      } else {
+        alignas(64) float t[16];
+        _mm512_store_ps(t, y);
+        quantized_operands::store_bf16(t, std::min<int64_t>(a.N - n, 16),
+                                       a.out_bf16 + (m + r) * a.N + n);
+      }
     }
   }
 }
@@ -243,14 +262,14 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                         scales.dim() == 2 && scales.size(0) == 1 && scales.size(1) == N16,
                     "scales must be a dense float32 [1, ", N16, "], got ",
                     scales.scalar_type(), " ", scales.sizes());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return out.to(x.scalar_type());
+  // The output in x's dtype, written by the tiles (a bf16 one rounded there): no fp32 copy.
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
 #ifdef CBATCH_X86
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
-  const bool vnni = cpu_has_avx512vnni();
+  const bool vnni = cpu_has_avx512vnni(), bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  at::Tensor xq = at::zeros({M, K4 * 4}, opts.dtype(at::kChar));
+  at::Tensor xq = at::empty({M, K4 * 4}, opts.dtype(at::kChar));  // 0 past K: quantize_rows
   at::Tensor xq16 = vnni ? at::Tensor() : at::empty({M, K4 * 4}, opts.dtype(at::kShort));
   at::Tensor xsum = at::empty({M}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M}, opts.dtype(at::kFloat));
@@ -259,11 +278,16 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                    .xsum = xsum.data_ptr<int32_t>(), .xscale = xscale.data_ptr<float>(),
                    .M = M, .K4 = K4, .N = N, .w = qweight.data_ptr<uint8_t>(),
                    .wscale = scales.data_ptr<float>(),
-                   .bias = bf ? bf->data_ptr<float>() : nullptr, .out = out.data_ptr<float>()};
+                   .bias = bf ? bf->data_ptr<float>() : nullptr,
+                   .out = bf16 ? nullptr : out.data_ptr<float>(),
+                   .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xf.data_ptr<float>(), K, m0, m1, xq.data_ptr<int8_t>(),
-                  vnni ? nullptr : xq16.data_ptr<int16_t>(), xsum.data_ptr<int32_t>(),
-                  xscale.data_ptr<float>(), K4);
+    auto quantize = [&](const auto* xs) {
+      quantize_rows(xs, x.stride(0), K, m0, m1, xq.data_ptr<int8_t>(),
+                    vnni ? nullptr : xq16.data_ptr<int16_t>(), xsum.data_ptr<int32_t>(),
+                    xscale.data_ptr<float>(), K4);
+    };
+    bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
   count_path(vnni ? CpuPath::kQuantizedLinearW8A8Vnni : CpuPath::kQuantizedLinearW8A8Avx2);
   if (vnni) {
@@ -272,7 +296,7 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     run(a, 1, item_avx2);
   }
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 }  // namespace cbatch

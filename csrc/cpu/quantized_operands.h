@@ -1,9 +1,10 @@
 // The operand checks and set-up that the CPU W8A8 and W4A8 linear ops share
 // (quantized_linear_w8a8.cpp, quantized_linear_w4a8.cpp): x [M, K] float32 or bfloat16 with
-// dense rows, out_features N and K not empty, bias [N] or none.
+// dense rows, out_features N and K not empty, bias [N] or none; and their bf16 epilogue.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <optional>
 
@@ -29,6 +30,12 @@ inline std::optional<at::Tensor> fp32_bias(const std::optional<at::Tensor>& bias
   if (!bias) return std::nullopt;
   if (bias->scalar_type() == at::kFloat && bias->is_contiguous()) return bias;
   return bias->to(at::kFloat).contiguous();
+}
+
+// count fp32 results of a tile to a bf16 output, each rounded as Tensor.to(torch.bfloat16)
+// rounds (to nearest even): the ops' bf16 epilogue.
+inline void store_bf16(const float* t, int64_t count, c10::BFloat16* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = c10::BFloat16(t[i]);
 }
 
 }  // namespace cbatch::quantized_operands

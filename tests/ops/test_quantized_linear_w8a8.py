@@ -69,7 +69,7 @@ def _check(x, q, s_w, bias, ours, ref):
     if x.dtype == torch.bfloat16:
         bound = bound + (scaled + b).abs() * 2.0 ** -8
     assert ((ours.double() - (scaled + b)).abs() <= bound).all()
-    if bias is None and x.dtype == torch.float32:
+    if bias is None and ref is not None:  # bf16: fp32 results rounded alike
         assert torch.equal(ours, ref)
     elif x.dtype == torch.float32:
         assert ((ours.double() - ref.double()).abs() <= 2 * U * size).all()
@@ -117,6 +117,34 @@ def test_extreme_integers_are_exact(isa):
     _check(x, q, s_w, None, ours, reference.quantized_linear_w8a8(x, qweight, scales, N, None))
     with pytest.raises(ValueError, match="K must be <= 65536"):
         torch.ops.cbatch.quantized_linear_w8a8(torch.ones(1, K + 1), qweight, scales, N, None)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("strided", [False, True])
+def test_bf16_output_rounds_as_torch(isa, strided):
+    """A bf16 x gets its output rounded from fp32 in the kernel's epilogue (no fp32 copy):
+    bitwise as ``Tensor.to(torch.bfloat16)`` rounds, ties to even, overflow to inf, NaN kept.
+    A zero weight makes every output its fp32 bias alone (0 * s_x + b), so the cases are exact
+    fp32 values; x's rows may be strided (the kernel reads them in place)."""
+    N, K = 40, 64
+    qweight, scales, _, _ = _random_w8a8(N, K, torch.Generator().manual_seed(0),
+                                         torch.zeros(N, K, dtype=torch.long))
+    cases = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8,  # halfway: to even (1, 1 + 2^-6)
+             1 + 2.0 ** -8 + 2.0 ** -20, -(1 + 2.0 ** -8),  # above halfway: away from 0
+             3.4028234663852886e38, -3.4028234663852886e38,  # the largest fp32: to inf
+             3.3895313892515355e38,  # the largest bf16: kept
+             float("inf"), float("-inf"), float("nan"), 2.0 ** -130, 1e-45, 0.0, -0.0,
+             65504.0, 1.0e10 + 123.0]
+    bias = torch.tensor((cases * 3)[:N], dtype=torch.float32)
+    x = torch.randn(6, 2 * K if strided else K).to(torch.bfloat16)
+    x = x[:, :K] if strided else x
+    ours = _run(isa, x, qweight, scales, N, bias)
+    want = (torch.zeros(N) + bias).to(torch.bfloat16).expand(6, N)  # 0 + -0 is +0
+    nan = want.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    ref = reference.quantized_linear_w8a8(x, qweight, scales, N, bias)
+    assert torch.equal(ours.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)

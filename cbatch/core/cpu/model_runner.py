@@ -113,7 +113,8 @@ class CPUModelRunner(ModelRunner):
             "attention": f"{cpu.attention_step(head_dim) or 'torch'} (head dim {head_dim})",
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)",
-            "greedy screen": screen_phrase(kind),
+            "greedy screen": "none (the lm_head is quantized)"
+            if isinstance(self.model.lm_head, QuantizedLinear) else screen_phrase(kind),
             "quantized linear": self._quantized_phrase(),
             "huge pages": "on" if self.huge_pages.enabled else "off",
             "threads": self.threads.describe(),
