@@ -174,14 +174,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       const __m256i lanes = avx2::first_lanes(left);
       const __m256 yv = a.bias ? _mm256_add_ps(y[r][h], _mm256_maskload_ps(a.bias + n, lanes))
                                : y[r][h];
-      if (a.out) {
-        _mm256_maskstore_ps(a.out + (m + r) * a.N + n, lanes, yv);
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, yv);
-        quantized_operands::store_bf16(t, std::min<int64_t>(left, 8),
-                                       a.out_bf16 + (m + r) * a.N + n);
-      }
+      quantized_operands::store_row8(yv, lanes, left, a.out, a.out_bf16, (m + r) * a.N + n);
     }
   }
 }

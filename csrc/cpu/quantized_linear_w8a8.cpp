@@ -134,14 +134,7 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
       const __m256i lanes = avx2::first_lanes(left);
       const __m256 y = a.bias ? _mm256_fmadd_ps(t, sx, _mm256_maskload_ps(a.bias + n, lanes))
                               : _mm256_mul_ps(t, sx);
-      if (a.out) {
-        _mm256_maskstore_ps(a.out + (m + r) * a.N + n, lanes, y);
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, y);
-        quantized_operands::store_bf16(t, std::min<int64_t>(left, 8),
-                                       a.out_bf16 + (m + r) * a.N + n);
-      }
+      quantized_operands::store_row8(y, lanes, left, a.out, a.out_bf16, (m + r) * a.N + n);
     }
   }
 }

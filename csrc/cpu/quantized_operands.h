@@ -6,7 +6,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <optional>
+
+#include "avx2.h"
 
 namespace cbatch::quantized_operands {
 
@@ -37,5 +40,17 @@ inline std::optional<at::Tensor> fp32_bias(const std::optional<at::Tensor>& bias
 inline void store_bf16(const float* t, int64_t count, c10::BFloat16* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = c10::BFloat16(t[i]);
 }
+
+#ifdef CBATCH_X86
+// One row's 8 results y, columns [n, n + min(left, 8)) at out[at] or out_bf16[at]: fp32 where
+// out is not null (a masked store, `lanes` = avx2::first_lanes(left)), else bf16 (store_bf16).
+CBATCH_AVX2 CBATCH_INLINE void store_row8(__m256 y, __m256i lanes, int64_t left, float* out,
+                                          c10::BFloat16* out_bf16, int64_t at) {
+  if (out) return _mm256_maskstore_ps(out + at, lanes, y);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, y);
+  store_bf16(t, std::min<int64_t>(left, 8), out_bf16 + at);
+}
+#endif
 
 }  // namespace cbatch::quantized_operands
