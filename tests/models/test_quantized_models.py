@@ -165,6 +165,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     if method == "w4a8":  # the lm_head is W8A8 and the tied embedding reads it: no screen
         assert llm.engine.runner.greedy_screen is None
         assert described["greedy screen"] == "none (the lm_head is quantized)"
+        assert described["linear"] == "none (every linear layer is quantized)"
         head = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
         assert after[head] - before.get(head, 0) >= 6  # one call per step at least
     elif llm.engine.runner.greedy_screen is not None:  # the lm_head stays float, screened

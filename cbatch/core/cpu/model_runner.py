@@ -33,6 +33,7 @@ from cbatch.core.model_runner import ModelRunner
 from cbatch.core.step_outputs import PromptTargets
 from cbatch.core.sampler import SamplingBatch
 from cbatch.layers.kv_cache import KVCache
+from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.step_batch import StepBatch
 from cbatch.ops import cpu
@@ -112,7 +113,9 @@ class CPUModelRunner(ModelRunner):
             "isa": isa_phrase(),
             "attention": f"{cpu.attention_step(head_dim) or 'torch'} (head dim {head_dim})",
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
-                      f"{'packed' if self.packed else 'dense'} weights)",
+                      f"{'packed' if self.packed else 'dense'} weights)"
+            if any(isinstance(m, Linear) for m in self.model.modules())
+            else "none (every linear layer is quantized)",
             "greedy screen": "none (the lm_head is quantized)"
             if isinstance(self.model.lm_head, QuantizedLinear) else screen_phrase(kind),
             "quantized linear": self._quantized_phrase(),
