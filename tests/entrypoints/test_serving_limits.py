@@ -414,7 +414,13 @@ def test_sighup_shuts_down_as_sigterm_does():
     from tests.entrypoints.test_serving_faults import (LONG, SLOW_SERVE, _start,
                                                        _stream_in_background)
 
-    proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"], SLOW_SERVE)
+    # the server keeps an ignored SIGHUP ignored (nohup), as children inherit it: a suite run
+    # under nohup must not hand that on to the server this test hangs up
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        proc, url = _start(["--max-num-seqs", "1", "--shutdown-timeout", "1"], SLOW_SERVE)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     try:
         reader, events = _stream_in_background(url, LONG)
         time.sleep(1.0)
