@@ -48,3 +48,21 @@ class Embedding(DirectCall, nn.Embedding):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.weight is not None and cpu.is_packed(self.weight):  # saved dense
             destination[prefix + "weight"] = cpu.unpack(self.weight, self.num_embeddings)
+
+
+def weight_holders(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """{id of a parameter: the modules that hold it} (more than one: a tied weight)."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module)
+    return holders
+
+
+def tied_embeddings(holders: dict[int, list[nn.Module]], layer: nn.Module
+                    ) -> list[Embedding] | None:
+    """The other holders of ``layer``'s weight (``holders``: :func:`weight_holders`) when
+    every one is an :class:`Embedding` (none: an empty list), else None: the weight may then
+    change form for all of them (packed, quantized) with the lookup following it."""
+    others = [m for m in holders[id(layer.weight)] if m is not layer]
+    return others if all(isinstance(m, Embedding) for m in others) else None

@@ -19,19 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from cbatch.layers.embedding import Embedding
+from cbatch.layers.embedding import Embedding, tied_embeddings, weight_holders
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
-
-
-def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
-    """{id of a parameter: the modules that hold it} (more than one: a tied weight)."""
-    holders: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append(module)
-    return holders
 
 
 def pack_linears(model: nn.Module, batch_invariant: bool = False,
@@ -60,7 +51,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
         unpack_linears(model)
     if route == "torch" or (batch_invariant and route != "cbatch"):
         return False
-    holders = _holders(model)
+    holders = weight_holders(model)
     # The lm_head gets a greedy screen (cpu.GreedyScreen) where cbatch's kernel runs it: the
     # screen is exact for the logits of cbatch's kernel alone (benchmarks/NOTES.md, "The
     # lm_head's greedy screen", "An int8 screen for the lm_head").
@@ -80,13 +71,12 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
             packed = cpu.pack(layer.weight, route)
             if place and not packed.is_mkldnn:  # oneDNN's opaque tensors stay where they are
                 packed = place(packed)
-            users = holders[id(layer.weight)]
-            if len(users) > 1 and (packed.is_mkldnn or not all(
-                    isinstance(m, Embedding) for m in users if m is not layer)):
+            tied = tied_embeddings(holders, layer)
+            if tied is None or (tied and packed.is_mkldnn):
                 layer.packed_weight = packed  # the dense weight stays for its other user
                 continue
             weight = nn.Parameter(packed, requires_grad=False)
-            for user in users:  # the layer, and a tied embedding: one copy for both
+            for user in (layer, *tied):  # a tied embedding gathers from it: one copy for both
                 user.weight = weight
             layer.packed_weight = weight.detach()  # a tensor, not a 2nd parameter
     return True
@@ -112,7 +102,8 @@ def unpack_linears(model: nn.Module) -> None:
     dense: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (Linear, Embedding)) and cpu.is_packed(module.weight):
+            if isinstance(module, (Linear, Embedding)) and module.weight is not None \
+                    and cpu.is_packed(module.weight):
                 rows = module.out_features if isinstance(module, Linear) \
                     else module.num_embeddings
                 if id(module.weight) not in dense:

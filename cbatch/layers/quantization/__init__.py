@@ -23,7 +23,7 @@ from torch import nn
 
 from cbatch import config
 from cbatch.config import check_quantization
-from cbatch.layers.embedding import Embedding
+from cbatch.layers.embedding import tied_embeddings, weight_holders
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization.linear import QuantizedLinear
 from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
@@ -47,23 +47,19 @@ def quantize_model(model: nn.Module, method: str) -> int:
     the head's rows); the number replaced."""
     bits, group_size, act_bits = QUANTIZATION_METHODS[check_quantization(method)]
     head = getattr(model, "lm_head", None)
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    holders = weight_holders(model)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and child is not head \
-                    and owners[id(child.weight)] == 1:
+                    and len(holders[id(child.weight)]) == 1:
                 setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size,
                                                                        act_bits))
                 count += 1
-    if method in QUANTIZED_HEADS and isinstance(head, Linear) and head.bias is None:
-        tied = [m for m in model.modules() if isinstance(m, Embedding) and m.weight is head.weight]
-        if owners[id(head.weight)] == 1 + len(tied):
-            model.lm_head = QuantizedLinear.from_linear(head, *QUANTIZED_HEADS[method])
-            for embedding in tied:
-                embedding.tie_quantized(model.lm_head)
-            count += 1
+    if method in QUANTIZED_HEADS and isinstance(head, Linear) and head.bias is None and (
+            tied := tied_embeddings(holders, head)) is not None:
+        model.lm_head = QuantizedLinear.from_linear(head, *QUANTIZED_HEADS[method])
+        for embedding in tied:
+            embedding.tie_quantized(model.lm_head)
+        count += 1
     return count
