@@ -129,9 +129,11 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       for (int l = 0; l < 4; ++l) {  // the run's 4 cache lines, 1 KiB ahead
         _mm_prefetch(reinterpret_cast<const char*>(w + i0 * 32) + 1024 + 64 * l, _MM_HINT_T0);
       }
-      // Not unrolled: unrolled, GCC reassociates the int16 adds into a tree of all 8 quads'
-      // products and spills them.
-#pragma GCC unroll 1
+      // Unrolled: the loop's own counting and branching cost as much as its multiply-adds
+      // (benchmarks/NOTES.md, "Quantized SmolLM2-360M, fifth session").  The empty asm after
+      // each add keeps the adds in order; without it GCC reassociates them into a tree of all
+      // 8 quads' products and spills them.
+#pragma GCC unroll 8
       for (int64_t i = i0; i < i0 + kRunQuads; ++i) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
         const __m256i lo = _mm256_and_si256(v, nibble);
@@ -143,6 +145,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
           const __m256i xv = _mm256_set1_epi32(quad);
           h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(lo, xv));
           h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(hi, xv));
+          asm("" : "+x"(h[r][0]), "+x"(h[r][1]));  // (see above)
         }
       }
 #pragma GCC unroll 4
