@@ -84,16 +84,8 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
     std::memset(q + K, 0, a.Q * 4 - K);
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t k0 = g * group_size, k1 = std::min(K, k0 + group_size);
-      float top = 0.f;
-      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(float(x[k])));
-      const float inv = top > 0.f ? 127.f / top : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float v = std::nearbyint(float(x[k]) * inv);
-        q[k] = int8_t(std::clamp(v, -127.f, 127.f));
-        sum += q[k];
-      }
-      xsum[m * a.G + g] = sum;
+      const float top = quantized_operands::quantize_run(x + k0, k1 - k0, q + k0,
+                                                         &xsum[m * a.G + g]);
       xscale[m * a.G + g] = top / 127.f;
     }
   }

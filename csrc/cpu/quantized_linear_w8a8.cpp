@@ -66,19 +66,9 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t
                    int8_t* xq, int16_t* xq16, int32_t* xsum, float* xscale, int64_t K4) {
   for (int64_t m = m0; m < m1; ++m) {
     const T* x = xs + m * x_stride;
-    float a = 0.f;
-    for (int64_t k = 0; k < K; ++k) a = std::max(a, std::fabs(float(x[k])));
-    const float inv = a > 0.f ? 127.f / a : 0.f;
-    xscale[m] = a / 127.f;
-    int32_t sum = 0;
     int8_t* q = xq + m * K4 * 4;
     std::memset(q + K, 0, K4 * 4 - K);
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint(float(x[k]) * inv);
-      q[k] = int8_t(std::clamp(v, -127.f, 127.f));
-      sum += q[k];
-    }
-    xsum[m] = sum;
+    xscale[m] = quantized_operands::quantize_run(x, K, q, &xsum[m]) / 127.f;
     if (xq16) {
       for (int64_t k = 0; k < K4 * 4; ++k) xq16[m * K4 * 4 + k] = q[k];
     }

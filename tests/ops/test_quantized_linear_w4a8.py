@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cbatch.layers.quantization import QuantizedLinear, pack
-from cbatch.layers.quantization.weight import pack_w4a8, unpack_w4a8
+from cbatch.layers.quantization.weight import pack_w4a8, quantize, unpack_w4a8
 from cbatch.ops import cpu, reference
 from tests.quant_utils import random_quantized
 
@@ -74,6 +74,33 @@ def test_quantize_per_group_by_hand():
     assert q.tolist() == [[127, 0, 2, -2, -127, 64], [0, 0, 0, 0, 127, 0]]
     assert scale.tolist() == [[2.0, torch.tensor(1 / 127, dtype=torch.float32).item()],
                               [0.0, torch.tensor(0.25 / 127, dtype=torch.float32).item()]]
+
+
+def _ties(K, tops, gen):
+    """A row of K values x.5 (every product x * 127 / 127 a tie) in (-127, 127), with the
+    group tops 127 at ``tops`` (s_x 1, inv exactly 1)."""
+    x = torch.randint(-126, 126, (1, K), generator=gen).float() + 0.5
+    for k in tops:
+        x[0, k] = 127.0 if k % 2 else -127.0
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_quantizes_x_as_the_reference(dtype):
+    """x's quantization read back through a diagonal weight (7 on the diagonal: s_w 1, q 7) at
+    x whose groups top out at 127 (s_x 1), so y[n] = 7 q_x[n]: every other k a tie, rounded to
+    even as nearbyint rounds it; groups of 32 (whole vectors of 8 k) and a last group of 13
+    (one vector and 5 k one at a time)."""
+    K, group_size = 45, 32
+    x = _ties(K, (5, 40), torch.Generator().manual_seed(3))
+    q_x, s_x = reference.quantize_per_group(x, group_size)
+    assert s_x.tolist() == [[1.0, 1.0]]
+    assert torch.equal(q_x, torch.round(x).to(torch.int8))  # torch.round: ties to even
+    qw = quantize(torch.eye(K) * 7, 4, group_size)
+    assert torch.equal(qw.dequantize(), torch.eye(K) * 7) and qw.scales.max() == 1
+    ours = _run(x.to(dtype), pack_w4a8(qw), qw.scales, group_size, K, None)
+    assert torch.equal(ours, (7 * q_x.float()).to(dtype))
 
 
 @pytest.mark.parametrize("N,K,group_size", [(1, 1, 32), (5, 3, 128), (33, 130, 32),

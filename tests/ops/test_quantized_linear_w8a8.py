@@ -75,6 +75,23 @@ def _check(x, q, s_w, bias, ours, ref):
         assert ((ours.double() - ref.double()).abs() <= 2 * U * size).all()
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_quantizes_x_as_the_reference(isa, dtype):
+    """x's quantization read back through a diagonal weight (q 1, s_w 1) at a row whose top is
+    127 (s_x 1), so y[n] = q_x[n]: every other k a tie x.5, rounded to even as nearbyint
+    rounds it; K = 45: whole vectors of 8 k and 5 k one at a time."""
+    K = 45
+    x = torch.randint(-126, 126, (1, K), generator=torch.Generator().manual_seed(3)) + 0.5
+    x[0, 7] = -127.0
+    q_x, s_x = reference.quantize_per_token(x)
+    assert s_x.tolist() == [1.0]
+    assert torch.equal(q_x, torch.round(x).to(torch.int8))  # torch.round: ties to even
+    qw = pack(torch.eye(K, dtype=torch.int16), torch.ones(1, K), None, 8, K)
+    ours = _run(isa, x.to(dtype), pack_w8a8(qw), qw.scales, K, None)
+    assert torch.equal(ours, q_x.float().to(dtype))
+
+
 # (N, K): one column, K of one element, odd K and N, K not a multiple of 4, a partial last
 # block, several 4-block column items
 SHAPES = [(1, 1), (5, 3), (33, 129), (17, 302), (130, 257), (64, 512), (200, 96)]
