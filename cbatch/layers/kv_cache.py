@@ -65,6 +65,8 @@ class KVCache:
             if self.data.device.type != torch.device(device).type:
                 raise ValueError(f"the KV pool's zeros gave a {self.data.device} tensor for "
                                  f"a {device} cache")
+        # each layer's views made once: every layer of every step asks for them
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
 
     def touch(self) -> None:
         """Fault in every page of the pool now (it holds zeros already; this writes them
@@ -94,7 +96,7 @@ class KVCache:
                 f"head_dim {c.head_dim} x {itemsize} bytes")
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+        return self._layers[i]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``source -> destination`` in every layer, K and V (all sources
