@@ -240,18 +240,6 @@ CBATCH_AVX2 CBATCH_INLINE __m256 sum_each(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-CBATCH_AVX2 CBATCH_INLINE float reduce_max(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-CBATCH_AVX2 CBATCH_INLINE float reduce_add(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 template <typename T>
 CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
                                      int64_t n, int64_t D, float& m, float& l, float* acc) {

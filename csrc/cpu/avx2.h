@@ -1,7 +1,7 @@
 // The 8-lane fp32 helpers of the CPU kernels' AVX2 paths (attention.cpp, gemm.h,
-// greedy_head.cpp), in namespace avx2: the twins of avx512.h's, under the same names.  Each
-// is compiled for AVX2 + FMA + F16C (x86-64-v3) whatever the extension's baseline; callers
-// reach them only after cpu_has_avx2().
+// greedy_head.cpp, quantized_operands.h), in namespace avx2: the twins of avx512.h's, under
+// the same names.  Each is compiled for AVX2 + FMA + F16C (x86-64-v3) whatever the
+// extension's baseline; callers reach them only after cpu_has_avx2().
 #pragma once
 
 #include "x86.h"
@@ -23,6 +23,19 @@ CBATCH_AVX2 CBATCH_INLINE __m256 load(const c10::BFloat16* p) {
 }
 CBATCH_AVX2 CBATCH_INLINE __m256 load(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The largest and the sum of the 8 lanes (avx512's _mm512_reduce_max_ps / _add_ps).
+CBATCH_AVX2 CBATCH_INLINE float reduce_max(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+CBATCH_AVX2 CBATCH_INLINE float reduce_add(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 // e^x as avx512::exp computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n stays a

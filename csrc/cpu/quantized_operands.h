@@ -66,9 +66,7 @@ inline float quantize_run(const T* x, int64_t n, int8_t* q, int32_t* sum) {
   for (int64_t k = 0; k < whole; k += 8) {
     top = _mm256_max_ps(_mm256_andnot_ps(sign, avx2::load(x + k)), top);  // a NaN: top
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  for (const float v : lanes) a = std::max(a, v);
+  a = avx2::reduce_max(top);
 #endif
   for (int64_t k = whole; k < n; ++k) a = std::max(a, std::fabs(float(x[k])));
   const float inv = a > 0.f ? 127.f / a : 0.f;

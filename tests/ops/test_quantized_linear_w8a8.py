@@ -79,8 +79,8 @@ def _check(x, q, s_w, bias, ours, ref):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_quantizes_x_as_the_reference(isa, dtype):
     """x's quantization read back through a diagonal weight (q 1, s_w 1) at a row whose top is
-    127 (s_x 1), so y[n] = q_x[n]: every other k a tie x.5, rounded to even as nearbyint
-    rounds it; K = 45: whole vectors of 8 k and 5 k one at a time."""
+    127 (s_x 1), so y[n] = q_x[n]: every k but the top a tie x.5, rounded to even as
+    nearbyint rounds it; K = 45: whole vectors of 8 k and 5 k one at a time."""
     K = 45
     x = torch.randint(-126, 126, (1, K), generator=torch.Generator().manual_seed(3)) + 0.5
     x[0, 7] = -127.0
