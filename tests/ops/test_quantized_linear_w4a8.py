@@ -90,8 +90,8 @@ def _ties(K, tops, gen):
 def test_the_kernel_quantizes_x_as_the_reference(dtype):
     """x's quantization read back through a diagonal weight (7 on the diagonal: s_w 1, q 7) at
     x whose groups top out at 127 (s_x 1), so y[n] = 7 q_x[n]: every k but the tops a tie,
-    rounded to even as nearbyint rounds it; groups of 32 (whole vectors of 8 k) and a last group of 13
-    (one vector and 5 k one at a time)."""
+    rounded to even as nearbyint rounds it; groups of 32 (whole vectors of 8 k) and a last
+    group of 13 (one vector and 5 k one at a time)."""
     K, group_size = 45, 32
     x = _ties(K, (5, 40), torch.Generator().manual_seed(3))
     q_x, s_x = reference.quantize_per_group(x, group_size)
