@@ -79,6 +79,9 @@ VARIABLES = (
     Variable("CBATCH_GREEDY_SCREEN", "1",
              "0: no greedy screen for a CPU lm_head (greedy steps compute every logit)",
              flag=True),
+    Variable("CBATCH_CPU_LAYERS", "1",
+             "0: a CPU step runs a Llama-family model's layers op by op from Python, not in "
+             "one C++ call", flag=True),
     Variable("CBATCH_HUGE_PAGES", "1",
              "0: a CPU engine's packed weights and KV pool stay on malloc, not 2 MB huge pages",
              flag=True),

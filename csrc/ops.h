@@ -1,6 +1,7 @@
 // Declarations of every kernel entry point; registered in torch_bindings.cpp.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -154,6 +155,23 @@ void silu_and_mul_cpu(at::Tensor& result, const at::Tensor& input);
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,
                           const std::optional<at::Tensor>& key, int64_t head_size,
                           const at::Tensor& cos_sin_cache, bool is_neox);
+
+// A step's decoder layers of a Llama-family model in one call (cpu/decoder_layers.cpp): the
+// ops above in cbatch/models/llama.py's order on the same tensors, so bit for bit its loop.
+// hidden: the embeddings [T, hidden] (not modified); tensors, ints: kLayerTensors and
+// kLayerInts per layer (decoder_layers.cpp); kv_caches: each layer's key and value cache;
+// final_norm: the model's last RMSNorm; positions .. cu_seqlens_q: the step batch's
+// (cbatch/layers/step_batch.py); decode: the decode kernel (one token per sequence) or the
+// prefill one.  Returns the final hidden states [T, hidden], after the last norm.
+at::Tensor decoder_layers_cpu(const at::Tensor& hidden,
+                              const c10::List<std::optional<at::Tensor>>& tensors,
+                              at::IntArrayRef ints, at::TensorList kv_caches,
+                              const at::Tensor& final_norm, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                              const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                              bool decode);
 
 // What greedy_head runs inside its own call: linear_cpu's logits (no bias, activation or
 // residual) and argmax_cpu, each without counting an op call of its own (cpu_path_counts).

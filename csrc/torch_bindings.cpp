@@ -52,6 +52,12 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
+  // CPU only: a step's Llama-family decoder layers in one call (cbatch/models/cpu_layers.py)
+  m.def(
+      "decoder_layers(Tensor hidden, Tensor?[] tensors, int[] ints, Tensor[] kv_caches, "
+      "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "float scale, Tensor positions, Tensor cos_sin_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, bool decode) -> Tensor");
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
   m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
@@ -77,6 +83,7 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("fused_add_rms_norm", &cbatch::fused_add_rms_norm_cpu);
   m.impl("silu_and_mul", &cbatch::silu_and_mul_cpu);
   m.impl("rotary_embedding", &cbatch::rotary_embedding_cpu);
+  m.impl("decoder_layers", &cbatch::decoder_layers_cpu);
 }
 
 #ifdef CBATCH_WITH_CUDA

@@ -67,6 +67,8 @@ class KVCache:
                                  f"a {device} cache")
         # each layer's views made once: every layer of every step asks for them
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
+        # the same views as one list, key then value per layer (cbatch::decoder_layers)
+        self.flat_layers = [view for pair in self._layers for view in pair]
 
     def touch(self) -> None:
         """Fault in every page of the pool now (it holds zeros already; this writes them

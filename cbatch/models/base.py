@@ -22,6 +22,9 @@ class PagedCausalLM(nn.Module):
         self.attention_backend = attention_backend
         self._kernels: tuple[torch.device, ops.BoundKernels] | None = None
         self.batch_invariant = False  # see set_batch_invariant
+        # a Llama-family model's layers bound for one C++ call a step on the CPU, or why not
+        # (bind_cpu_layers; a CPU model runner binds them once the weights are packed)
+        self.cpu_layers = None
 
     def kernels(self, device: torch.device) -> ops.BoundKernels:
         """The attention kernels for ``device``, resolved once (``attention_backend``, else
@@ -37,9 +40,15 @@ class PagedCausalLM(nn.Module):
         the linear layers, :meth:`PagedAttention.kernel_for` for attention; norms,
         activations and rotary embeddings work row by row already)."""
         self.batch_invariant = enabled
+        self.cpu_layers = None  # bound for the other mode: bind again
         for module in self.modules():
             if isinstance(module, (Linear, PagedAttention)):
                 module.batch_invariant = enabled
+
+    def bind_cpu_layers(self) -> str:
+        """Bind the layers for one C++ call a step (only the Llama family has one); a
+        phrase saying whether they were."""
+        return "op by op (no one-call path for this architecture)"
 
     def num_parameters(self) -> int:
         """The model's weights and biases; a quantized layer's weight counts its N x K values

@@ -30,6 +30,7 @@ from cbatch.layers.module import Module
 from cbatch.layers.rotary_embedding import (RotaryAngles, RotaryEmbedding, max_positions,
                                              rope_parameters)
 from cbatch.layers.step_batch import StepBatch
+from cbatch.models import cpu_layers
 from cbatch.models.base import PagedCausalLM
 from cbatch.ops import layer_ops
 
@@ -216,11 +217,21 @@ class LlamaForCausalLM(PagedCausalLM):
         ``[T, hidden_size]`` (after the last RMSNorm)."""
         kernels = self.kernels(batch.input_ids.device)
         x, residual = self.model.embed_tokens(batch.input_ids), None
+        if cpu_layers.usable(self.cpu_layers):  # the same ops, called from C++
+            decode = self.model.layers[0].self_attn.attn.kernel_for(batch) == "decode"
+            return cpu_layers.run(self, self.cpu_layers, x, batch, kv_cache, decode)
         rotary = self.model.rotary
         angles = rotary.angles(batch.positions, x.dtype)  # one gather for every layer
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, kv_cache, kernels, rotary, angles)
         return self.model.norm(x, residual)[0]
+
+    def bind_cpu_layers(self) -> str:
+        """Gather the layers for one C++ call a step where every op has a CPU kernel
+        (:mod:`cbatch.models.cpu_layers`); a phrase saying whether they were."""
+        self.cpu_layers = cpu_layers.bind(self)
+        return "one C++ call" if isinstance(self.cpu_layers, cpu_layers.BoundLayers) \
+            else f"op by op: {self.cpu_layers}"
 
     @classmethod
     def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: LlamaConfig

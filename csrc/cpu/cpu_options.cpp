@@ -60,6 +60,7 @@ constexpr const char* kCpuPathNames[] = {
     "silu_and_mul.generic",
     "rotary_embedding.avx2",
     "rotary_embedding.generic",
+    "decoder_layers.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
               "one name per CpuPath");

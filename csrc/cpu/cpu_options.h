@@ -61,6 +61,7 @@ enum class CpuPath : int {
   kSiluAndMulGeneric,
   kRotaryEmbeddingAvx2,
   kRotaryEmbeddingGeneric,
+  kDecoderLayersCpu,  // one call of a step's decoder layers (decoder_layers.cpp)
   kCount,
 };
 

@@ -52,6 +52,7 @@ class CPUModelRunner(ModelRunner):
         self.packed = pack_linears(model, batch_invariant=model.batch_invariant,
                                    place=self.huge_pages.copy)
         place_quantized(model, self.huge_pages.copy)
+        self.layers_phrase = model.bind_cpu_layers()  # on the packed and placed tensors
         trim_heap()  # what loading, quantizing and placing freed
         keep_freed_memory()
         super().__init__(model, kv_cache, max_num_seqs, max_num_batched_tokens, cuda_graphs,
@@ -119,6 +120,7 @@ class CPUModelRunner(ModelRunner):
             "greedy screen": "none (the lm_head is quantized)"
             if isinstance(self.model.lm_head, QuantizedLinear) else screen_phrase(kind),
             "quantized linear": self._quantized_phrase(),
+            "decoder layers": self.layers_phrase,
             "huge pages": "on" if self.huge_pages.enabled else "off",
             "threads": self.threads.describe(),
         }

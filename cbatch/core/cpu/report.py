@@ -12,6 +12,7 @@ import torch
 from cbatch import envs
 from cbatch.core.cpu.memory import huge_pages_available
 from cbatch.core.cpu.threads import ThreadPolicy
+from cbatch.models import cpu_layers
 from cbatch.ops import cpu
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -57,13 +58,15 @@ def _attention() -> str:
 def cpu_paths() -> dict[str, str]:
     """The CPU paths live here, a phrase each: ``isa`` (what the C++ kernels use, after
     ``$CBATCH_CPU_ISA``), ``attention``, ``linear`` (the route of each dtype), ``greedy
-    screen`` (the lm_head's screen of each dtype), ``huge pages`` and ``threads``."""
+    screen`` (the lm_head's screen of each dtype), ``decoder layers`` (a Llama-family
+    model's, in one C++ call a step or op by op), ``huge pages`` and ``threads``."""
     return {
         "isa": isa_phrase(),
         "attention": _attention(),
         "linear": ", ".join(f"{_name(d)} {_route(d)}" for d in DTYPES),
         "greedy screen": ", ".join(f"{_name(d)} {_screen(d)}" for d in DTYPES),
         "quantized linear": quantized_phrase(),
+        "decoder layers": layers_phrase(),
         "huge pages": "on" if huge_pages_available() else
                       "off" + (" (CBATCH_HUGE_PAGES=0)" if not envs.CBATCH_HUGE_PAGES else ""),
         "threads": ThreadPolicy().describe(),
@@ -81,6 +84,14 @@ def quantized_phrase() -> str:
                 f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products; "
                 f"w4a8: {w4a8}")
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
+
+
+def layers_phrase() -> str:
+    """How a Llama-family model's decoder layers run a CPU step here
+    (:mod:`cbatch.models.cpu_layers`; an engine's runner says it for its own model)."""
+    why = cpu_layers.unavailable()
+    return f"op by op: {why}" if why else \
+        "Llama family: one C++ call a step, where every layer runs a C++ kernel"
 
 
 def isa_phrase() -> str:

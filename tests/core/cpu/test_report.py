@@ -29,7 +29,7 @@ def test_version_lists_the_cpu_fast_paths():
     section = out.stdout.split("cpu fast paths:\n", 1)[1].splitlines()
     names = [line.split("  ")[1].strip() for line in section]
     assert names == ["isa", "attention", "linear", "greedy screen", "quantized linear",
-                     "huge pages", "threads"]
+                     "decoder layers", "huge pages", "threads"]
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
     quantized = section[names.index("quantized linear")]
     assert ("w4a8: cbatch's kernel (avx2)" if cpu.quantized_linear_w4a8_available()
@@ -40,7 +40,9 @@ def test_switches_show_in_the_report(monkeypatch):
     monkeypatch.setenv("CBATCH_GREEDY_SCREEN", "0")
     monkeypatch.setenv("CBATCH_HUGE_PAGES", "0")
     monkeypatch.setenv("CBATCH_CPU_LINEAR", "torch")
+    monkeypatch.setenv("CBATCH_CPU_LAYERS", "0")
     paths = cpu_paths()
+    assert paths["decoder layers"] == "op by op: off (CBATCH_CPU_LAYERS=0)"
     assert paths["greedy screen"] == \
         "float32 off (CBATCH_GREEDY_SCREEN=0), bfloat16 off (CBATCH_GREEDY_SCREEN=0)"
     assert paths["huge pages"] == "off (CBATCH_HUGE_PAGES=0)"
@@ -54,7 +56,7 @@ def test_an_engine_describes_and_runs_its_paths():
     llm = LLM("random:tiny", max_num_seqs=4)
     described = llm.engine.runner.describe()
     assert set(described) == {"isa", "attention", "linear", "greedy screen",
-                              "quantized linear", "huge pages", "threads"}
+                              "quantized linear", "decoder layers", "huge pages", "threads"}
     assert described["quantized linear"] == "none"
     head_dim = llm.engine.model.config.head_dim
     step = cpu.attention_step(head_dim)

@@ -1,0 +1,127 @@
+"""A CPU engine runs a Llama-family model's decoder layers in one C++ call a step
+(``cbatch::decoder_layers``, :mod:`cbatch.models.cpu_layers`): the same kernels in the same
+order as the Python loop, so the same tokens and the same log-probabilities to the last bit,
+for every weight format, with and without biases and q/k norms, prefill, mixed and decode
+steps; where it cannot bind, it says why and the loop runs."""
+
+import pytest
+import torch
+
+from cbatch import Engine, SamplingParams, load_model
+from cbatch.entrypoints.llm import generate
+from cbatch.layers.quantization import quantize_model
+from cbatch.models import cpu_layers
+from cbatch.models.llama import LlamaConfig, LlamaForCausalLM
+from cbatch.ops import cpu, layer_ops
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.skipif(not layer_ops.kernels_available(),
+                       reason="the C++ CPU kernels are not compiled in"),
+]
+
+PATH = "decoder_layers.cpu"
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def tiny_llama(quantization: str | None, dtype: torch.dtype, extras: bool) -> LlamaForCausalLM:
+    """3 layers, GQA 4:2, head_dim 32 (the AVX2 and AVX-512 attention steps), tied embeddings;
+    ``extras``: every linear with a bias and per-head q/k norms (Qwen2's and Qwen3's switches),
+    made non-trivial so that a dropped one shows."""
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rms_norm_eps=1e-5, rope=ROPE, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=511, qkv_bias=extras, o_bias=extras, mlp_bias=extras, qk_norm=extras)
+    model = LlamaForCausalLM(config)
+    model.init_random(7)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)  # not 0 and 1
+    model = model.to(dtype).eval()
+    if quantization:
+        quantize_model(model, quantization)
+    return model
+
+
+def run(monkeypatch, flag: str, make, **engine_args) -> tuple[list, int, str]:
+    """(each request's tokens and log-probabilities, decoder_layers calls, the runner's
+    phrase) of one engine with $CBATCH_CPU_LAYERS = flag over three prompts of different
+    lengths: prefill chunks beside decode tokens, greedy, sampled and with logprobs."""
+    monkeypatch.setenv("CBATCH_CPU_LAYERS", flag)
+    engine = Engine(make(), max_num_seqs=4, max_num_batched_tokens=48, num_blocks=64,
+                    block_size=16, enable_prefix_caching=False, **engine_args)
+    before = cpu.kernel_paths().get(PATH, 0)
+    prompts = [list(range(1, 40)), [5, 6, 7], list(range(7, 90))]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9,
+                             seed=3),
+              SamplingParams(max_tokens=10, ignore_eos=True)]
+    outs = generate(engine, prompts, params)
+    calls = cpu.kernel_paths().get(PATH, 0) - before
+    phrase = engine.runner.describe()["decoder layers"]
+    return ([(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs], calls, phrase)
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["llama", "biases-qk-norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8", "w4a8"])
+def test_one_call_gives_the_loops_tokens_and_logprobs(monkeypatch, quantization, dtype, extras):
+    if quantization and not cpu.quantized_linear_available():
+        pytest.skip("cbatch's quantized CPU kernels do not run here")
+    if quantization == "w4a8" and not cpu.quantized_linear_w4a8_available():
+        pytest.skip("the W4A8 kernel needs AVX2")
+    if quantization is None and cpu.cpu_linear_route(dtype) != "cbatch":
+        pytest.skip(f"cbatch's packed linear does not run {dtype} here")
+    make = lambda: tiny_llama(quantization, dtype, extras)  # noqa: E731
+    ours, calls, phrase = run(monkeypatch, "1", make)
+    loop, loop_calls, loop_phrase = run(monkeypatch, "0", make)
+    assert phrase == "one C++ call" and calls >= 12  # every step (prefill, mixed, decode)
+    assert loop_phrase == "op by op: off (CBATCH_CPU_LAYERS=0)" and loop_calls == 0
+    assert ours == loop  # tokens, and every log-probability to the last bit
+
+
+def test_batch_invariant_engines_bind_too(monkeypatch):
+    """Batch-invariant mode (every step on the prefill kernel, no AMX) binds the same way, and
+    its tokens are the loop's."""
+    if cpu.cpu_linear_route(torch.float32) != "cbatch":
+        pytest.skip("cbatch's packed linear does not run fp32 here")
+    make = lambda: tiny_llama(None, torch.float32, True)  # noqa: E731
+    ours, calls, phrase = run(monkeypatch, "1", make, batch_invariant=True)
+    loop, _, _ = run(monkeypatch, "0", make, batch_invariant=True)
+    assert phrase == "one C++ call" and calls > 0
+    assert ours == loop
+
+
+def test_what_cannot_bind_says_why(monkeypatch):
+    """A GPTQ desc_act permutation (an index_select the C++ call does not make), and GPT-2
+    (no one-call path) keep the loop, and say so; rebinding after set_batch_invariant."""
+    if not cpu.quantized_linear_available():
+        pytest.skip("cbatch's quantized CPU kernels do not run here")
+    model = tiny_llama("int4", torch.float32, False)
+    assert isinstance(cpu_layers.bind(model), cpu_layers.BoundLayers)
+    layer = model.model.layers[1].mlp.down_proj
+    layer._buffers["perm"] = torch.arange(layer.in_features)
+    assert cpu_layers.bind(model) == "a GPTQ desc_act permutation"
+    assert load_model("random:tiny").bind_cpu_layers() == \
+        "op by op (no one-call path for this architecture)"
+    layer._buffers["perm"] = None
+    assert model.bind_cpu_layers() == "one C++ call"
+    model.set_batch_invariant(False)
+    assert model.cpu_layers is None  # bound for one mode, dropped when it changes
+
+
+def test_the_op_checks_its_lists():
+    """Lists of the wrong length are a ValueError that says what was expected."""
+    hidden = torch.zeros(2, 8)
+    caches = [torch.zeros(4, 16, 1, 8)] * 2
+    args = (torch.ones(8), 2, 1, 8, 1e-5, 0.35, torch.zeros(2, dtype=torch.int64),
+            torch.zeros(16, 8), torch.zeros(2, dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32), False)
+    with pytest.raises(ValueError, match="1 layers take 20 tensors and 20 ints"):
+        torch.ops.cbatch.decoder_layers(hidden, [None] * 3, [0] * 20, caches, *args)
+    with pytest.raises(ValueError, match="a key and a value cache per layer"):
+        torch.ops.cbatch.decoder_layers(hidden, [None] * 20, [0] * 20, caches[:1], *args)
