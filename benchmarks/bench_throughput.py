@@ -269,7 +269,10 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     """The share of the model's step time spent in its linear layers (quantized ones and the
     lm_head included),
     timed by wrapping each layer's forward over a rerun of the first ``num_requests``
-    requests (after the timed run, so the wrappers do not slow it)."""
+    requests (after the timed run, so the wrappers do not slow it).  The rerun runs the layers
+    op by op (a Llama-family model's one C++ call a step, :mod:`cbatch.models.cpu_layers`,
+    would bypass the wrappers): the same kernels, plus the loop's Python, so the share is a
+    little below the one-call step's."""
     spent = [0.0]
 
     def timed(forward):
@@ -292,9 +295,11 @@ def gemm_share(llm, wl, num_requests: int = 8) -> float:
     execute = runner.execute  # the timed run's own clock stays as it was
     clock = StepClock(runner)
     llm.engine.block_manager.reset_prefix_cache()
+    bound, model.cpu_layers = getattr(model, "cpu_layers", None), None
     try:
         llm.generate(wl.prompts[:num_requests], wl.params[:num_requests], use_tqdm=False)
     finally:
+        model.cpu_layers = bound
         for layer in layers:
             del layer.forward
         if screened:

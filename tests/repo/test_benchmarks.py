@@ -270,3 +270,20 @@ def test_throughput_linear_layers_include_quantized():
     assert quantized and dense  # the lm_head stays dense
     assert len(layers) == len(quantized) + len(dense)
     assert {id(m) for m in layers} == {id(m) for m in quantized + dense}
+
+
+def test_gemm_share_times_the_loop_of_a_one_call_model():
+    """gemm_share wraps the linear layers' forwards, which a Llama-family model's one C++ call
+    a step (cbatch.models.cpu_layers) bypasses: its rerun runs the loop, so every decoder layer's
+    linears are timed, and the call is bound again after."""
+    from cbatch import LLM
+    from cbatch.ops import cpu
+    from cbatch.workloads import uniform
+
+    llm = LLM("random:llama-tiny", max_num_seqs=4)
+    bound = llm.engine.model.cpu_layers
+    before = cpu.kernel_paths().get("decoder_layers.cpu", 0)
+    share = bench_throughput.gemm_share(llm, uniform(vocab=500, scale=0.02, max_len=24), 4)
+    assert 0 < share < 1
+    assert cpu.kernel_paths().get("decoder_layers.cpu", 0) == before  # the loop ran
+    assert llm.engine.model.cpu_layers is bound
