@@ -215,11 +215,11 @@ class LlamaForCausalLM(PagedCausalLM):
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V into ``kv_cache``; the final hidden states
         ``[T, hidden_size]`` (after the last RMSNorm)."""
-        kernels = self.kernels(batch.input_ids.device)
         x, residual = self.model.embed_tokens(batch.input_ids), None
         if cpu_layers.usable(self.cpu_layers):  # the same ops, called from C++
             decode = self.model.layers[0].self_attn.attn.kernel_for(batch) == "decode"
             return cpu_layers.run(self, self.cpu_layers, x, batch, kv_cache, decode)
+        kernels = self.kernels(batch.input_ids.device)
         rotary = self.model.rotary
         angles = rotary.angles(batch.positions, x.dtype)  # one gather for every layer
         for layer in self.model.layers:
