@@ -240,6 +240,29 @@ CBATCH_AVX2 CBATCH_INLINE __m256 sum_each(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// acc[0, 8 * kRegs) = acc * correction + sum over i < n of p[i] * v[i * stride, ...): the
+// kRegs registers of acc are independent chains of FMAs over the keys (one register's chain of
+// n dependent FMAs would wait on the FMA latency at every key).  Each element adds its keys in
+// the same order whatever kRegs is.
+template <int kRegs, typename T>
+CBATCH_AVX2 CBATCH_INLINE void accumulate(const float* p, const T* v, int64_t stride, int64_t n,
+                                          float correction, float* acc) {
+  __m256 a[kRegs];
+#pragma GCC unroll 8
+  for (int j = 0; j < kRegs; ++j) {
+    a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * j), _mm256_set1_ps(correction));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 p_i = _mm256_set1_ps(p[i]);
+#pragma GCC unroll 8
+    for (int j = 0; j < kRegs; ++j) {
+      a[j] = _mm256_fmadd_ps(p_i, load(v + i * stride + 8 * j), a[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kRegs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
 template <typename T>
 CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
                                      int64_t n, int64_t D, float& m, float& l, float* acc) {
@@ -265,13 +288,9 @@ CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int
     const __m256 e = _mm256_and_ps(valid, exp(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
     l = l * correction + reduce_add(e);
     _mm256_store_ps(p, e);
-    for (int64_t d = 0; d < D; d += 8) {  // 8 columns of acc stay in a register over the keys
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(correction));
-      for (int64_t i = 0; i < count; ++i) {
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load(v + i * stride + d), a);
-      }
-      _mm256_storeu_ps(acc + d, a);
-    }
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) accumulate<8>(p, v + d, stride, count, correction, acc + d);
+    for (; d < D; d += 8) accumulate<1>(p, v + d, stride, count, correction, acc + d);
     m = new_m;
   }
 }
