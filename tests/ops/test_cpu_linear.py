@@ -328,6 +328,7 @@ def test_packed_model_matches_transformers(tiny_hf_dir, tiny_hf_model, dtype, ro
 
 
 @needs_bf16
+@pytest.mark.real_auto_dtype  # "auto" is bf16 here where the CPU computes in it natively
 def test_bf16_engine_greedy_tokens_match_transformers_bf16(tiny_hf_dir, tiny_hf_model):
     """A bf16 engine (dtype="auto" where the CPU has native bf16, else asked for): its
     greedy tokens agree with transformers' bf16 model on most steps (bf16 ties may flip a
