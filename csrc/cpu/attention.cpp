@@ -183,6 +183,49 @@ CBATCH_AVX512 CBATCH_INLINE __m512 sum_each(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
+// acc[0, 16 * kRegs) = acc * correction + sum over i < n of p[i] * v[i * stride, ...): the
+// kRegs registers of acc are independent chains of FMAs over the keys (one register's chain of
+// n dependent FMAs would wait on the FMA latency at every key).  Each element adds its keys in
+// the same order whatever kRegs is.
+template <int kRegs, typename T>
+CBATCH_AVX512 CBATCH_INLINE void accumulate(const float* p, const T* v, int64_t stride,
+                                            int64_t n, float correction, float* acc) {
+  __m512 a[kRegs];
+#pragma GCC unroll 8
+  for (int j = 0; j < kRegs; ++j) {
+    a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(correction));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 p_i = _mm512_set1_ps(p[i]);
+#pragma GCC unroll 8
+    for (int j = 0; j < kRegs; ++j) {
+      a[j] = _mm512_fmadd_ps(p_i, load(v + i * stride + 16 * j), a[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kRegs; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+}
+
+// accumulate over all D columns: 128 at a time, then the last D % 128 in one call of as many
+// registers (avx2::accumulate_columns with 16 lanes).
+template <typename T>
+CBATCH_AVX512 CBATCH_INLINE void accumulate_columns(const float* p, const T* v, int64_t stride,
+                                                    int64_t n, int64_t D, float correction,
+                                                    float* acc) {
+  int64_t d = 0;
+  for (; d + 128 <= D; d += 128) accumulate<8>(p, v + d, stride, n, correction, acc + d);
+  switch ((D - d) / 16) {
+    case 7: return accumulate<7>(p, v + d, stride, n, correction, acc + d);
+    case 6: return accumulate<6>(p, v + d, stride, n, correction, acc + d);
+    case 5: return accumulate<5>(p, v + d, stride, n, correction, acc + d);
+    case 4: return accumulate<4>(p, v + d, stride, n, correction, acc + d);
+    case 3: return accumulate<3>(p, v + d, stride, n, correction, acc + d);
+    case 2: return accumulate<2>(p, v + d, stride, n, correction, acc + d);
+    case 1: return accumulate<1>(p, v + d, stride, n, correction, acc + d);
+    default: return;
+  }
+}
+
 // The online-softmax step for keys k[i * stride] and values v[i * stride] of type T, i < n,
 // 16 keys at a time: their dot products accumulate in 16 registers, 16 columns of q at a time.
 template <typename T>
@@ -211,13 +254,7 @@ CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v, i
         _mm512_maskz_mov_ps(valid, exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
     l = l * correction + _mm512_reduce_add_ps(e);
     _mm512_store_ps(p, e);
-    for (int64_t d = 0; d < D; d += 16) {  // 16 columns of acc stay in a register over the keys
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(correction));
-      for (int64_t i = 0; i < count; ++i) {
-        a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load(v + i * stride + d), a);
-      }
-      _mm512_storeu_ps(acc + d, a);
-    }
+    accumulate_columns(p, v, stride, count, D, correction, acc);
     m = new_m;
   }
 }
@@ -263,6 +300,26 @@ CBATCH_AVX2 CBATCH_INLINE void accumulate(const float* p, const T* v, int64_t st
   for (int j = 0; j < kRegs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
+// accumulate over all D columns: 64 at a time, then the last D % 64 in one call of as many
+// registers (D % 8 == 0).
+template <typename T>
+CBATCH_AVX2 CBATCH_INLINE void accumulate_columns(const float* p, const T* v, int64_t stride,
+                                                  int64_t n, int64_t D, float correction,
+                                                  float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) accumulate<8>(p, v + d, stride, n, correction, acc + d);
+  switch ((D - d) / 8) {
+    case 7: return accumulate<7>(p, v + d, stride, n, correction, acc + d);
+    case 6: return accumulate<6>(p, v + d, stride, n, correction, acc + d);
+    case 5: return accumulate<5>(p, v + d, stride, n, correction, acc + d);
+    case 4: return accumulate<4>(p, v + d, stride, n, correction, acc + d);
+    case 3: return accumulate<3>(p, v + d, stride, n, correction, acc + d);
+    case 2: return accumulate<2>(p, v + d, stride, n, correction, acc + d);
+    case 1: return accumulate<1>(p, v + d, stride, n, correction, acc + d);
+    default: return;
+  }
+}
+
 template <typename T>
 CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
                                      int64_t n, int64_t D, float& m, float& l, float* acc) {
@@ -288,9 +345,7 @@ CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int
     const __m256 e = _mm256_and_ps(valid, exp(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
     l = l * correction + reduce_add(e);
     _mm256_store_ps(p, e);
-    int64_t d = 0;
-    for (; d + 64 <= D; d += 64) accumulate<8>(p, v + d, stride, count, correction, acc + d);
-    for (; d < D; d += 8) accumulate<1>(p, v + d, stride, count, correction, acc + d);
+    accumulate_columns(p, v, stride, count, D, correction, acc);
     m = new_m;
   }
 }
