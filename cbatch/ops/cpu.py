@@ -191,10 +191,16 @@ def quantized_linear_w8a8_isa() -> str:
 
 @functools.cache
 def quantized_linear_w4a8_available() -> bool:
-    """Whether cbatch's W4A8 CPU kernel (``cbatch::quantized_linear_w4a8``; its one path,
-    ``quantized_linear.w4a8.avx2``, also on AVX-512 CPUs) runs here: x86 with AVX2 and FMA;
-    elsewhere W4A8 layers run the pure-torch reference."""
+    """Whether cbatch's W4A8 CPU kernel (``cbatch::quantized_linear_w4a8``) runs here: x86
+    with AVX2 and FMA; elsewhere W4A8 layers run the pure-torch reference."""
     return quantized_linear_available() and "avx2" in cpu_isa().split()
+
+
+def quantized_linear_w4a8_isa() -> str:
+    """The path cbatch's W4A8 CPU kernel takes here now, after ``$CBATCH_CPU_ISA``'s cap:
+    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddubsw``), or "" where it does not run
+    (W8A8's rule, on a CPU with AVX2)."""
+    return quantized_linear_w8a8_isa() if quantized_linear_w4a8_available() else ""
 
 
 @dataclass(frozen=True)
@@ -323,7 +329,8 @@ def attention_step(head_dim: int) -> str:
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
-    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``, ``greedy_head.int8.avx2``,
+    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``,
+    ``greedy_head.int8.avx2``,
     ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
     left to the kernel, not calls); empty without the extension.  Counts only grow: compare
     two readings."""

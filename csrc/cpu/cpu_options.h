@@ -32,6 +32,7 @@ enum class CpuPath : int {
   kQuantizedLinearW4Avx2,
   kQuantizedLinearW8A8Vnni,
   kQuantizedLinearW8A8Avx2,
+  kQuantizedLinearW4A8Vnni,
   kQuantizedLinearW4A8Avx2,
   kGreedyHeadInt8Avx512Vnni,
   kGreedyHeadInt8Avx2,

@@ -38,8 +38,8 @@
 // each fp32 result rounded in the tile's epilogue by c10::BFloat16's rounding (to nearest
 // even, as Tensor.to(torch.bfloat16)): no fp32 copy of x or of the output.
 //
-// Paths: AVX2 only (vpmaddubsw, 4 rows x 16 columns per tile), also on AVX-512 CPUs (no VNNI
-// path: none could be tested).
+// Paths (4 rows x 16 columns per tile): AVX512-VNNI where present (vpdpbusd on 256-bit
+// vectors), else AVX2 (vpmaddubsw); the same integers, the same output bits.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -100,6 +100,44 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
   return t;
 }
 
+// Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
+// order the header gives: y += rounded(fl(fl(fl(S - 8 xsum) * s_w) * s_x)).
+template <int R>
+CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
+                                         const __m256i (&s)[kRows][2], __m256 (&y)[kRows][2]) {
+  const float* sw = a.wscale + g * a.N16 + block * kBlock;
+  const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256i shift = _mm256_set1_epi32(8 * a.xsum[(m + r) * a.G + g]);
+    const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
+    const __m256 t0 = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift)), sw0), sx);
+    const __m256 t1 = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift)), sw1), sx);
+    y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
+    y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
+  }
+}
+
+// The tile's rows m .. m + R - 1 of the output (columns of `block` below N), plus the bias.
+template <int R>
+CBATCH_AVX2 CBATCH_INLINE void store_tile(const W4A8Args& a, int64_t m, int64_t block,
+                                          const __m256 (&y)[kRows][2]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
+      const int64_t n = block * kBlock + 8 * h, left = a.N - n;
+      if (left <= 0) break;
+      const __m256i lanes = avx2::first_lanes(left);
+      const __m256 yv = a.bias ? _mm256_add_ps(y[r][h], _mm256_maskload_ps(a.bias + n, lanes))
+                               : y[r][h];
+      quantized_operands::store_row8(yv, lanes, left, a.out, a.out_bf16, (m + r) * a.N + n);
+    }
+  }
+}
+
 template <int R>
 CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
   const int64_t Q = a.Q;
@@ -146,52 +184,96 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
         s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(h[r][1], ones));
       }
     }
-    const float* sw = a.wscale + g * a.N16 + block * kBlock;
-    const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+    add_group<R>(a, m, block, g, s, y);
+  }
+  store_tile<R>(a, m, block, y);
+}
+
+// ---- AVX512-VNNI (on 256-bit vectors): vpdpbusd multiplies a quad's 4 unsigned weights by
+// the row's 4 int8 k and adds them into a column's int32 sum in one instruction, in place of
+// vpmaddubsw, the int16 add and the widening vpmaddwd.  The integer sums are exact either way,
+// so the output is the AVX2 tile's (and the reference's) bit for bit.  Even and odd quads sum
+// into separate registers (so a one-row tile has 4 chains, not 2, waiting on vpdpbusd's
+// latency), added at the group's end.
+// (AVX2's target too: the tiles' shared helpers inline into it.)
+#define CBATCH_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+template <int R>
+CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
+  const int64_t Q = a.Q;
+  const uint8_t* w = a.w + block * Q * 32;
+  const int8_t* x = a.xq + m * Q * 4;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 y[kRows][2];  // [row][half]: the sum over groups so far
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i s[2][kRows][2];  // [quad parity][row][half]: this group's int32 sums
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[0][r][0] = s[0][r][1] = s[1][r][0] = s[1][r][1] =
+        _mm256_setzero_si256();
+    for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {  // the run's 4 cache lines, 1 KiB ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + i0 * 32) + 1024 + 64 * l, _MM_HINT_T0);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < kRunQuads; ++j) {
+        const int64_t i = i0 + j;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;  // the row's four k as int8
+          std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          s[j % 2][r][0] = _mm256_dpbusd_epi32(s[j % 2][r][0], lo, xv);
+          s[j % 2][r][1] = _mm256_dpbusd_epi32(s[j % 2][r][1], hi, xv);
+        }
+      }
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i shift = _mm256_set1_epi32(8 * a.xsum[(m + r) * a.G + g]);
-      const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
-      const __m256 t0 = _mm256_mul_ps(
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift)), sw0), sx);
-      const __m256 t1 = _mm256_mul_ps(
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift)), sw1), sx);
-      y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
-      y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
+      s[0][r][0] = _mm256_add_epi32(s[0][r][0], s[1][r][0]);
+      s[0][r][1] = _mm256_add_epi32(s[0][r][1], s[1][r][1]);
     }
+    add_group<R>(a, m, block, g, s[0], y);
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
-      const int64_t n = block * kBlock + 8 * h, left = a.N - n;
-      if (left <= 0) break;
-      const __m256i lanes = avx2::first_lanes(left);
-      const __m256 yv = a.bias ? _mm256_add_ps(y[r][h], _mm256_maskload_ps(a.bias + n, lanes))
-                               : y[r][h];
-      quantized_operands::store_row8(yv, lanes, left, a.out, a.out_bf16, (m + r) * a.N + n);
-    }
+  store_tile<R>(a, m, block, y);
+}
+#undef CBATCH_VNNI
+
+template <bool kVnni, int R>
+void tile(const W4A8Args& a, int64_t m, int64_t block) {
+  if constexpr (kVnni) {
+    tile_vnni<R>(a, m, block);
+  } else {
+    tile_avx2<R>(a, m, block);
   }
 }
 
-void item_avx2(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+// Rows [m0, m1) of one block of columns, kRows at a time.
+template <bool kVnni>
+void item(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + kRows <= m1; m += kRows) tile_avx2<kRows>(a, m, block);
+  for (; m + kRows <= m1; m += kRows) tile<kVnni, kRows>(a, m, block);
   switch (m1 - m) {
-    case 3: return tile_avx2<3>(a, m, block);
-    case 2: return tile_avx2<2>(a, m, block);
-    case 1: return tile_avx2<1>(a, m, block);
+    case 3: return tile<kVnni, 3>(a, m, block);
+    case 2: return tile<kVnni, 2>(a, m, block);
+    case 1: return tile<kVnni, 1>(a, m, block);
     default: return;
   }
 }
 
 // Chunks of rows, each over every block of columns, the blocks shared out among threads.
+template <bool kVnni>
 void run(const W4A8Args& a) {
   const int64_t blocks = a.N16 / kBlock;
   for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
     const int64_t m1 = std::min(a.M, m0 + kChunkRows);
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) item_avx2(a, b, m0, m1);
+      for (int64_t b = begin; b < end; ++b) item<kVnni>(a, b, m0, m1);
     });
   }
 }
@@ -251,8 +333,13 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  count_path(CpuPath::kQuantizedLinearW4A8Avx2);
-  run(a);
+  if (cpu_has_avx512vnni()) {
+    count_path(CpuPath::kQuantizedLinearW4A8Vnni);
+    run<true>(a);
+  } else {
+    count_path(CpuPath::kQuantizedLinearW4A8Avx2);
+    run<false>(a);
+  }
 #endif
   return out;
 }

@@ -89,7 +89,7 @@ def test_w4a8_logits_are_the_references_and_near_int4s(name, monkeypatch):
                           for m in layers)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
-    paths = ("quantized_linear.w4a8.avx2",
+    paths = (f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
              f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}")
     before = [cpu.kernel_paths().get(p, 0) for p in paths]
     ours = torch.cat(prefill_logits(model, prompts))
@@ -149,7 +149,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa()}",
             "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa()}",
             "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}",
-            "w4a8": "quantized_linear.w4a8.avx2"}[method]
+            "w4a8": f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"}[method]
     before = cpu.kernel_paths()
     outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
                         use_tqdm=False)

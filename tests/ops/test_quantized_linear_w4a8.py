@@ -8,7 +8,8 @@ reference's bit for bit: y = (...(0 + t_0) + t_1 ... + t_{G-1}) + b, t_g = fl(fl
 Against the exact value sum_g S_g s_w s_x + b (float64) every output is within
 gamma_{G+3} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S_g < 2^24 is
 exact in fp32; two multiplies per term, G adds, the bias's); bf16 outputs add 2^-8 |y|.
-The kernel has one path (AVX2, on AVX-512 CPUs too); each call asserts it ran.
+The kernel has two paths, AVX512-VNNI (where present) and AVX2: every test runs on each this
+CPU has (the AVX2 one also under set_cpu_options' avx2 cap), and each call asserts its path ran.
 """
 
 import pytest
@@ -20,9 +21,28 @@ from cbatch.ops import cpu, reference
 from tests.quant_utils import random_quantized
 
 U = 2.0 ** -24
-PATH = "quantized_linear.w4a8.avx2"
 needs_kernel = pytest.mark.skipif(not cpu.quantized_linear_w4a8_available(),
                                   reason="cbatch's W4A8 CPU kernel (AVX2) does not run here")
+
+
+@pytest.fixture(autouse=True, params=["", "avx2"], ids=["native", "avx2-cap"])
+def isa(request):
+    """Each test on the kernel's native path here, then under the avx2 cap (where the native
+    path is not already AVX2's)."""
+    from cbatch.ops import compiled
+
+    if request.param and cpu.quantized_linear_w4a8_isa() in ("avx2", ""):
+        pytest.skip("the native path here is already AVX2's")
+    torch.ops.cbatch.set_cpu_options(request.param, "")
+    try:
+        yield request.param
+    finally:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def path() -> str:
+    """The kernel path counter this call should move."""
+    return f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"
 
 
 def _random_w4a8(N, K, group_size, gen):
@@ -33,9 +53,9 @@ def _random_w4a8(N, K, group_size, gen):
 
 
 def _run(x, qweight, scales, group_size, N, bias):
-    before = cpu.kernel_paths()[PATH]
+    before = cpu.kernel_paths()[path()]
     ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias)
-    assert cpu.kernel_paths()[PATH] == before + 1
+    assert cpu.kernel_paths()[path()] == before + 1
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
 
@@ -198,9 +218,9 @@ def test_the_layer_runs_the_kernel():
     qw, (q, s, _) = random_quantized(24, 70, 4, 32, False, gen)
     layer = QuantizedLinear(qw, torch.randn(24, generator=gen), act_bits=8)
     x = torch.randn(2, 5, 70, generator=gen)
-    before = cpu.kernel_paths()[PATH]
+    before = cpu.kernel_paths()[path()]
     y = layer(x)
-    assert cpu.kernel_paths()[PATH] == before + 1 and y.shape == (2, 5, 24)
+    assert cpu.kernel_paths()[path()] == before + 1 and y.shape == (2, 5, 24)
     _check(x.view(10, 70), q - 8, s, 32, layer.bias.detach(), y.view(10, 24),
            reference.quantized_linear_w4a8(x.view(10, 70), layer.qweight, layer.scales, 32,
                                            24, layer.bias))

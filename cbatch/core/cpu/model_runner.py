@@ -92,8 +92,8 @@ class CPUModelRunner(ModelRunner):
             return "none"
         kinds = sorted({(f"w{m.bits}a8" if m.act_bits else f"int{m.bits}")
                         + (f" g{m.group_size}" if m.bits == 4 else "") for m in layers})
-        if all(m.act_bits and m.bits == 4 for m in layers):  # W4A8's one kernel path
-            isa = "avx2" if cpu.quantized_linear_w4a8_available() else ""
+        if all(m.act_bits and m.bits == 4 for m in layers):  # W4A8's kernel's ISA
+            isa = cpu.quantized_linear_w4a8_isa()
         elif all(m.act_bits for m in layers):  # W8A8's kernel's ISA (VNNI where present)
             isa = cpu.quantized_linear_w8a8_isa()
         else:

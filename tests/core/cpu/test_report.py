@@ -32,8 +32,8 @@ def test_version_lists_the_cpu_fast_paths():
                      "decoder layers", "huge pages", "threads"]
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
     quantized = section[names.index("quantized linear")]
-    assert ("w4a8: cbatch's kernel (avx2)" if cpu.quantized_linear_w4a8_available()
-            else "w4a8") in quantized
+    assert (f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()})"
+            if cpu.quantized_linear_w4a8_available() else "w4a8") in quantized
 
 
 def test_switches_show_in_the_report(monkeypatch):
