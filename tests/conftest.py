@@ -20,16 +20,31 @@ if not _has_cuda():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-@pytest.fixture(autouse=True)
-def _float32_when_auto(request, monkeypatch):
+from cbatch.devices import auto_dtype as _REAL_AUTO_DTYPE  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _float32_when_auto():
     """``dtype="auto"`` (LLM's, Engine's and the CLI's default) picks bfloat16 on a CPU that
     computes in it and float16 on CUDA; tests compare against float32 references, so in them
     "auto" means float32 on every machine, except in tests of the rule itself (marked
-    ``real_auto_dtype``)."""
-    if request.node.get_closest_marker("real_auto_dtype") is None:
+    ``real_auto_dtype``: _real_auto_dtype_when_marked).  Patched for the whole session, so that
+    module- and session-scoped fixtures, which build their engines before any function-scoped
+    fixture runs, get float32 too (on a CPU with native bf16 they once got bfloat16).  Other
+    processes (servers, Ray replicas) get the real rule: tests name their dtype there."""
+    import cbatch.devices
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cbatch.devices, "auto_dtype", lambda device: "float32")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _real_auto_dtype_when_marked(request, monkeypatch):
+    if request.node.get_closest_marker("real_auto_dtype") is not None:
         import cbatch.devices
 
-        monkeypatch.setattr(cbatch.devices, "auto_dtype", lambda device: "float32")
+        monkeypatch.setattr(cbatch.devices, "auto_dtype", _REAL_AUTO_DTYPE)
 
 
 TINY = dict(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4,

@@ -13,7 +13,7 @@ from tests.serving_utils import free_port, wait_healthy
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
-KW = dict(max_num_seqs=8, seed=0)
+KW = dict(max_num_seqs=8, seed=0, dtype="float32")  # the replicas' "auto" is the real one
 
 
 @pytest.mark.slow
