@@ -138,12 +138,36 @@ CBATCH_AVX2 CBATCH_INLINE void store_tile(const W4A8Args& a, int64_t m, int64_t 
   }
 }
 
+// A run's 4 cache lines (8 quads of 32 bytes), prefetched 1 KiB ahead.
+CBATCH_AVX2 CBATCH_INLINE void prefetch_run(const uint8_t* run) {
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    _mm_prefetch(reinterpret_cast<const char*>(run) + 1024 + 64 * l, _MM_HINT_T0);
+  }
+}
+
+// Quad i's 32 bytes as unsigned weights: lo the low nibbles (columns 0..7, 4 k each), hi the
+// high ones (columns 8..15).
+CBATCH_AVX2 CBATCH_INLINE void unpack(const uint8_t* quad, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+}
+
+// A row's four int8 k of one quad in every 4-byte lane.
+CBATCH_AVX2 CBATCH_INLINE __m256i broadcast_quad(const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, sizeof quad);
+  return _mm256_set1_epi32(quad);
+}
+
 template <int R>
 CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
   const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * 32;
   const int8_t* x = a.xq + m * Q * 4;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 y[kRows][2];  // [row][half]: the sum over groups so far
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
@@ -155,24 +179,18 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       __m256i h[kRows][2];  // [row][half]: int16 sums of this run of 8 quads
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {  // the run's 4 cache lines, 1 KiB ahead
-        _mm_prefetch(reinterpret_cast<const char*>(w + i0 * 32) + 1024 + 64 * l, _MM_HINT_T0);
-      }
+      prefetch_run(w + i0 * 32);
       // Unrolled: the loop's own counting and branching cost as much as its multiply-adds
       // (benchmarks/NOTES.md, "Quantized SmolLM2-360M, fifth session").  The empty asm after
       // each add keeps the adds in order; without it GCC reassociates them into a tree of all
       // 8 quads' products and spills them.
 #pragma GCC unroll 8
       for (int64_t i = i0; i < i0 + kRunQuads; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        __m256i lo, hi;
+        unpack(w + i * 32, lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          int32_t quad;  // the row's four k as int8
-          std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
-          const __m256i xv = _mm256_set1_epi32(quad);
+          const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
           h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(lo, xv));
           h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(hi, xv));
           asm("" : "+x"(h[r][0]), "+x"(h[r][1]));  // (see above)
@@ -203,7 +221,6 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
   const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * 32;
   const int8_t* x = a.xq + m * Q * 4;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 y[kRows][2];  // [row][half]: the sum over groups so far
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
@@ -213,21 +230,15 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
     for (int r = 0; r < R; ++r) s[0][r][0] = s[0][r][1] = s[1][r][0] = s[1][r][1] =
         _mm256_setzero_si256();
     for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {  // the run's 4 cache lines, 1 KiB ahead
-        _mm_prefetch(reinterpret_cast<const char*>(w + i0 * 32) + 1024 + 64 * l, _MM_HINT_T0);
-      }
+      prefetch_run(w + i0 * 32);
 #pragma GCC unroll 8
       for (int j = 0; j < kRunQuads; ++j) {
         const int64_t i = i0 + j;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        __m256i lo, hi;
+        unpack(w + i * 32, lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          int32_t quad;  // the row's four k as int8
-          std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
-          const __m256i xv = _mm256_set1_epi32(quad);
+          const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
           s[j % 2][r][0] = _mm256_dpbusd_epi32(s[j % 2][r][0], lo, xv);
           s[j % 2][r][1] = _mm256_dpbusd_epi32(s[j % 2][r][1], hi, xv);
         }
