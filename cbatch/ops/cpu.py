@@ -329,11 +329,10 @@ def attention_step(head_dim: int) -> str:
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
-    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx2``,
-    ``greedy_head.int8.avx2``,
-    ``decode_attention.avx512``, ...; ``greedy_head.unsettled_rows`` counts rows the screen
-    left to the kernel, not calls); empty without the extension.  Counts only grow: compare
-    two readings."""
+    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx512vnni``,
+    ``greedy_head.int8.avx2``, ``decode_attention.avx512``, ...;
+    ``greedy_head.unsettled_rows`` counts rows the screen left to the kernel, not calls);
+    empty without the extension.  Counts only grow: compare two readings."""
     if "cpu" not in compiled.compiled_backends():
         return {}
     return dict(zip(torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()))

@@ -78,8 +78,9 @@ def quantized_phrase() -> str:
     their ISA, or the reference."""
     isa = cpu.quantized_linear_isa()
     if isa:
-        w4a8 = (f"cbatch's kernel ({cpu.quantized_linear_w4a8_isa()}), int8 dot products" if
-                cpu.quantized_linear_w4a8_isa() else "the pure-torch reference")
+        w4a8_isa = cpu.quantized_linear_w4a8_isa()
+        w4a8 = (f"cbatch's kernel ({w4a8_isa}), int8 dot products" if w4a8_isa
+                else "the pure-torch reference")
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers; w8a8: "
                 f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products; "
                 f"w4a8: {w4a8}")
