@@ -631,7 +631,9 @@ def main(argv=None):
                              "and spec_verify_s")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                         help="the cbatch engines quantize the model's linear weights at "
-                             "load (CPU; cbatch serve --quantization); hf-* run it unquantized")
+                             "load (CPU; cbatch serve --quantization), or on a quantized "
+                             "checkpoint run its weights with int8 activations (w4a8, w8a8); "
+                             "hf-* run it unquantized")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also run cbatch-invariant (batch_invariant=True) after "
                              "cbatch-continuous")

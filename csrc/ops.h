@@ -92,12 +92,14 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 // group_size k in the kernel, int4 x int8 dot products summed exactly in int32 per group,
 // y = sum over groups of S * s_w[g, n] * s_x[m, g] (+ bias) in fp32, in a fixed order.
 // qweight: uint8 [N16 / 16, 8 ceil(K / 32), 32], q + 8 as nibbles (columns j and 8 + j of
-// a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32.
-// Supported on x86 with AVX2 and FMA (its one path, AVX-512 CPUs included).
+// a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32;
+// zeros: None (symmetric: 8) or int8 [G, N16] in [0, 15], the nibbles then the weight's own
+// unsigned integers.  Supported on x86 with AVX2 and FMA (AVX512-VNNI's vpdpbusd where present).
 at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,
-                                     const std::optional<at::Tensor>& bias);
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::optional<at::Tensor>& zeros = std::nullopt);
 
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`

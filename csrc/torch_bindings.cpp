@@ -30,7 +30,7 @@ TORCH_LIBRARY(cbatch, m) {
       "Tensor? bias) -> Tensor");
   m.def(
       "quantized_linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, "
-      "int out_features, Tensor? bias) -> Tensor");
+      "int out_features, Tensor? bias, Tensor? zeros=None) -> Tensor");
   m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "

@@ -48,16 +48,18 @@ def run_vllm(model: str, batch: list[list[int]], dtype: str) -> dict:
             "greedy": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run_cbatch(model: str, batch: list[list[int]], dtype: str) -> dict:
+def run_cbatch(model: str, batch: list[list[int]], dtype: str,
+               quantization: str | None = None) -> dict:
     import torch
 
     import cbatch
 
-    llm = cbatch.LLM(model, dtype=getattr(torch, dtype))
+    llm = cbatch.LLM(model, dtype=getattr(torch, dtype), quantization=quantization)
     params = cbatch.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                    prompt_logprobs=0)
     outs = llm.generate(batch, params)
-    return {"engine": f"cbatch {cbatch.__version__}",
+    return {"engine": f"cbatch {cbatch.__version__}" + (f" {quantization}" if quantization
+                                                         else ""),
             "prompt_logprobs": [_prompt_logprobs(o.prompt_logprobs, p)
                                 for o, p in zip(outs, batch)],
             "greedy": [list(o.token_ids) for o in outs]}
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--quantization", help="cbatch's (e.g. w4a8 on a GPTQ checkpoint)")
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs=2, metavar="JSON")
     args = ap.parse_args()
@@ -90,9 +93,14 @@ def main() -> None:
         a, b = (json.load(open(path)) for path in args.compare)
         return compare(a, b)
     batch = prompts(args.prompts, args.prompt_len, args.vocab)
-    run = run_vllm if args.engine == "vllm" else run_cbatch
+    if args.engine == "vllm":
+        if args.quantization:
+            ap.error("--quantization is cbatch's (vLLM reads the checkpoint's own)")
+        result = run_vllm(args.model, batch, args.dtype)
+    else:
+        result = run_cbatch(args.model, batch, args.dtype, args.quantization)
     with open(args.out, "w") as f:
-        json.dump(run(args.model, batch, args.dtype), f)
+        json.dump(result, f)
     print(f"wrote {args.out}")
 
 

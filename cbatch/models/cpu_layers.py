@@ -54,7 +54,7 @@ def linear_slots(module) -> tuple[list, list[int]] | str:
         if module.act_bits == 8 and module.bits == 4:
             if not cpu.quantized_linear_w4a8_available():
                 return "W4A8 runs the pure-torch reference here"
-            return ([buffers["qweight"], buffers["scales"], None, bias],
+            return ([buffers["qweight"], buffers["scales"], buffers["zeros"], bias],
                     [W4A8, module.out_features, 4, module.group_size, 0])
         if not cpu.quantized_linear_available():
             return "quantized layers run the pure-torch reference here"

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from cbatch.logger import init_logger
-from cbatch.config import CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
+from cbatch.config import ACTIVATION_KERNELS, CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
 from cbatch.hub import resolve_checkpoint_dir
-from cbatch.layers.quantization import check_quantization, quantize_model
+from cbatch.layers.quantization import check_quantization, quantize_head, quantize_model
 from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
@@ -124,7 +124,12 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     A checkpoint that is quantized already (a ``quantization_config`` in config.json: GPTQ,
     AWQ, compressed-tensors) loads its own quantized layers
     (:mod:`cbatch.models.quantized_checkpoint`); ``quantization`` may then be None or that
-    method, as in vLLM.
+    method, as in vLLM, or ``"w4a8"`` / ``"w8a8"``: a choice of kernel for the checkpoint's
+    own weights (as vLLM's ``"gptq_marlin"`` is for a ``gptq`` checkpoint), their inputs
+    quantized to int8 at every call; the layers must hold what that kernel takes (int4 in
+    groups of a multiple of 32 k; symmetric int8, one scale per output channel), and
+    under w4a8 the lm_head becomes int8 as online w4a8 makes it
+    (:func:`cbatch.layers.quantization.quantize_head`).
     """
     check_quantization(quantization)
     if quantization in CHECKPOINT_QUANTIZATION and name_or_path.startswith("random:"):
@@ -155,10 +160,12 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     raw = read_json_object(path / "config.json")
     architecture = architecture_of(raw, path / "config.json")
     method = quantized_checkpoint.quant_method(raw, path / "config.json")
-    if method is not None and quantization not in (None, method):
+    if method is not None and quantization not in (None, method) + ACTIVATION_KERNELS:
         raise ValueError(f"{path / 'config.json'}: the checkpoint is quantized by {method} "
                          f"(its quantization_config), which quantization={quantization!r} "
-                         "contradicts; leave quantization unset to load it")
+                         "contradicts; leave quantization unset to load it (or choose "
+                         f"{' or '.join(ACTIVATION_KERNELS)}: its weights, int8 activations)")
+    kernel = quantization if method is not None and quantization in ACTIVATION_KERNELS else None
     if method is None and quantization in CHECKPOINT_QUANTIZATION:
         raise ValueError(f"{path / 'config.json'} has no quantization_config: it is no "
                          f"{quantization} checkpoint (quantization={quantization!r})")
@@ -194,10 +201,19 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         model = cls(config, attention_backend)
     if method is not None:
         count = quantized_checkpoint.install(model, layers, state, path / "config.json",
-                                             device, dtype)
-        logger.info("loaded %d quantized linear layers (%s)", count, method)
+                                             device, dtype, kernel)
+        logger.info("loaded %d quantized linear layers (%s%s)", count, method,
+                    f", run as {kernel}" if kernel else "")
+        if kernel is None and torch.device(device).type == "cpu" and (
+                hint := quantized_checkpoint.suggested_kernel(layers)):
+            logger.info("quantization=%r would run these weights with int8 activations, "
+                        "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", hint)
     _assign(model, state, path, tied, device, dtype)
-    return _quantized(model.eval(), None if method else quantization)
+    if method is not None:
+        if kernel and quantize_head(model, kernel):
+            logger.info("quantized the lm_head to int8 (%s)", kernel)
+        return model.eval()
+    return _quantized(model.eval(), quantization)
 
 
 def _check_quantized_run(method: str | None, device, dtype) -> None:

@@ -24,6 +24,11 @@ Which layers are quantized is read from the tensors (a layer has ``qweight``,
 ``weight_packed`` or an int8 ``weight``); the others (the lm_head, ``ignore`` and
 ``modules_to_not_convert`` lists) load as float.  A method, bit width or option not listed
 is refused by name.
+
+``quantization="w4a8"`` or ``"w8a8"`` on such a checkpoint runs its own weights with int8
+activations (:func:`with_int8_activations`): int4 in groups of a multiple of 32 k, zero points
+and all (GPTQ, AWQ, compressed-tensors W4A16), on the W4A8 kernel; symmetric int8 with one
+scale per output channel on the W8A8 one; other weights are refused by layer name.
 """
 
 from __future__ import annotations
@@ -323,11 +328,45 @@ def _module(layer: Layer, name: str, bias: torch.Tensor | None, where: Path
                            bias, layer.act_bits, perm)
 
 
+def int8_activation_kernel(layer: Layer) -> str | None:
+    """The kernel that runs ``layer``'s own weights with int8 activations (``"w4a8"``: int4
+    in groups of a multiple of 32 k, with zero points or without; ``"w8a8"``: symmetric int8
+    with one scale per output channel), or None."""
+    if layer.bits == 4 and layer.group_size % 32 == 0:
+        return "w4a8"
+    if layer.bits == 8 and layer.group_size >= layer.q.shape[1] and layer.zeros is None:
+        return "w8a8"
+    return None
+
+
+def suggested_kernel(layers: dict[str, Layer]) -> str | None:
+    """The int8-activation kernel that runs every one of ``layers`` where they do not take
+    int8 activations already (:func:`int8_activation_kernel`), or None."""
+    kinds = {int8_activation_kernel(layer) for layer in layers.values()}
+    if len(kinds) != 1 or any(layer.act_bits == 8 for layer in layers.values()):
+        return None
+    return kinds.pop()
+
+
+def with_int8_activations(layer: Layer, name: str, kernel: str, where: Path) -> Layer:
+    """``layer`` run by ``kernel`` (``"w4a8"`` or ``"w8a8"``): its own weights, x quantized to
+    int8 at every call; refused by name where the weights are not what that kernel takes."""
+    takes = "int4 in groups of a multiple of 32 k" if kernel == "w4a8" else \
+        "symmetric int8 with one scale per output channel"
+    if int8_activation_kernel(layer) != kernel:
+        has = f"{layer.bits}-bit weights in groups of {layer.group_size} k of " \
+            f"{layer.q.shape[1]}" + (" with zero points" if layer.zeros is not None else "")
+        raise ValueError(f"{where}: quantization={kernel!r} runs {takes}; {name} holds {has} "
+                         "(leave quantization unset to run them as they are)")
+    return replace(layer, act_bits=8)
+
+
 def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.Tensor],
-            where: Path, device, dtype) -> int:
+            where: Path, device, dtype, kernel: str | None = None) -> int:
     """Replace each quantized layer's :class:`Linear` in ``model`` (Hugging Face names in
     ``layers``; q/k/v and gate/up fused as the model fuses them) by a QuantizedLinear, its
-    bias taken from ``state`` (our names); the number replaced."""
+    bias taken from ``state`` (our names); the number replaced.  ``kernel`` (``"w4a8"``,
+    ``"w8a8"``): each layer's inputs quantized to int8 (:func:`with_int8_activations`)."""
     fused: dict[str, dict[int, Layer]] = {}
     for name, layer in layers.items():
         parts = name.split(".")
@@ -343,6 +382,8 @@ def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.T
             raise ValueError(f"{where}: only some shards of {target} are quantized; cbatch "
                              "fuses them into one layer of one kind")
         layer = _fuse(target, [shards[i] for i in range(count)], where)
+        if kernel is not None:
+            layer = with_int8_activations(layer, target, kernel, where)
         try:
             linear = model.get_submodule(target)
         except AttributeError:

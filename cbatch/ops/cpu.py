@@ -358,9 +358,9 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::quantized_linear_w4a8")
-    def _(x, qweight, scales, group_size, out_features, bias):
+    def _(x, qweight, scales, group_size, out_features, bias, zeros=None):
         check_no_meta_mix("cbatch::quantized_linear_w4a8", x=x, qweight=qweight,
-                          scales=scales, bias=bias)
+                          scales=scales, bias=bias, zeros=zeros)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")

@@ -226,18 +226,21 @@ def unpack_w4a8(qweight: torch.Tensor, out_features: int, in_features: int) -> t
 
 
 def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                          group_size: int, out_features: int, bias: torch.Tensor | None
-                          ) -> torch.Tensor:
+                          group_size: int, out_features: int, bias: torch.Tensor | None,
+                          zeros: torch.Tensor | None = None) -> torch.Tensor:
     """W4A8: x ``[M, K]`` quantized per token and group (:func:`quantize_per_group`: ``xq``,
     ``s_x [M, G]``), each group's exact integer sums ``S[m, n, g]`` (in float64, exact below
     2^53), then in fp32, the groups in order, ``y = sum_g (S * s_w[g, n]) * s_x[m, g]`` (each
     product and each add rounded; the sum starts at 0) and ``+ bias[n]`` last, returned in x's
     dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit for bit.  qweight:
-    :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``."""
+    :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``; zeros: None (the weight's
+    integers are the nibbles less 8) or int8 ``[G, N16]`` (the nibbles less ``zeros[g, n]``)."""
     M, K = x.shape
     N, G = out_features, scales.shape[0]
     pad = G * group_size - K
     q = torch.nn.functional.pad(unpack_w4a8(qweight, N, K), (0, pad)).view(N, G, group_size)
+    if zeros is not None:  # the nibble is q + 8; the weight's integer is the nibble less z
+        q = q + 8 - zeros[:, :N].t().to(torch.int32)[:, :, None]
     xq, sx = quantize_per_group(x, group_size)
     xq = torch.nn.functional.pad(xq, (0, pad)).view(M, G, group_size)
     S = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # [M, N, G], exact

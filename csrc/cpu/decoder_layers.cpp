@@ -14,7 +14,7 @@
 //   kPacked    (linear_cpu):               packed weight, -, -, bias
 //   kQuantized (quantized_linear_cpu):     qweight, scales, zeros, bias
 //   kW8A8      (quantized_linear_w8a8_cpu): qweight, scales, -, bias
-//   kW4A8      (quantized_linear_w4a8_cpu): qweight, scales, -, bias
+//   kW4A8      (quantized_linear_w4a8_cpu): qweight, scales, zeros, bias
 #include <ATen/ops/empty.h>
 
 #include "../ops.h"
@@ -50,7 +50,8 @@ at::Tensor linear(const at::Tensor& x, const Slots& t, int64_t t0, at::IntArrayR
     case LinearKind::kW8A8:
       return quantized_linear_w8a8_cpu(x, required(t, t0), required(t, t0 + 1), n, bias);
     case LinearKind::kW4A8:
-      return quantized_linear_w4a8_cpu(x, required(t, t0), required(t, t0 + 1), group, n, bias);
+      return quantized_linear_w4a8_cpu(x, required(t, t0), required(t, t0 + 1), group, n, bias,
+                                       t.get(t0 + 2));
   }
   TORCH_CHECK_VALUE(false, "decoder_layers: unknown linear kind ", kind);
 }

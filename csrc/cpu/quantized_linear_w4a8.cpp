@@ -1,5 +1,6 @@
 // The CPU W4A8 linear op (llama.cpp's route for int4: Q4_0 weights against Q8_0 activations):
-// int4 weights, symmetric, one scale per group of group_size k and output column; x quantized
+// int4 weights, one scale per group of group_size k and output column, symmetric (zero point
+// 8) or with a zero point per group and column (AWQ's, asymmetric GPTQ's; Q4_1's route); x quantized
 // to int8 on every call per token and per group of the same k; each group's integer dot
 // product summed exactly in int32, then scaled and summed over groups in fp32:
 //   y[m, n] = fl(...fl(fl(0 + t[m, n, 0]) + t[m, n, 1]) ... + t[m, n, G - 1]) (+ bias[n]),
@@ -24,14 +25,16 @@
 // column's 4 k in one 4-byte lane, so one broadcast of the row's 4 int8 k serves both halves.
 // The weight is the unsigned operand of vpmaddubsw and x the signed one:
 // sum (q + 8) x = sum q x + 8 sum x, and the kernel subtracts 8 times the row's sum of its q
-// over the group, one number per row and group (no per-column correction).
+// over the group, one number per row and group (no per-column correction).  With zero points
+// the stored nibble u is the weight's own unsigned integer (w = s_w (u - z)), and the kernel
+// subtracts z[g, n] times the row's sum instead: S = sum u x - z sum x, exact as before.
 //
 // No overflow: vpmaddubsw adds two products u x with u <= 15 and |x| <= 127, so each int16
 // lane is at most 2 * 15 * 127 = 3810 in magnitude (it never saturates); the kernel adds 8
 // such lanes (8 quads, 32 k) in int16, at most 8 * 3810 = 30480 < 32767, before vpmaddwd with
 // ones widens each pair of lanes (one column's 4 k) into int32.  A group's int32 sum is at
-// most 15 * 127 * group_size < 2^31 (group_size <= 65536), and 8 sum x at most
-// 8 * 127 * group_size.  So every integer is exact.  group_size must be a multiple of 32 (whole
+// most 15 * 127 * group_size < 2^31 (group_size <= 65536), and z sum x at most
+// 15 * 127 * group_size.  So every integer is exact.  group_size must be a multiple of 32 (whole
 // runs of 8 quads in every group but the last).
 //
 // x (fp32 or bf16) is read in place, rows x.stride(0) apart; a bf16 x gets a bf16 output,
@@ -67,6 +70,7 @@ struct W4A8Args {
   int64_t M, G, GQ, Q, N;  // GQ: quads per group; Q: quads per row (the last group's fewer)
   const uint8_t* w;     // [N16 / 16, Q, 32]
   const float* wscale;  // [G, N16] s_w
+  const int8_t* wzero;  // [G, N16] zero points in [0, 15], or null: 8
   int64_t N16;
   const float* bias;    // [N] fp32 or null
   float* out;           // [M, N] fp32 (an fp32 x), or null
@@ -101,20 +105,29 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 }
 
 // Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
-// order the header gives: y += rounded(fl(fl(fl(S - 8 xsum) * s_w) * s_x)).
+// order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z 8 or each
+// column's zero point.
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
                                          const __m256i (&s)[kRows][2], __m256 (&y)[kRows][2]) {
   const float* sw = a.wscale + g * a.N16 + block * kBlock;
   const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+  const int8_t* z = a.wzero ? a.wzero + g * a.N16 + block * kBlock : nullptr;
+  const __m256i z0 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                             reinterpret_cast<const __m128i*>(z))) : __m256i{},
+                z1 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                             reinterpret_cast<const __m128i*>(z + 8))) : __m256i{};
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m256i shift = _mm256_set1_epi32(8 * a.xsum[(m + r) * a.G + g]);
+    const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
+    const __m256i shift0 = z ? _mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum))
+                             : _mm256_set1_epi32(8 * xsum),
+                  shift1 = z ? _mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)) : shift0;
     const __m256 t0 = _mm256_mul_ps(
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift)), sw0), sx);
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift0)), sw0), sx);
     const __m256 t1 = _mm256_mul_ps(
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift)), sw1), sx);
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift1)), sw1), sx);
     y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
     y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
   }
@@ -295,7 +308,8 @@ void run(const W4A8Args& a) {
 at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,
-                                     const std::optional<at::Tensor>& bias) {
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::optional<at::Tensor>& zeros) {
   const at::Tensor x = quantized_operands::checked_x(x_in, out_features, bias);
 #ifdef CBATCH_X86
   const bool avx2 = cpu_has_avx2();
@@ -320,6 +334,9 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                         scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N16,
                     "scales must be a dense float32 [", G, ", ", N16, "], got ",
                     scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->is_contiguous() &&
+                               zeros->sizes() == scales.sizes()),
+                    "zeros must be None or a dense int8 [", G, ", ", N16, "]");
   // The output in x's dtype, written by the tiles (a bf16 one rounded there): no fp32 copy.
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -334,6 +351,7 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                    .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .Q = Q,
                    .N = N,
                    .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
+                   .wzero = zeros ? zeros->data_ptr<int8_t>() : nullptr,
                    .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
                    .out = bf16 ? nullptr : out.data_ptr<float>(),
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};

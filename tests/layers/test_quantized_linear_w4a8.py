@@ -9,6 +9,8 @@ from torch import nn
 
 from cbatch.layers.quantization import QuantizedLinear, pack, quantize
 from cbatch.layers.quantization import linear as quantized_linear
+from cbatch.ops import cpu
+from tests.quant_utils import random_quantized, unpacked_weight
 
 U = 2.0 ** -24
 
@@ -54,6 +56,28 @@ def test_layer_within_the_quantization_error_of_x(dtype, kernel, monkeypatch):
     torch.testing.assert_close(y[4], linear.bias.detach().to(dtype))
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_layer_with_zero_points_within_the_quantization_error_of_x(kernel, monkeypatch):
+    """Zero points (AWQ's, asymmetric GPTQ's): the oracle's weight is s * (q - z) from the
+    drawn integers (tests/quant_utils.py), not cbatch's dequantization."""
+    if not kernel:
+        monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available",
+                            lambda: False)
+    gen = torch.Generator().manual_seed(2)
+    qw, (q, s, z) = random_quantized(21, 200, 4, 64, True, gen)
+    bias = torch.randn(21, generator=gen)
+    layer = QuantizedLinear(qw, bias, act_bits=8)
+    x = torch.randn(9, 200, generator=gen)
+    x[3, 70] = 100.0
+    before = cpu.kernel_paths().get(f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
+                                    0)
+    y = layer(x)
+    after = cpu.kernel_paths().get(f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
+                                   0)
+    assert after == before + (kernel and cpu.quantized_linear_w4a8_available())
+    _float_oracle_check(x, unpacked_weight(q, s, z, 4, 64), bias, 64, y)
+
+
 def test_interface():
     w = torch.randn(20, 70, generator=torch.Generator().manual_seed(0))
     qw = quantize(w, 4, 32)
@@ -62,8 +86,11 @@ def test_interface():
     assert layer.qweight.shape == (2, 3 * 8, 32) and layer.qweight.dtype == torch.uint8
     assert torch.equal(layer.weight.dequantize(), qw.dequantize())
     assert torch.equal(layer.weight.qweight, qw.qweight)
-    for bad in (quantize(w, 4, 10), quantize(w, 4, 48),
-                pack(torch.zeros(20, 70), torch.ones(3, 20), torch.ones(3, 20), 4, 32)):
-        with pytest.raises(ValueError, match="or symmetric int4 in groups of a multiple of 32 "
+    for bad in (quantize(w, 4, 10), quantize(w, 4, 48)):
+        with pytest.raises(ValueError, match="or int4 in groups of a multiple of 32 "
                                              "\\(W4A8\\)"):
             QuantizedLinear(bad, act_bits=8)
+    zeros = pack(torch.zeros(20, 70), torch.ones(3, 20), torch.full((3, 20), 3), 4, 32)
+    layer = QuantizedLinear(zeros, act_bits=8)  # zero points: W4A8 too, kept beside it
+    assert torch.equal(layer.weight.zeros, zeros.zeros)
+    assert torch.equal(layer.weight.dequantize(), zeros.dequantize())

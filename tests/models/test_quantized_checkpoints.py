@@ -343,6 +343,139 @@ def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
         load_model(q, dtype=torch.float16)
 
 
+# (format, group_size, sym, desc_act, tied): int4 checkpoints run as W4A8
+W4A8_CASES = [("gptq", 32, True, False, True), ("gptq", 64, True, True, False),
+              ("gptq", 128, False, False, False), ("gptq", -1, False, True, True),
+              ("ct", 32, True, False, False), ("awq", 32, False, False, True),
+              ("awq", 128, False, False, False)]
+
+
+def own_w4a8(x: torch.Tensor, w: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """The test's own W4A8 of one layer: per row of x and group of k (``group[k]``) in fp32,
+    ``q = round(x * (127 / max |x|))``, then each group's exact sum of q times the
+    dequantized weight ``w`` ``[N, K]``, scaled by ``max |x| / 127``; float64 ``[M, N]``."""
+    y = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for g in group.unique():
+        cols = group == g
+        top = x[:, cols].abs().amax(1, keepdim=True)
+        q = torch.where(top > 0, (x[:, cols] * (127 / top)).round(), 0)
+        y += (q.double() @ w[:, cols].double().t()) * (top.double() / 127)
+    return y
+
+
+@pytest.mark.parametrize("fmt,gs,sym,desc_act,tied", W4A8_CASES)
+def test_an_int4_checkpoint_runs_w4a8(tmp_path, fmt, gs, sym, desc_act, tied, monkeypatch):
+    """quantization="w4a8" on an int4 checkpoint: its own weights and zero points, unchanged,
+    run cbatch's W4A8 kernel (x int8 per token and group, the groups the checkpoint's, desc_act
+    orders too), and the lm_head becomes int8 as online w4a8 makes it.  One layer equals the
+    test's own W4A8 (:func:`own_w4a8`) on the dequantized weights; the model's logits are
+    those of the same layers on the pure-torch reference, and within 3% of the largest logit
+    of the dequantized float model (what int8 x and the int8 lm_head cost)."""
+    q, dense = make_checkpoint(tmp_path, fmt, bits=4, gs=gs, sym=sym, desc_act=desc_act,
+                               tied=tied)
+    model, oracle = load_model(q, quantization="w4a8"), load_model(dense)
+    head = model.lm_head
+    assert isinstance(head, QuantizedLinear) and (head.bits, head.act_bits) == (8, 8)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not head]
+    assert len(layers) == 4 * SHAPE["num_hidden_layers"]
+    assert all((m.bits, m.act_bits, m.group_size) == (4, 8, 224 if gs == -1 else gs)
+               for m in layers if m.in_features == 224)
+    assert all((m.zeros is None) == (sym and fmt != "awq") for m in layers)
+    from safetensors.torch import load_file
+
+    name = "model.layers.1.mlp.down_proj"
+    w = load_file(f"{dense}/model.safetensors")[f"{name}.weight"]  # [160, 224]
+    group = load_file(f"{q}/model.safetensors")[f"{name}.g_idx"].long() if fmt == "gptq" \
+        else torch.arange(224) // gs
+    x = torch.randn(5, 224, generator=torch.Generator().manual_seed(4))
+    x[2] = 0  # a row of zeros: scale 0
+    paths = (f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
+             f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}")
+    before = [cpu.kernel_paths().get(p, 0) for p in paths]
+    with torch.no_grad():
+        got = model.get_submodule(name)(x)
+    torch.testing.assert_close(got.double(), own_w4a8(x, w, group), atol=1e-5, rtol=1e-5)
+    ours = torch.cat(prefill_logits(model, PROMPTS))
+    moved = [cpu.kernel_paths().get(p, 0) - b for p, b in zip(paths, before)]
+    assert moved[0] >= 1 + len(layers) or not cpu.quantized_linear_w4a8_available()
+    assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
+    monkeypatch.setattr(cpu, "quantized_linear_w4a8_available", lambda: False)
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    torch.testing.assert_close(ours, torch.cat(prefill_logits(model, PROMPTS)),
+                               atol=1e-5, rtol=1e-5)
+    want = torch.cat(prefill_logits(oracle, PROMPTS))
+    assert (ours - want).abs().max() < 0.03 * want.abs().max()
+
+
+def test_an_int8_per_channel_checkpoint_runs_w8a8(tmp_path):
+    """quantization="w8a8" on GPTQ's symmetric 8-bit weights with one group per channel:
+    W8A8 on its own weights; the lm_head stays float (as under online w8a8)."""
+    q, dense = make_checkpoint(tmp_path, "gptq", bits=8, gs=-1, desc_act=True)
+    model = load_model(q, quantization="w8a8")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * SHAPE["num_hidden_layers"]
+    assert all((m.bits, m.act_bits) == (8, 8) for m in layers)
+    assert isinstance(model.lm_head, Linear)
+    path = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+    before = cpu.kernel_paths().get(path, 0)
+    got = torch.cat(prefill_logits(model, PROMPTS))
+    assert cpu.kernel_paths().get(path, 0) > before or not cpu.quantized_linear_available()
+    want = torch.cat(prefill_logits(load_model(dense), PROMPTS))
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt,bits,gs,kernel,has", [
+    ("gptq", 4, 32, "w8a8", "4-bit weights in groups of 32 k of (160|224) \\("),
+    ("gptq", 8, 64, "w8a8", "8-bit weights in groups of 64 k of (160|224) \\("),
+    ("gptq", 8, -1, "w4a8", "8-bit weights in groups of (160 k of 160|224 k of 224) \\("),
+    ("awq", 4, 32, "w8a8", "4-bit weights in groups of 32 k of (160|224) with zero points"),
+])
+def test_weights_an_int8_activation_kernel_does_not_take_are_refused(tmp_path, fmt, bits, gs,
+                                                                      kernel, has):
+    q, _ = make_checkpoint(tmp_path, fmt, bits=bits, gs=gs)
+    takes = "int4 in groups" if kernel == "w4a8" else "symmetric int8 with one"
+    with pytest.raises(ValueError, match=f"quantization='{kernel}' runs {takes}.*; "
+                                         f"model\\.layers\\.[01]\\.[a-z_.]+ holds {has}"):
+        load_model(q, quantization=kernel)
+    asymmetric, _ = make_checkpoint(tmp_path / "asym", "gptq", bits=8, gs=-1, sym=False)
+    with pytest.raises(ValueError, match="with zero points \\(leave quantization unset"):
+        load_model(asymmetric, quantization="w8a8")
+
+
+@pytest.mark.parametrize("fmt,bits,gs,sym,hint", [
+    ("gptq", 4, 64, True, "w4a8"), ("ct", 8, -1, True, "w8a8"), ("awq", 4, 64, False, "w4a8"),
+    ("gptq", 8, 32, True, None), ("gptq", 8, -1, False, None), ("w8a8", 8, -1, True, None)])
+def test_a_checkpoint_that_a_faster_kernel_runs_says_so_at_load(tmp_path, caplog, fmt, bits,
+                                                                   gs, sym, hint):
+    q, _ = make_checkpoint(tmp_path, fmt, bits=bits, gs=gs, sym=sym)
+    with caplog.at_level("INFO", logger="cbatch"):
+        load_model(q)
+    said = [r.getMessage() for r in caplog.records if "would run these weights" in r.message]
+    assert said == ([f"quantization={hint!r} would run these weights with int8 activations, "
+                     "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)"] if hint else [])
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])  # symmetric; zero points
+def test_engine_runs_an_int4_checkpoint_as_w4a8_in_one_layers_call(tmp_path, monkeypatch, fmt):
+    """An engine on a GPTQ or AWQ checkpoint under quantization="w4a8" says so, binds its
+    layers for the one C++ call (csrc/cpu/decoder_layers.cpp, zero points and all), and gives
+    the Python loop's tokens and log-probabilities to the last bit."""
+    if not cpu.quantized_linear_w4a8_available() or not hasattr(torch.ops.cbatch,
+                                                                "decoder_layers"):
+        pytest.skip("the W4A8 kernel or the one-call layers do not run here")
+    from tests.models.test_cpu_layers import run
+
+    q, _ = make_checkpoint(tmp_path, fmt, gs=32, tied=True)
+    make = lambda: load_model(q, quantization="w4a8")  # noqa: E731
+    assert (make().model.layers[0].mlp.down_proj.zeros is None) == (fmt == "gptq")
+    ours, calls, phrase = run(monkeypatch, "1", make)
+    loop, _, _ = run(monkeypatch, "0", make)
+    assert phrase == "one C++ call" and calls >= 12
+    assert ours == loop
+    llm = LLM(q, max_num_seqs=2, quantization="w4a8")
+    assert llm.engine.runner.describe()["quantized linear"].startswith("w4a8 g32, w8a8, 9 layers")
+
+
 def _rewrite(path, name, fn):
     from safetensors.torch import load_file
 

@@ -52,9 +52,10 @@ def _random_w4a8(N, K, group_size, gen):
     return pack_w4a8(qw), qw.scales, q - 8, s
 
 
-def _run(x, qweight, scales, group_size, N, bias):
+def _run(x, qweight, scales, group_size, N, bias, zeros=None):
     before = cpu.kernel_paths()[path()]
-    ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias)
+    ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias,
+                                                  zeros)
     assert cpu.kernel_paths()[path()] == before + 1
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
@@ -177,6 +178,29 @@ def test_w4a8_matches_exact_integer_sums(N, K, group_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("N,K,group_size", [(5, 3, 32), (33, 127, 128), (130, 261, 32),
+                                            (7, 300, 64)])
+def test_w4a8_with_zero_points_matches_exact_integer_sums(N, K, group_size):
+    """Zero points per group and column (AWQ's, asymmetric GPTQ's): the weight's integers are
+    the nibbles less z, each group's sum exact against the oracle's int64 sums of x's q times
+    (q - z) from the drawn integers; rows 1, 4 and 33, fp32 and bf16."""
+    gen = torch.Generator().manual_seed(N * 7 + K)
+    qw, (q, s_w, z) = random_quantized(N, K, 4, group_size, True, gen)
+    qweight = pack_w4a8(qw)
+    signed = q - z[torch.arange(K) // group_size].t()  # [N, K] in [-15, 15]
+    for M, dtype, with_bias in ((1, torch.float32, True), (4, torch.bfloat16, False),
+                                (33, torch.float32, False)):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        bias = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+        ours = _run(x, qweight, qw.scales, group_size, N, bias, qw.zeros)
+        ref = reference.quantized_linear_w4a8(x, qweight, qw.scales, group_size, N, bias,
+                                              qw.zeros)
+        _check(x, signed, s_w, group_size, bias, ours, ref)
+    assert torch.equal(unpack_w4a8(qweight, qw.scales, group_size, N, K, qw.zeros).zeros,
+                       qw.zeros)
+
+
+@needs_kernel
 def test_extreme_integers_are_exact():
     """q all -8 or 7 against x quantized to +-127 in groups of 65536 (the largest the kernel
     takes): the int16 runs' and the group sums' largest magnitudes come out exact."""
@@ -191,6 +215,12 @@ def test_extreme_integers_are_exact():
     ours = _run(x, qweight, qw.scales, gs, N, None)
     _check(x, q - 8, s, gs, None, ours,
            reference.quantized_linear_w4a8(x, qweight, qw.scales, gs, N, None))
+    # zero points 15 under nibbles 0 and 0 under 15: integers -15 and 15, the widest they get
+    z = torch.where(torch.arange(N) % 2 == 0, 15, 0).expand(2, N)
+    qz = pack(q, s, z, 4, gs)
+    ours = _run(x, qweight, qz.scales, gs, N, None, qz.zeros)
+    _check(x, q - z[0][:, None], s, gs, None, ours,
+           reference.quantized_linear_w4a8(x, qweight, qz.scales, gs, N, None, qz.zeros))
     with pytest.raises(ValueError, match="group_size must be a multiple of 32 in \\[32, 65536\\]"):
         torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, 2 * gs, N, None)
 
@@ -243,12 +273,14 @@ def test_opcheck():
     (dict(qweight=torch.zeros(2, 24, 32, dtype=torch.int8)), "a W4A8 qweight is uint8"),
     (dict(scales=torch.zeros(1, 32)), "scales must be a dense float32 \\[3, 32\\]"),
     (dict(bias=torch.zeros(23)), "bias must be \\[24\\]"),
+    (dict(zeros=torch.zeros(3, 32, dtype=torch.int32)), "zeros must be None or a dense int8 "
+                                                        "\\[3, 32\\]"),
     (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
 ])
 def test_bad_operands_get_a_sentence(change, match):
     qweight, scales, _, _ = _random_w4a8(24, 66, 32, torch.Generator().manual_seed(0))
     args = dict(x=torch.zeros(3, 66), qweight=qweight, scales=scales, group_size=32,
-                out_features=24, bias=None)
+                out_features=24, bias=None, zeros=None)
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         torch.ops.cbatch.quantized_linear_w4a8(*args.values())

@@ -37,14 +37,14 @@ assert tuple(QUANTIZATION_METHODS) == config.QUANTIZATION_METHODS
 QUANTIZED_HEADS = {"w4a8": (8, None, 8)}
 
 __all__ = ["QUANTIZATION_METHODS", "QUANTIZED_HEADS", "QuantizedLinear", "QuantizedWeight",
-           "check_quantization", "pack", "quantize", "quantize_model"]
+           "check_quantization", "pack", "quantize", "quantize_head", "quantize_model"]
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Replace every :class:`Linear` of ``model`` except the lm_head (and any layer whose
     weight another module shares) with a :class:`QuantizedLinear` of ``method``, and the
-    lm_head too where :data:`QUANTIZED_HEADS` names ``method`` (a tied embedding then reads
-    the head's rows); the number replaced."""
+    lm_head too where :data:`QUANTIZED_HEADS` names ``method`` (:func:`quantize_head`); the
+    number replaced."""
     bits, group_size, act_bits = QUANTIZATION_METHODS[check_quantization(method)]
     head = getattr(model, "lm_head", None)
     holders = weight_holders(model)
@@ -56,10 +56,20 @@ def quantize_model(model: nn.Module, method: str) -> int:
                 setattr(parent, name, QuantizedLinear.from_linear(child, bits, group_size,
                                                                        act_bits))
                 count += 1
-    if method in QUANTIZED_HEADS and isinstance(head, Linear) and head.bias is None and (
-            tied := tied_embeddings(holders, head)) is not None:
-        model.lm_head = QuantizedLinear.from_linear(head, *QUANTIZED_HEADS[method])
-        for embedding in tied:
-            embedding.tie_quantized(model.lm_head)
-        count += 1
-    return count
+    return count + quantize_head(model, method)
+
+
+def quantize_head(model: nn.Module, method: str) -> int:
+    """Where :data:`QUANTIZED_HEADS` names ``method``, quantize ``model``'s lm_head to it if it
+    has no bias and shares its weight with nothing but embeddings (which then read the head's
+    rows); 1 if it did, else 0."""
+    head = getattr(model, "lm_head", None)
+    if method not in QUANTIZED_HEADS or not isinstance(head, Linear) or head.bias is not None:
+        return 0
+    tied = tied_embeddings(weight_holders(model), head)
+    if tied is None:
+        return 0
+    model.lm_head = QuantizedLinear.from_linear(head, *QUANTIZED_HEADS[method])
+    for embedding in tied:
+        embedding.tie_quantized(model.lm_head)
+    return 1

@@ -63,7 +63,8 @@ class QuantizedLinear(Module):
     and the sums run in integers (``cbatch::quantized_linear_w8a8``); the weight must be
     symmetric int8 with one group per output channel, and ``qweight`` holds it in the W8A8
     layout (:func:`~cbatch.layers.quantization.weight.pack_w8a8`; :attr:`weight` unpacks it).
-    On symmetric int4 in groups of a multiple of 32 k (W4A8, llama.cpp's Q4_0 x Q8_0 route),
+    On int4 in groups of a multiple of 32 k, symmetric or with zero points (W4A8, llama.cpp's
+    Q4_0 / Q4_1 x Q8_0 / Q8_1 route),
     x is quantized per token and per group of the weight's k
     (:func:`cbatch.ops.reference.quantize_per_group`), each group's sums run in integers and
     the groups' scaled sums in fp32 (``cbatch::quantized_linear_w4a8``; the weight in
@@ -82,11 +83,11 @@ class QuantizedLinear(Module):
         super().__init__()
         if act_bits not in (None, 8):
             raise ValueError(f"act_bits must be None or 8, got {act_bits}")
-        if act_bits == 8 and (weight.zeros is not None or (
-                weight.groups != 1 if weight.bits == 8 else weight.group_size % 32)):
+        if act_bits == 8 and (weight.group_size % 32 if weight.bits == 4 else (
+                weight.groups != 1 or weight.zeros is not None)):
             raise ValueError(f"act_bits=8 takes symmetric int8 weights with one group per "
-                             f"output channel (W8A8) or symmetric int4 in groups of a multiple "
-                             f"of 32 (W4A8), got bits={weight.bits}, group_size="
+                             f"output channel (W8A8) or int4 in groups of a multiple of 32 "
+                             f"(W4A8), got bits={weight.bits}, group_size="
                              f"{weight.group_size} of in_features={weight.in_features}"
                              + (", zero points" if weight.zeros is not None else ""))
         if perm is not None and (perm.dtype != torch.int64
@@ -113,7 +114,7 @@ class QuantizedLinear(Module):
     def weight(self) -> QuantizedWeight:
         if self.act_bits == 8 and self.bits == 4:
             return unpack_w4a8(self.qweight, self.scales, self.group_size, self.out_features,
-                               self.in_features)
+                               self.in_features, self.zeros)
         if self.act_bits == 8:
             return unpack_w8a8(self.qweight, self.scales, self.out_features, self.in_features)
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,
@@ -145,7 +146,7 @@ class QuantizedLinear(Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         qweight, scales, bias = buffers["qweight"], buffers["scales"], self._parameters.get("bias")
         if self.act_bits == 8 and self.bits == 4:
-            y = self._forward_w4a8(x2, qweight, scales, bias)
+            y = self._forward_w4a8(x2, qweight, scales, buffers["zeros"], bias)
         elif self.act_bits == 8:
             y = self._forward_w8a8(x2, qweight, scales, bias)
         else:
@@ -177,8 +178,8 @@ class QuantizedLinear(Module):
         return reference.quantized_linear_w8a8(x, *args)
 
     def _forward_w4a8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-        args = (qweight, scales, self.group_size, self.out_features, bias)
+                      zeros: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        args = (qweight, scales, self.group_size, self.out_features, bias, zeros)
         if x.is_cpu and cpu.quantized_linear_w4a8_available():
             return torch.ops.cbatch.quantized_linear_w4a8(
                 x if x.stride(-1) == 1 else x.contiguous(), *args)

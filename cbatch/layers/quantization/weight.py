@@ -39,14 +39,15 @@ each row's sum of x, one number per row (no per-column correction).  :func:`unpa
 gives the :class:`QuantizedWeight` back (bitwise).
 
 W4A8 (``QuantizedLinear(..., act_bits=8)`` on int4: x quantized to int8 per token and per
-group, int4 x int8 dot products in int32 per group) takes symmetric int4 in groups of a
-multiple of 32 k, repacked (:func:`pack_w4a8`) for AVX2's ``vpmaddubsw`` (u8 x s8 pairs):
-uint8 ``[N16 / 16, 8 ceil(K / 32), 32]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j,
-4 i + t]`` (0..15, zero point 8) in its low nibble and ``q[16 b + 8 + j, 4 i + t]`` in its
-high one (8 past K, to a multiple of 32 k): one 32-byte load is 16 columns x 4 k, whose
-low nibbles are columns 0..7 and high nibbles columns 8..15, each column's 4 k in a 4-byte
-lane.  ``sum q x = sum (q - 8) x + 8 sum x``: the kernel subtracts 8 times each row's sum of x
-per group.  Half a byte per weight, as int4's own layout.  :func:`unpack_w4a8` gives the
+group, int4 x int8 dot products in int32 per group) takes int4 in groups of a multiple of 32 k,
+symmetric or with zero points (kept as they are, beside it), repacked (:func:`pack_w4a8`) for
+AVX2's ``vpmaddubsw`` (u8 x s8 pairs): uint8 ``[N16 / 16, 8 ceil(K / 32), 32]``, byte ``[b, i,
+4 j + t]`` holding ``q[16 b + j, 4 i + t]`` (0..15; zero point 8 or ``zeros``) in its low
+nibble and ``q[16 b + 8 + j, 4 i + t]`` in its high one (8 past K, to a multiple of 32 k): one
+32-byte load is 16 columns x 4 k, whose low nibbles are columns 0..7 and high nibbles columns
+8..15, each column's 4 k in a 4-byte lane.  ``sum q x = sum (q - 8) x + 8 sum x``: the kernel
+subtracts 8 times each row's sum of x per group (``zeros[g, n]`` times it where there are zero
+points).  Half a byte per weight, as int4's own layout.  :func:`unpack_w4a8` gives the
 :class:`QuantizedWeight` back (bitwise).
 """
 
@@ -183,12 +184,11 @@ def unpack_w8a8(qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
 
 
 def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
-    """``weight``'s integers in the W4A8 layout (the module docstring); ``weight`` symmetric
-    int4 in groups of a multiple of 32 k."""
-    if weight.bits != 4 or weight.zeros is not None or weight.group_size % 32:
-        raise ValueError(f"W4A8 takes symmetric int4 weights in groups of a multiple of 32 k, "
-                         f"got bits={weight.bits}, group_size={weight.group_size}, "
-                         f"zeros={weight.zeros is not None}")
+    """``weight``'s integers in the W4A8 layout (the module docstring); ``weight`` int4 in
+    groups of a multiple of 32 k (its zero points, if any, stay beside it in ``zeros``)."""
+    if weight.bits != 4 or weight.group_size % 32:
+        raise ValueError(f"W4A8 takes int4 weights in groups of a multiple of 32 k, got "
+                         f"bits={weight.bits}, group_size={weight.group_size}")
     blocks, pairs, _ = weight.qweight.shape
     K = weight.in_features
     quads = -(-K // 32) * 8
@@ -200,11 +200,12 @@ def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                out_features: int, in_features: int) -> QuantizedWeight:
-    """The :class:`QuantizedWeight` whose :func:`pack_w4a8` is ``qweight``."""
+                out_features: int, in_features: int, zeros: torch.Tensor | None = None
+                ) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` whose :func:`pack_w4a8` is ``qweight`` (with ``zeros``)."""
     blocks = qweight.shape[0]
     q = reference.unpack_w4a8(qweight, blocks * BLOCK, in_features) + 8  # [N16, K], 0..15
     q = F.pad(q, (0, in_features % 2)).to(torch.uint8)
     bytes_ = q[:, 0::2] | (q[:, 1::2] << 4)  # [N16, ceil(K / 2)]
     packed = bytes_.view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
-    return QuantizedWeight(4, group_size, out_features, in_features, packed, scales)
+    return QuantizedWeight(4, group_size, out_features, in_features, packed, scales, zeros)
