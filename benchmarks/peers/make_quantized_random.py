@@ -1,7 +1,8 @@
 """A ``random:`` Llama-family model of cbatch written as a quantized Hugging Face checkpoint,
-GPTQ or compressed-tensors W8A8, so that vLLM CPU and cbatch load the same files:
+GPTQ, AWQ or compressed-tensors W8A8, so that vLLM CPU and cbatch load the same files:
 
     python benchmarks/peers/make_quantized_random.py smollm2-360m gptq OUT_DIR   # cbatch's venv
+    python benchmarks/peers/make_quantized_random.py smollm2-360m awq OUT_DIR [--check]
     python benchmarks/peers/make_quantized_random.py smollm2-360m w8a8 OUT_DIR [--check]
 
 The float weights are cbatch's own seeded ones (``load_model("random:NAME")``, seed 0), in
@@ -16,6 +17,11 @@ the embeddings and the (tied) lm_head stay float32:
   q = clamp(round(w / scale) + 8, 0, 15).  group_size 128 where every layer's K is a
   multiple of it, as vLLM's GPTQ layers require, else 64, else 32 (``--group-size`` to
   choose): SmolLM2-360M's hidden size, 960, is not a multiple of 128.
+- ``awq``: 4-bit with zero points (AutoAWQ's ``version`` "gemm"), the same group size rule;
+  per group scale = (max w - min w) / 15 over the group's range widened to hold 0, zero =
+  clamp(round(-min / scale), 0, 15), q = clamp(round(w / scale) + zero, 0, 15); ``qweight``
+  int32 [K, N / 8] and ``qzeros`` int32 [G, N / 8], word c holding columns 8c + (0, 2, 4, 6,
+  1, 3, 5, 7) in nibbles 0..7 (AWQ's order), ``scales`` fp16 [G, N].
 - ``w8a8``: compressed-tensors ``int-quantized``, weights int8 [N, K] symmetric per output
   channel (scale max|w| / 127) and ``weight_scale`` [N, 1]; activations dynamic per token,
   symmetric.
@@ -60,6 +66,27 @@ def gptq_layer(w: torch.Tensor, prefix: str, group_size: int) -> dict[str, torch
             f"{prefix}.g_idx": groups.int()}
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds column 8c + AWQ_ORDER[j]
+
+
+def awq_layer(w: torch.Tensor, prefix: str, group_size: int) -> dict[str, torch.Tensor]:
+    N, K = w.shape
+    if K % group_size or N % 8:
+        raise SystemExit(f"{prefix}: AWQ packs 8 columns a word and wants K a multiple of the "
+                         f"group size ({group_size}); {N} x {K} does not divide")
+    G = K // group_size
+    groups = torch.arange(K) // group_size
+    grouped = w.view(N, G, group_size)
+    low, high = grouped.amin(2).clamp(max=0), grouped.amax(2).clamp(min=0)  # [N, G]
+    scales = ((high - low) / 15).to(torch.bfloat16).float().clamp(min=2 ** -14)
+    zeros = (-low / scales).round().clamp(0, 15)  # [N, G]
+    q = (w / scales[:, groups]).round().add(zeros[:, groups]).clamp(0, 15)  # [N, K]
+    order = torch.tensor([8 * c + o for c in range(N // 8) for o in AWQ_ORDER])
+    return {f"{prefix}.qweight": pack_int32(q.t()[:, order], 1),  # [K, N / 8]
+            f"{prefix}.qzeros": pack_int32(zeros.t()[:, order], 1),  # [G, N / 8]
+            f"{prefix}.scales": scales.t().half().contiguous()}
+
+
 def w8a8_layer(w: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
     scales = (w.abs().amax(1, keepdim=True) / 127).to(torch.bfloat16)  # [N, 1]
     q = (w / scales.float()).round().clamp(-128, 127).to(torch.int8)
@@ -71,6 +98,9 @@ def quantization_config(fmt: str, group_size: int) -> dict:
         return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True,
                 "desc_act": False, "static_groups": False, "true_sequential": True,
                 "damp_percent": 0.01, "lm_head": False, "checkpoint_format": "gptq"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
     args = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
             "block_structure": None, "actorder": None, "observer": "minmax",
             "observer_kwargs": {}}
@@ -101,10 +131,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name", choices=sorted(random_llama_configs()),
                     help="a random: Llama-family name, e.g. smollm2-360m")
-    ap.add_argument("format", choices=("gptq", "w8a8"))
+    ap.add_argument("format", choices=("gptq", "awq", "w8a8"))
     ap.add_argument("out", help="the directory to write")
     ap.add_argument("--group-size", type=int, default=None,
-                    help="GPTQ's (default: 128, 64 or 32, the largest that divides every K)")
+                    help="GPTQ's and AWQ's (default: 128, 64 or 32, the largest that divides "
+                         "every K)")
     ap.add_argument("--check", action="store_true",
                     help="then load OUT with cbatch and compare its logits with random:NAME's")
     args = ap.parse_args()
@@ -115,8 +146,10 @@ def main() -> None:
         (g for g in (128, 64, 32) if all(state[n].shape[1] % g == 0 for n in names)), 32)
     for name in names:
         w, prefix = state.pop(name).float(), name.removesuffix(".weight")
-        state.update(gptq_layer(w, prefix, group_size) if args.format == "gptq"
-                     else w8a8_layer(w, prefix))
+        layer = {"gptq": lambda: gptq_layer(w, prefix, group_size),
+                 "awq": lambda: awq_layer(w, prefix, group_size),
+                 "w8a8": lambda: w8a8_layer(w, prefix)}[args.format]
+        state.update(layer())
     os.makedirs(args.out, exist_ok=True)
     save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     raw = hf_config(config)
@@ -128,7 +161,7 @@ def main() -> None:
                   f, indent=2)
     write_tokenizer(args.out, config.vocab_size)
     print(f"saved {args.out}: random:{args.name}, {args.format}"
-          + (f", group_size {group_size}" if args.format == "gptq" else ""))
+          + (f", group_size {group_size}" if args.format != "w8a8" else ""))
     if args.check:
         check(args.name, args.out)
 
