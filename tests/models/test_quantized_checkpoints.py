@@ -473,7 +473,8 @@ def test_engine_runs_an_int4_checkpoint_as_w4a8_in_one_layers_call(tmp_path, mon
     assert phrase == "one C++ call" and calls >= 12
     assert ours == loop
     llm = LLM(q, max_num_seqs=2, quantization="w4a8")
-    assert llm.engine.runner.describe()["quantized linear"].startswith("w4a8 g32, w8a8, 9 layers")
+    assert llm.engine.runner.describe()["quantized linear"].startswith(
+        "w4a8 g32, w8a8, 9 layers" if fmt == "gptq" else "w4a8 g32 zp, w8a8, 9 layers")
 
 
 def _rewrite(path, name, fn):

@@ -86,12 +86,14 @@ class CPUModelRunner(ModelRunner):
         return dict(self.threads.steps_by_threads)
 
     def _quantized_phrase(self) -> str:
-        """The quantized layers' bits and where they run (cbatch's kernel or the reference)."""
+        """The quantized layers' bits (``zp``: with zero points) and where they run (cbatch's
+        kernel or the reference)."""
         layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if not layers:
             return "none"
         kinds = sorted({(f"w{m.bits}a8" if m.act_bits else f"int{m.bits}")
-                        + (f" g{m.group_size}" if m.bits == 4 else "") for m in layers})
+                        + (f" g{m.group_size}" if m.bits == 4 else "")
+                        + (" zp" if m.zeros is not None else "") for m in layers})
         if all(m.act_bits and m.bits == 4 for m in layers):  # W4A8's kernel's ISA
             isa = cpu.quantized_linear_w4a8_isa()
         elif all(m.act_bits for m in layers):  # W8A8's kernel's ISA (VNNI where present)
