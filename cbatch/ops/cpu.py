@@ -172,12 +172,16 @@ def quantized_linear_available() -> bool:
         torch.ops.cbatch.quantized_linear_supported()
 
 
-def quantized_linear_isa() -> str:
-    """The ISA cbatch's quantized CPU kernel runs here now (after ``$CBATCH_CPU_ISA``'s cap):
-    ``"avx512"``, ``"avx2"``, or "" where it does not run."""
+def quantized_linear_isa(bits: int = 8, dtype: torch.dtype = torch.float32) -> str:
+    """The path cbatch's quantized CPU kernel (W8A16, W4A16) takes here now for ``bits``-bit
+    weights and an x of ``dtype`` (after ``$CBATCH_CPU_ISA``'s cap): ``"avx512bf16"`` (int4
+    on a bf16 x: ``vdpbf16ps``), ``"avx512"``, ``"avx2"``, or "" where it does not run."""
     if not quantized_linear_available():
         return ""
-    return "avx512" if "avx512" in cpu_isa().split() else "avx2"
+    isa = cpu_isa().split()
+    if bits == 4 and dtype == torch.bfloat16 and "avx512bf16" in isa:
+        return "avx512bf16"
+    return "avx512" if "avx512" in isa else "avx2"
 
 
 def quantized_linear_w8a8_isa() -> str:

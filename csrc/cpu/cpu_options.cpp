@@ -29,6 +29,7 @@ constexpr const char* kCpuPathNames[] = {
     "quantized_linear.w8.avx2",
     "quantized_linear.w4.avx512",
     "quantized_linear.w4.avx2",
+    "quantized_linear.w4.avx512bf16",
     "quantized_linear.w8a8.avx512vnni",
     "quantized_linear.w8a8.avx2",
     "quantized_linear.w4a8.avx512vnni",

@@ -30,6 +30,7 @@ enum class CpuPath : int {
   kQuantizedLinearW8Avx2,
   kQuantizedLinearW4Avx512,
   kQuantizedLinearW4Avx2,
+  kQuantizedLinearW4Avx512Bf16,  // int4 on a bf16 x: vdpbf16ps
   kQuantizedLinearW8A8Vnni,
   kQuantizedLinearW8A8Avx2,
   kQuantizedLinearW4A8Vnni,

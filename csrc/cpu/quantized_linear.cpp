@@ -21,10 +21,16 @@
 // one block's two halves of 8); its loop, quantized_tile.h, is one source for both ISAs.  More
 // rows than a tile holds (a batch, a prefill) take tile_rows: each chunk of k is dequantized
 // once into a buffer that every row tile then reads, in the very order of the one-tile loop.
+// int4 on a bf16 x, where the CPU has AVX512-BF16, takes its own loop (bf16q below): each
+// weight's q - z as a bf16 (exact) and vdpbf16ps on x's bf16 pairs, half the multiply-add
+// instructions of the fp32 loop and no fp32 copy of x; the same bound, and the same
+// independence of rows.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 
 #include "../ops.h"
 #include "avx2.h"
@@ -47,7 +53,8 @@ constexpr int64_t kChunkRows = 64;  // rows per pass over the weights (they stay
 constexpr int64_t kChunkK = 256;    // k dequantized at a time for many rows (even)
 
 struct QArgs {
-  const float* x;  // [M, K] fp32, rows ldx apart
+  const float* x;  // [M, K] fp32, rows ldx apart (null on the bf16 path)
+  const c10::BFloat16* xb;  // [M, K] bf16, rows ldx apart (the bf16 path's; else null)
   int64_t ldx, M, K, N, N16;
   int bits;
   int64_t group_size, groups;
@@ -164,6 +171,255 @@ inline int64_t vec_column(int64_t block, int v) { return block * kQBlock + kLane
 
 }  // namespace avx2q
 
+// ---- AVX512-BF16, int4 weights and a bf16 x: vdpbf16ps. ------------------------------------
+// A column's weights at k and k + 1 (one packed byte) become one bf16 pair: the integer
+// u - z is in [-15, 15], a bf16 exactly, read from a table of the 31 values by vpermw at
+// index u - z + 15 (both halves of a 32-bit lane at once); x's k and k + 1 are one 4-byte
+// load, broadcast.  vdpbf16ps adds both products (each exact in fp32) to the lane's fp32 sum,
+// one rounding each (denormal inputs and outputs flushed to zero, as the instruction does).
+// Per group, pairs in k order alternate between two partial sums (two chains in flight per
+// row), added and scaled at the group's end as the fp32 path does; the same order for every
+// row whatever M (tile and tile_rows), so a row's result depends on nothing but that row.
+// A last odd k (K odd, one group) pairs its weight with the byte's empty high nibble and x's
+// k with 0.
+namespace bf16q {
+
+constexpr int kRows = 4;  // 4 rows x 2 vectors x 2 partial sums = 16 zmm
+constexpr int64_t kPairs = kChunkK / 2;  // pairs of k dequantized at a time for many rows
+
+// bf16 of i - 15 for i in [0, 31) (entry 31 unused), the table vpermw reads.
+const uint16_t* integer_table() {
+  alignas(64) static const auto table = [] {
+    std::array<uint16_t, 32> t{};
+    for (int i = 0; i < 31; ++i) t[i] = c10::BFloat16(static_cast<float>(i - 15)).x;
+    return t;
+  }();
+  return table.data();
+}
+
+// 16 columns' pair of k at `row` (their packed bytes) as bf16 pairs, k's in each lane's low
+// half; zz = (15 - z) in both halves of each lane.
+CBATCH_AVX512_DOT CBATCH_INLINE __m512i pairs(const uint8_t* row, __m512i zz, __m512i table) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  // u_lo | u_hi << 16: the low nibble stays, the high one moves up 12 bits to bit 16
+  const __m512i u = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)),
+                                     _mm512_set1_epi32(0x000F000F));
+  return _mm512_permutexvar_epi16(_mm512_add_epi32(u, zz), table);
+}
+
+// x's k and k + 1 in every lane (k + 1 < end), or k and 0.
+CBATCH_AVX512_DOT CBATCH_INLINE __m512i x_pair(const c10::BFloat16* x, int64_t k, int64_t end) {
+  int32_t pair = 0;
+  if (k + 1 < end) {
+    std::memcpy(&pair, x + k, 4);
+  } else {
+    std::memcpy(&pair, x + k, 2);
+  }
+  return _mm512_set1_epi32(pair);
+}
+
+CBATCH_AVX512_DOT CBATCH_INLINE __m512 dot(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
+}
+
+// Group g's scales and (15 - z) in both halves for the V vectors at col.
+template <int V>
+CBATCH_AVX512_DOT CBATCH_INLINE void group_scales(const QArgs& a, int64_t g, const int64_t* col,
+                                                  __m512* s, __m512i* zz) {
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) {
+    s[v] = _mm512_loadu_ps(a.scales + g * a.N16 + col[v]);
+    const __m512i z = a.zeros ? _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(a.zeros + g * a.N16 +
+                                                                     col[v])))
+                              : _mm512_set1_epi32(8);
+    const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(15), z);
+    zz[v] = _mm512_or_si512(d, _mm512_slli_epi32(d, 16));
+  }
+}
+
+// Rows [m, m + M) of the output: out plus the bias, in the lanes before N.
+template <int V>
+CBATCH_AVX512_DOT CBATCH_INLINE void store_rows(const QArgs& a, int64_t m, int64_t M,
+                                                const int64_t* col, const __m512 (*out)[2]) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = a.N - col[v];
+    if (n <= 0) continue;
+    const __mmask16 lanes = avx512::first_lanes(n);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(lanes, a.bias + col[v])
+                               : _mm512_setzero_ps();
+    for (int64_t r = 0; r < M; ++r) {
+      _mm512_mask_storeu_ps(a.out + (m + r) * a.N + col[v], lanes,
+                            _mm512_add_ps(out[r][v], bias));
+    }
+  }
+}
+
+// Two pairs of k (k and k + 2, in [c, end)) of the rows [0, R) of x times the weights wv
+// (their bf16 pairs; wv[1] unread past end) into partial sums 0 and 1.
+template <int R, int V>
+CBATCH_AVX512_DOT CBATCH_INLINE void dot_two(const c10::BFloat16* x, int64_t ldx, int64_t k,
+                                             int64_t end, const __m512i (&w0)[2],
+                                             const __m512i (&w1)[2], __m512 (&t)[kRows][2][2]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i xv = x_pair(x + r * ldx, k, end);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) t[r][v][0] = dot(t[r][v][0], w0[v], xv);
+  }
+  if (k + 2 >= end) return;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i xv = x_pair(x + r * ldx, k + 2, end);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) t[r][v][1] = dot(t[r][v][1], w1[v], xv);
+  }
+}
+
+// Rows [m, m + R) times the V vectors (blocks) from `block` on, the weights dequantized in
+// registers.  Pairs alternate between the partial sums from each group's start.
+template <int R, int V>
+CBATCH_AVX512_DOT void tile(const QArgs& a, int64_t m, int64_t block) {
+  const __m512i table = _mm512_load_si512(integer_table());
+  __m512 out[kRows][2], acc[kRows][2][2];  // [row][vector]; [row][vector][pair parity]
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm512_setzero_ps();
+  const uint8_t* w[2];
+  int64_t col[2];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) {
+    w[v] = a.q + (block + v) * block_bytes(a), col[v] = (block + v) * kQBlock;
+  }
+  const c10::BFloat16* x = a.xb + m * a.ldx;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
+    __m512 s[2];
+    __m512i zz[2];
+    group_scales<V>(a, g, col, s, zz);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = _mm512_setzero_ps();
+    }
+    for (int64_t k = k0; k < k1; k += 4) {  // k0 is even: k's byte holds k and k + 1
+      __m512i w0[2], w1[2];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* row = w[v] + (k / 2) * kQBlock;
+        _mm_prefetch(reinterpret_cast<const char*>(row) + 1024, _MM_HINT_T0);
+        w0[v] = pairs(row, zz[v], table);
+        w1[v] = k + 2 < k1 ? pairs(row + kQBlock, zz[v], table) : w0[v];
+      }
+      dot_two<R, V>(x, a.ldx, k, k1, w0, w1, acc);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        out[r][v] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]), s[v], out[r][v]);
+      }
+    }
+  }
+  store_rows<V>(a, m, R, col, out);
+}
+
+// Pairs of k [c0, c1) of rows [0, R) of x times the dequantized pairs buf ((k - c0) / 2,
+// vector) into the partial sums acc, in tile()'s order (c0 - the group's start is a multiple
+// of 4 k: parities stay tile()'s).
+template <int R, int V>
+CBATCH_AVX512_DOT void accumulate(const c10::BFloat16* x, int64_t ldx, const __m512i (*buf)[2],
+                                  int64_t c0, int64_t c1, int64_t end, __m512 (*acc)[2][2]) {
+  __m512 t[kRows][2][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) t[r][v][0] = acc[r][v][0], t[r][v][1] = acc[r][v][1];
+  }
+  for (int64_t k = c0; k < c1; k += 4) {
+    const int64_t i = (k - c0) / 2;
+    dot_two<R, V>(x, ldx, k, std::min(c1, end), buf[i], buf[k + 2 < c1 ? i + 1 : i], t);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v][0] = t[r][v][0], acc[r][v][1] = t[r][v][1];
+  }
+}
+
+// Rows [m0, m1) (more than a tile's, at most kChunkRows): each chunk of k's pairs dequantized
+// once into buf and read by every row tile, in tile()'s order (so the same bits per row).
+template <int V>
+CBATCH_AVX512_DOT void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t block) {
+  const __m512i table = _mm512_load_si512(integer_table());
+  const int64_t M = m1 - m0;
+  __m512 out[kChunkRows][2], acc[kChunkRows][2][2];
+  __m512i buf[kPairs][2];
+  const uint8_t* w[2];
+  int64_t col[2];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) {
+    w[v] = a.q + (block + v) * block_bytes(a), col[v] = (block + v) * kQBlock;
+  }
+  for (int64_t m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm512_setzero_ps();
+  const c10::BFloat16* x = a.xb + m0 * a.ldx;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
+    __m512 s[2];
+    __m512i zz[2];
+    group_scales<V>(a, g, col, s, zz);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = _mm512_setzero_ps();
+    }
+    for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
+      const int64_t c1 = std::min(k1, c0 + kChunkK);
+      for (int64_t k = c0; k < c1; k += 2) {
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) {
+          buf[(k - c0) / 2][v] = pairs(w[v] + (k / 2) * kQBlock, zz[v], table);
+        }
+      }
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) {
+        accumulate<kRows, V>(x + m * a.ldx, a.ldx, buf, c0, c1, k1, acc + m);
+      }
+      switch (M - m) {  // < kRows left
+        case 3: accumulate<3, V>(x + m * a.ldx, a.ldx, buf, c0, c1, k1, acc + m); break;
+        case 2: accumulate<2, V>(x + m * a.ldx, a.ldx, buf, c0, c1, k1, acc + m); break;
+        case 1: accumulate<1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, k1, acc + m); break;
+        default: break;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        out[m][v] = _mm512_fmadd_ps(_mm512_add_ps(acc[m][v][0], acc[m][v][1]), s[v], out[m][v]);
+      }
+    }
+  }
+  store_rows<V>(a, m0, M, col, out);
+}
+
+template <int V>
+void rows(const QArgs& a, int64_t block, int64_t m0, int64_t m1) {
+  if (m1 - m0 > kRows) return tile_rows<V>(a, m0, m1, block);
+  switch (m1 - m0) {
+    case 4: return tile<4, V>(a, m0, block);
+    case 3: return tile<3, V>(a, m0, block);
+    case 2: return tile<2, V>(a, m0, block);
+    case 1: return tile<1, V>(a, m0, block);
+    default: return;
+  }
+}
+
+// One work item: two blocks of 16 columns (or the last one alone), as avx512q's.
+struct Isa {
+  static constexpr int64_t kItemBlocks = 2;
+  template <int kBits, bool kSub>
+  static void item(const QArgs& a, int64_t block, int64_t blocks, int64_t m0, int64_t m1) {
+    static_assert(kBits == 4 && kSub, "the bf16 path runs int4 weights");
+    block + 1 < blocks ? rows<2>(a, block, m0, m1) : rows<1>(a, block, m0, m1);
+  }
+};
+
+}  // namespace bf16q
+
 // Chunks of rows, each over every column item, the items shared out among threads.
 template <typename Isa, int kBits, bool kSub>
 void run(const QArgs& a) {
@@ -224,19 +480,32 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
                       bias->sizes());
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+#ifdef CBATCH_X86
+  // int4 on a bf16 x where the CPU has vdpbf16ps: x read as it is (bf16q)
+  const bool bf16_dot = bits == 4 && x.scalar_type() == at::kBFloat16 && cpu_has_avx512bf16();
+#else
+  const bool bf16_dot = false;
+#endif
+  const at::Tensor xf = bf16_dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf =
       bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
 #ifdef CBATCH_X86
-  const QArgs a{.x = xf.data_ptr<float>(), .ldx = K, .M = M, .K = K, .N = N, .N16 = N16,
+  const QArgs a{.x = bf16_dot ? nullptr : xf.data_ptr<float>(),
+                .xb = bf16_dot ? xf.data_ptr<c10::BFloat16>() : nullptr,
+                .ldx = K, .M = M, .K = K, .N = N, .N16 = N16,
                 .bits = int(bits), .group_size = group_size, .groups = groups,
                 .q = static_cast<const uint8_t*>(qweight.data_ptr()),
                 .scales = scales.data_ptr<float>(),
                 .zeros = zeros ? zeros->data_ptr<int8_t>() : nullptr,
                 .bias = bf ? bf->data_ptr<float>() : nullptr, .out = out.data_ptr<float>()};
   const bool avx512 = cpu_has_avx512();
+  if (bf16_dot) {
+    count_path(CpuPath::kQuantizedLinearW4Avx512Bf16);
+    run<bf16q::Isa, 4, true>(a);
+    return out.to(x.scalar_type());
+  }
   count_path(bits == 8 ? (avx512 ? CpuPath::kQuantizedLinearW8Avx512
                                  : CpuPath::kQuantizedLinearW8Avx2)
                        : (avx512 ? CpuPath::kQuantizedLinearW4Avx512

@@ -143,11 +143,10 @@ def test_w4a8_is_refused_on_cuda():
 def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
     if not cpu.quantized_linear_available():
         pytest.skip("cbatch's quantized CPU kernel does not run here")
-    llm = LLM("random:llama-tiny",
-              dtype="bfloat16" if cpu.screen_available(torch.bfloat16) else "float32",
-              quantization=method, max_num_seqs=4)
-    path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa()}",
-            "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa()}",
+    dtype = torch.bfloat16 if cpu.screen_available(torch.bfloat16) else torch.float32
+    llm = LLM("random:llama-tiny", dtype=dtype, quantization=method, max_num_seqs=4)
+    path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa(8, dtype)}",
+            "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa(4, dtype)}",
             "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}",
             "w4a8": f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"}[method]
     before = cpu.kernel_paths()

@@ -9,7 +9,10 @@ s * (q - z) one more, so |y - y_fp64| <= gamma_n * (|x| @ |W|^T + |bias|) with
 gamma_n = n u / (1 - n u), n = K + 4, u = 2^-24; bf16 outputs add their rounding, 2^-8 |y|.
 Both ISAs run every case (set_cpu_options("avx2") caps the kernel at its AVX2 path in this
 process; the AVX-512 cases skip on a CPU without it), and each call asserts that the kernel
-path of its ISA ran.
+path of its ISA ran: int4 on a bf16 x takes vdpbf16ps where the CPU has AVX512-BF16
+(``quantized_linear.w4.avx512bf16``: x read as bf16, each weight's q - z a bf16 exactly, each
+product exact in fp32 and each add one rounding, so the same bound holds; denormals flush to
+zero, far below it).
 """
 
 import pytest
@@ -35,6 +38,12 @@ def isa(request):
     torch.ops.cbatch.set_cpu_options("avx2" if request.param == "avx2" else "", "")
     yield request.param
     torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def path(bits: int, isa: str, dtype: torch.dtype) -> str:
+    """The kernel path a call with these operands takes under the ``isa`` cap."""
+    bf16_dot = bits == 4 and dtype == torch.bfloat16 and "avx512bf16" in cpu.cpu_isa().split()
+    return f"quantized_linear.w{bits}.{'avx512bf16' if bf16_dot else isa}"
 
 
 def _check(x, qw, bias, ours):
@@ -72,8 +81,8 @@ def test_quantized_linear_matches_dequantize_then_matmul(isa, bits, group_size, 
         ours = torch.ops.cbatch.quantized_linear(x, qw.qweight, qw.scales, qw.zeros, bits, gs,
                                                  N, b)
         after = cpu.kernel_paths()
-        path = f"quantized_linear.w{bits}.{isa}"
-        assert after[path] == before[path] + 1, path
+        taken = path(bits, isa, dtype)
+        assert after[taken] == before[taken] + 1, taken
         assert ours.dtype == dtype and ours.shape == (M, N)
         # the reference's dequantization is the unpacked formula, in fp32
         torch.testing.assert_close(qw.dequantize().double(), unpacked_weight(q, s, z, bits, gs),
@@ -98,7 +107,9 @@ def test_many_rows_and_rows_are_independent(isa, bits, K, group_size, M):
     qw, _ = random_quantized(N, K, bits, gs, True, gen)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     args = (qw.qweight, qw.scales, qw.zeros, bits, gs, N, None)
+    before = cpu.kernel_paths()[path(bits, isa, x.dtype)]
     ours = torch.ops.cbatch.quantized_linear(x, *args)
+    assert cpu.kernel_paths()[path(bits, isa, x.dtype)] == before + 1
     _check(x, qw, None, ours)
     for m in sorted({0, 3, 64 % M, M - 1}):
         assert torch.equal(torch.ops.cbatch.quantized_linear(x[m:m + 1], *args), ours[m:m + 1])

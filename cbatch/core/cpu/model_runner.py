@@ -98,8 +98,9 @@ class CPUModelRunner(ModelRunner):
             isa = cpu.quantized_linear_w4a8_isa()
         elif all(m.act_bits for m in layers):  # W8A8's kernel's ISA (VNNI where present)
             isa = cpu.quantized_linear_w8a8_isa()
-        else:
-            isa = cpu.quantized_linear_isa()
+        else:  # W8A16 / W4A16 (int4 on a bf16 x takes vdpbf16ps where present)
+            bits = 4 if all(m.bits == 4 for m in layers) else 8
+            isa = cpu.quantized_linear_isa(bits, self.model.dtype)
         where = f"cbatch {isa}" if isa else "the pure-torch reference"
         return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
 

@@ -81,7 +81,9 @@ def quantized_phrase() -> str:
         w4a8_isa = cpu.quantized_linear_w4a8_isa()
         w4a8 = (f"cbatch's kernel ({w4a8_isa}), int8 dot products" if w4a8_isa
                 else "the pure-torch reference")
-        return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers; w8a8: "
+        bf16 = cpu.quantized_linear_isa(4, torch.bfloat16)
+        return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
+                + (f" (int4 on bf16: {bf16})" if bf16 != isa else "") + "; w8a8: "
                 f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products; "
                 f"w4a8: {w4a8}")
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
