@@ -238,6 +238,14 @@ CBATCH_AVX512_DOT CBATCH_INLINE void group_scales(const QArgs& a, int64_t g, con
   }
 }
 
+// The V vectors' (blocks') packed weights and first columns from `block` on.
+template <int V>
+CBATCH_INLINE void starts(const QArgs& a, int64_t block, const uint8_t** w, int64_t* col) {
+  for (int v = 0; v < V; ++v) {
+    w[v] = a.q + (block + v) * block_bytes(a), col[v] = (block + v) * kQBlock;
+  }
+}
+
 // Rows [m, m + M) of the output: out plus the bias, in the lanes before N.
 template <int V>
 CBATCH_AVX512_DOT CBATCH_INLINE void store_rows(const QArgs& a, int64_t m, int64_t M,
@@ -286,10 +294,7 @@ CBATCH_AVX512_DOT void tile(const QArgs& a, int64_t m, int64_t block) {
   for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm512_setzero_ps();
   const uint8_t* w[2];
   int64_t col[2];
-#pragma GCC unroll 2
-  for (int v = 0; v < V; ++v) {
-    w[v] = a.q + (block + v) * block_bytes(a), col[v] = (block + v) * kQBlock;
-  }
+  starts<V>(a, block, w, col);
   const c10::BFloat16* x = a.xb + m * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
@@ -353,10 +358,7 @@ CBATCH_AVX512_DOT void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t
   __m512i buf[kPairs][2];
   const uint8_t* w[2];
   int64_t col[2];
-#pragma GCC unroll 2
-  for (int v = 0; v < V; ++v) {
-    w[v] = a.q + (block + v) * block_bytes(a), col[v] = (block + v) * kQBlock;
-  }
+  starts<V>(a, block, w, col);
   for (int64_t m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm512_setzero_ps();
   const c10::BFloat16* x = a.xb + m0 * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
