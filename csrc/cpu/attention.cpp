@@ -496,17 +496,23 @@ CacheView view_of(const at::Tensor& key_cache) {
 }
 
 // Cuts every tile's query heads into groups: as many heads per item as keeps every thread
-// busy (about four items per thread), since a bigger group streams longer runs of the cache,
-// rounded up to whole KV groups, so that each KV block is read and widened once per tile
-// (items of part of a group read their KV head once each: a batch-1 decode of 15 heads over 5
-// read 11 KV heads' rows for 5, 12-13% slower from DRAM; benchmarks/NOTES.md, "GPTQ as W4A8").
+// busy (about four items per thread), since a bigger group streams longer runs of the cache.
+// An item of more than `kv_group` heads holds whole KV groups (each KV block widened once per
+// item); so does every item when each tile is one row (decode), which waits on reading the KV
+// rows rather than on arithmetic: items of part of a group read their KV head once each (a
+// batch-1 decode of 15 heads over 5 read 11 KV heads' rows for 5, 12-13% slower from DRAM),
+// while tiles of several rows keep the finer cut, which balances their arithmetic better
+// across threads (6-8% at 5-9 rows; benchmarks/NOTES.md, "GPTQ as W4A8").
 std::vector<Item> make_items(const std::vector<Tile>& tiles, int64_t num_heads,
                              int64_t kv_group) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
   const int64_t groups = std::clamp<int64_t>((wanted + num_tiles - 1) / num_tiles, 1, num_heads);
+  const bool decode = std::all_of(tiles.begin(), tiles.end(),
+                                  [](const Tile& t) { return t.num_rows == 1; });
   const int64_t heads = (num_heads + groups - 1) / groups;
-  const int64_t heads_per_item = (heads + kv_group - 1) / kv_group * kv_group;
+  const int64_t heads_per_item = heads > kv_group || decode
+                                     ? (heads + kv_group - 1) / kv_group * kv_group : heads;
   std::vector<Item> items;
   items.reserve(num_tiles * groups);
   for (int64_t t = 0; t < num_tiles; ++t) {
