@@ -15,7 +15,6 @@ POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the b
 DEFAULT_MODEL = "random:gpt2"  # LLM's, Engine's, AsyncEngine's and the CLI's
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")  # online: cbatch.layers.quantization
 CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors")  # models/quantized_checkpoint
-ACTIVATION_KERNELS = ("w8a8", "w4a8")  # also a kernel for a quantized checkpoint's own weights
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -249,9 +248,8 @@ class EngineConfig:
     attention_backend: str | None = _knob(
         None, "cuda, triton, cpu or torch (default: the fastest for the device)")
     quantization: str | None = _knob(
-        None, "quantize the decoder layers' linear weights at load: int8, int4 (groups of 128), "
-        "w8a8, w4a8 (int8 activations too), or the checkpoint's own (default: its own or none); "
-        "on a quantized checkpoint w8a8 or w4a8 runs its own weights with int8 activations",
+        None, "quantize the decoder's linears at load: int8, int4 (groups of 128), w8a8, w4a8 "
+        "(int8 activations too; a checkpoint's own weights so), its own (default: own or none)",
         choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cbatch.logger import init_logger
-from cbatch.config import ACTIVATION_KERNELS, CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
+from cbatch.config import CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
 from cbatch.hub import resolve_checkpoint_dir
 from cbatch.layers.quantization import check_quantization, quantize_head, quantize_model
 from cbatch.models import quantized_checkpoint
@@ -34,6 +34,8 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 logger = init_logger(__name__)
+# online methods that are also a choice of kernel for a quantized checkpoint's own weights
+ACTIVATION_KERNELS = ("w8a8", "w4a8")
 
 
 def _init_random(model: GPT2LMHeadModel, seed: int) -> None:

@@ -25,10 +25,8 @@ Which layers are quantized is read from the tensors (a layer has ``qweight``,
 ``modules_to_not_convert`` lists) load as float.  A method, bit width or option not listed
 is refused by name.
 
-``quantization="w4a8"`` or ``"w8a8"`` on such a checkpoint runs its own weights with int8
-activations (:func:`with_int8_activations`): int4 in groups of a multiple of 32 k, zero points
-and all (GPTQ, AWQ, compressed-tensors W4A16), on the W4A8 kernel; symmetric int8 with one
-scale per output channel on the W8A8 one; other weights are refused by layer name.
+``quantization="w4a8"`` / ``"w8a8"`` on such a checkpoint runs its own weights with int8
+activations, on the W4A8 / W8A8 kernel (:func:`with_int8_activations`).
 """
 
 from __future__ import annotations
@@ -340,12 +338,10 @@ def int8_activation_kernel(layer: Layer) -> str | None:
 
 
 def suggested_kernel(layers: dict[str, Layer]) -> str | None:
-    """The int8-activation kernel that runs every one of ``layers`` where they do not take
-    int8 activations already (:func:`int8_activation_kernel`), or None."""
-    kinds = {int8_activation_kernel(layer) for layer in layers.values()}
-    if len(kinds) != 1 or any(layer.act_bits == 8 for layer in layers.values()):
-        return None
-    return kinds.pop()
+    """The int8-activation kernel that runs every one of ``layers`` where none takes int8
+    activations already (:func:`int8_activation_kernel`), or None."""
+    kinds = {None if one.act_bits == 8 else int8_activation_kernel(one) for one in layers.values()}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def with_int8_activations(layer: Layer, name: str, kernel: str, where: Path) -> Layer:
