@@ -188,9 +188,10 @@ void set_cpu_options(const std::string& isa, const std::string& attention);
 // The ISA features the CPU kernels use now (the CPU's, under the cap), space-separated, from
 // "avx512 avx512bf16 avx512vnni avx2"; "" where none.
 std::string cpu_isa();
-// The step CPU attention runs for this head dim now: "avx512", "avx2" or "generic"
-// (cpu/attention.cpp, the rule its kernels follow).
-std::string cpu_attention_step(int64_t head_dim);
+// The step CPU attention runs for this head dim and dtype (default float32) now:
+// "avx512bf16" (bf16 on AVX512-BF16), "avx512", "avx2" or "generic" (cpu/attention.cpp, the
+// rule its kernels follow).
+std::string cpu_attention_step(int64_t head_dim, std::optional<at::ScalarType> dtype);
 // Every kernel path as "<op>.<path>" and, in the same order, how many op calls ran it.
 std::vector<std::string> cpu_path_names();
 std::vector<int64_t> cpu_path_counts();

@@ -61,7 +61,8 @@ TORCH_LIBRARY(cbatch, m) {
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
   m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
-  m.def("cpu_attention_step(int head_dim) -> str", &cbatch::cpu_attention_step);
+  m.def("cpu_attention_step(int head_dim, ScalarType? dtype=None) -> str",
+        &cbatch::cpu_attention_step);
   m.def("cpu_path_names() -> str[]", &cbatch::cpu_path_names);
   m.def("cpu_path_counts() -> int[]", &cbatch::cpu_path_counts);
 }

@@ -322,12 +322,13 @@ def cpu_isa() -> str:
     return torch.ops.cbatch.cpu_isa()
 
 
-def attention_step(head_dim: int) -> str:
-    """The step the C++ CPU attention kernels run for ``head_dim`` now: ``"avx512"``,
+def attention_step(head_dim: int, dtype: torch.dtype = torch.float32) -> str:
+    """The step the C++ CPU attention kernels run for ``head_dim`` and ``dtype`` now:
+    ``"avx512bf16"`` (bfloat16 on AVX512-BF16: q K^T on ``vdpbf16ps``), ``"avx512"``,
     ``"avx2"`` or ``"generic"`` (the kernels' own rule; "" without the extension)."""
     if "cpu" not in compiled.compiled_backends():
         return ""
-    return torch.ops.cbatch.cpu_attention_step(head_dim)
+    return torch.ops.cbatch.cpu_attention_step(head_dim, dtype)
 
 
 def kernel_paths() -> dict[str, int]:

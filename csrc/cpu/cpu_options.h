@@ -42,9 +42,11 @@ enum class CpuPath : int {
   kGreedyHeadKernel,
   kGreedyHeadUnsettledRows,  // counts rows, not calls: those the screen left to the kernel
   kDecodeAttentionAvx512,
+  kDecodeAttentionAvx512Bf16,  // bf16: q K^T on vdpbf16ps
   kDecodeAttentionAvx2,
   kDecodeAttentionGeneric,
   kPrefillAttentionAvx512,
+  kPrefillAttentionAvx512Bf16,
   kPrefillAttentionAvx2,
   kPrefillAttentionGeneric,
   kArgmaxAvx512,

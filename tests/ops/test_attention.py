@@ -96,7 +96,8 @@ def test_cpu_kernels_any_thread_count(threads):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_kernel_paths(isa, attention, dtype):
     """Every code path of the CPU kernels, each asserted to have run through the kernels' own
-    path counters: the AVX-512 step (a CPU with AVX-512, head dims that are multiples of 16),
+    path counters: the AVX-512 step (a CPU with AVX-512, head dims that are multiples of 16;
+    bf16 on AVX512-BF16 takes its vdpbf16ps step),
     the AVX2 one (a CPU with AVX2 and a multiple of 8: head dim 72 on any AVX2 CPU, every
     head dim under the avx2 cap) and the portable one (the generic option, and any head dim
     no vector step takes), for decode and prefill, grouped queries, block sizes 8/16/32
@@ -112,6 +113,8 @@ def test_cpu_kernel_paths(isa, attention, dtype):
                                                       (16, 72, 4, 2), (8, 36, 2, 1)):
             if attention == "generic":
                 step = "generic"
+            elif "avx512bf16" in features and dtype == torch.bfloat16 and head_dim % 16 == 0:
+                step = "avx512bf16"  # 80: 32 + 32 + a masked 16
             elif "avx512" in features and head_dim % 16 == 0:
                 step = "avx512"
             elif "avx2" in features and head_dim % 8 == 0:
@@ -134,6 +137,7 @@ def test_cpu_kernel_paths(isa, attention, dtype):
             ran = {k for k in after if after[k] > before[k] and "attention" in k}
             assert ran == {f"decode_attention.{step}", f"prefill_attention.{step}"}, \
                 (head_dim, ran)
+            assert cpu.attention_step(head_dim, dtype) == step
     finally:
         torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
 

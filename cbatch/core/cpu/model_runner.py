@@ -115,7 +115,8 @@ class CPUModelRunner(ModelRunner):
         head_dim = self.model.config.head_dim
         return {
             "isa": isa_phrase(),
-            "attention": f"{cpu.attention_step(head_dim) or 'torch'} (head dim {head_dim})",
+            "attention": f"{cpu.attention_step(head_dim, self.model.dtype) or 'torch'} "
+                         f"(head dim {head_dim})",
             "linear": f"{self.route if self.packed else 'torch'} ({dtype}, "
                       f"{'packed' if self.packed else 'dense'} weights)"
             if any(isinstance(m, Linear) for m in self.model.modules())

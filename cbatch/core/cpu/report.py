@@ -49,7 +49,9 @@ def _attention() -> str:
     if len(set(steps)) == 1:
         why = " (CBATCH_CPU_ATTENTION=generic)" if envs.CBATCH_CPU_ATTENTION else ""
         return f"{steps[0]} for every head dim{why}"
-    parts = [f"{steps[0]} for head dims that are multiples of 16"]
+    bf16 = cpu.attention_step(16, torch.bfloat16)
+    parts = [f"{steps[0]} for head dims that are multiples of 16"
+             + (f" ({bf16} for bfloat16)" if bf16 != steps[0] else "")]
     if steps[1] != steps[0]:
         parts.append(f"{steps[1]} for multiples of 8")
     return ", ".join(parts + [f"else {steps[2]}"])

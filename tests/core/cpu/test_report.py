@@ -59,7 +59,7 @@ def test_an_engine_describes_and_runs_its_paths():
                               "quantized linear", "decoder layers", "huge pages", "threads"}
     assert described["quantized linear"] == "none"
     head_dim = llm.engine.model.config.head_dim
-    step = cpu.attention_step(head_dim)
+    step = cpu.attention_step(head_dim, llm.engine.model.dtype)
     assert described["attention"] == f"{step} (head dim {head_dim})"
     route = cpu.cpu_linear_route(torch.float32)
     assert described["linear"] == (f"{route} (float32, packed weights)" if route != "torch"
@@ -76,19 +76,20 @@ def test_an_engine_describes_and_runs_its_paths():
 
 
 @needs_cpu_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 72, 36])
-def test_the_reported_attention_step_is_the_one_that_runs(head_dim):
+def test_the_reported_attention_step_is_the_one_that_runs(head_dim, dtype):
     """What cbatch --version and describe() say of attention (cpu.attention_step) is the path
     the kernel's counters see a call take."""
     from cbatch import ops
     from tests.helpers import paged_inputs
 
     q, kc, vc, tables, _, seq_lens = paged_inputs([5, 17], [1, 1], 2, head_dim, 16,
-                                                  torch.float32, "cpu", head_dim)
+                                                  dtype, "cpu", head_dim)
     before = cpu.kernel_paths()
     ops.paged_decode_attention(q, kc, vc, tables, seq_lens, backend="cpu")
     after = cpu.kernel_paths()
     ran = [k for k in after if after[k] > before[k]]
-    assert ran == [f"decode_attention.{cpu.attention_step(head_dim)}"]
-    phrase = cpu_paths()["attention"]
-    assert cpu.attention_step(head_dim) in phrase
+    step = cpu.attention_step(head_dim, dtype)
+    assert ran == [f"decode_attention.{step}"]
+    assert step in cpu_paths()["attention"]
