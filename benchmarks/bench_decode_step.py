@@ -18,14 +18,19 @@ Beside each: ``host_ms``, the step's time outside the model and the wait for the
 (``Engine.stats().phase_s``), and the floor: the bytes a decode step must read (every weight
 once plus every sequence's KV cache) divided by the device's measured copy bandwidth; and the
 time of reading the weights alone at the measured read bandwidth (``weight_read_ms``, issue 50's
-yardstick for quantized weights: packed integers, scales and zero points counted).
+yardstick for quantized weights: packed integers, scales and zero points counted).  The read
+bandwidth is sampled before each of 5 runs of a batch size's steps and each run is compared
+with the sample just before it (``ratio_to_weight_read``: the median of those): a 2-core
+cloud machine's read bandwidth drifts by half from minute to minute.
 Results in decode_step.*, written to a new folder under benchmarks/runs/ or to --out.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,8 +43,9 @@ from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: 
 from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
-           "weight_read_ms", "ratio_to_weight_read",
+           "read_GBps", "weight_read_ms", "ratio_to_weight_read",
            "weight_MB", "kv_MB", "tokens_per_s"]
+ROUNDS = 5  # runs of steps a batch size's reps are cut into, a read-bandwidth sample before each
 MODES = {"eager": dict(cuda_graphs=False, async_scheduling=False),
          "graphs": dict(cuda_graphs=True, async_scheduling=False),
          "async": dict(cuda_graphs=True, async_scheduling=True)}
@@ -51,9 +57,13 @@ def sync(device: torch.device) -> None:
 
 
 def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
-                      gen: torch.Generator) -> tuple[float, float]:
+                      gen: torch.Generator, rounds: int = 1,
+                      between: Callable[[], object] | None = None
+                      ) -> tuple[float, float, list[float]]:
     """Seconds per step and host seconds per step of ``reps`` consecutive decode steps of
-    ``batch`` requests with ``context``-token random prompts (prefilled first, untimed)."""
+    ``batch`` requests with ``context``-token random prompts (prefilled first, untimed), and
+    the seconds per step of each of ``rounds`` runs of about ``reps / rounds`` of them;
+    ``between()``, untimed, before each run (a read-bandwidth sample beside the steps)."""
     vocab = engine.model.config.vocab_size
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
     params = SamplingParams(max_tokens=prefill_steps + reps + 8, ignore_eos=True)
@@ -64,19 +74,26 @@ def time_decode_steps(engine: Engine, batch: int, context: int, reps: int,
         engine.step()
     if len(running) != batch or not all(seq.is_decoding for seq in running):
         raise RuntimeError(f"{batch} requests are not all decoding after the prefill steps")
-    sync(engine.model.device)
-    before, start = engine.stats(), time.perf_counter()
-    for _ in range(reps):
-        engine.step()
-    sync(engine.model.device)
-    seconds, after = time.perf_counter() - start, engine.stats()
-    host = (after.elapsed - after.phase_s["execute"]) - (
-        before.elapsed - before.phase_s["execute"])
+    seconds, host, per_round = 0.0, 0.0, []
+    for r in range(rounds):
+        steps = reps * (r + 1) // rounds - reps * r // rounds
+        if between is not None:
+            between()
+        sync(engine.model.device)
+        before, start = engine.stats(), time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.model.device)
+        elapsed, after = time.perf_counter() - start, engine.stats()
+        seconds += elapsed
+        per_round.append(elapsed / steps)
+        host += (after.elapsed - after.phase_s["execute"]) - (
+            before.elapsed - before.phase_s["execute"])
     for rid in ids:
         engine.abort(rid, report=False)
     while engine.has_unfinished_requests():  # bounded: nothing is left to schedule
         engine.step()
-    return seconds / reps, host / reps
+    return seconds / reps, host / reps, per_round
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -98,8 +115,9 @@ def run(args) -> Path:
     cfg = model.config
     weight_bytes = model_weight_bytes(model)
     bw = copy_bandwidth(device, (64 << 20) if args.quick else None)
-    read_bw = read_bandwidth(device, (64 << 20) if args.quick else None)
+    read_bytes = (64 << 20) if args.quick else None
     reps = 3 if args.quick else args.reps
+    rounds = min(reps, ROUNDS)
     batches = [1, 4] if args.quick else args.batches
     context = 24 if args.quick else args.context
     budget = 8192
@@ -112,33 +130,42 @@ def run(args) -> Path:
                         **switches)
         gen = torch.Generator().manual_seed(0)
         for batch in tqdm(batches, desc=f"decode step ({mode})", disable=args.no_progress):
-            seconds, host = time_decode_steps(engine, batch, context, reps, gen)
+            reads = []  # the read bandwidth sampled before each run of steps
+            seconds, host, per_round = time_decode_steps(
+                engine, batch, context, reps, gen, rounds,
+                lambda: reads.append(read_bandwidth(device, read_bytes)))
+            read_bw = statistics.median(reads)
+            ratio = statistics.median(s * r / weight_bytes for s, r in zip(per_round, reads))
             kv_bytes = batch * (context + 1) * bytes_per_token(cfg, dtype)
             floor = (weight_bytes + kv_bytes) / bw
             rows.append({"mode": mode, "batch": batch, "context": context,
                          "step_ms": seconds * 1e3, "host_ms": host * 1e3,
                          "floor_ms": floor * 1e3, "ratio_to_floor": seconds / floor,
+                         "read_GBps": read_bw / 1e9,
                          "weight_read_ms": weight_bytes / read_bw * 1e3,
-                         "ratio_to_weight_read": seconds * read_bw / weight_bytes,
+                         "ratio_to_weight_read": ratio,
                          "weight_MB": weight_bytes / 1e6, "kv_MB": kv_bytes / 1e6,
                          "tokens_per_s": batch / seconds})
             print(f"{mode:6s} batch {batch:4d}: {seconds * 1e3:8.2f} ms/step "
                   f"(host {host * 1e3:6.2f} ms), floor {floor * 1e3:7.2f} ms "
-                  f"({seconds / floor:.1f}x; {seconds * read_bw / weight_bytes:.2f}x the "
-                  f"weights' read)", flush=True)
+                  f"({seconds / floor:.1f}x; {ratio:.2f}x the weights' read at "
+                  f"{read_bw / 1e9:.1f} GB/s)", flush=True)
         stats = engine.stats()
         print(f"{mode}: graph capture {stats.graph_capture_s:.2f} s, "
               f"{stats.graph_memory_bytes / 1e6:.1f} MB", flush=True)
         engine = None  # its cache and graph pool go before the next mode builds its own
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "quantization": args.quantization,
-            "copy_bandwidth_GBps": bw / 1e9, "read_bandwidth_GBps": read_bw / 1e9,
+            "copy_bandwidth_GBps": bw / 1e9,
             "attention_backend": args.backend or "auto", "reps": reps,
             "step": "Engine.step() with every request decoding, wall time over reps "
                     "consecutive steps",
             "host_ms": "Engine.stats(): elapsed - phase_s['execute'] per step",
             "floor": "(weight bytes + KV bytes read) / measured copy bandwidth",
-            "weight_read": "weight bytes / measured read bandwidth (a sum over 256 MiB)"}
+            "weight_read": f"weight bytes / the read bandwidth (a sum over 256 MiB) sampled "
+                           f"before each of {rounds} runs of the steps (their median); "
+                           f"ratio_to_weight_read: the median of each run's step time over "
+                           f"the read just before it, as the machine's bandwidth drifts"}
     return publish("decode_step", device, rows, meta, COLUMNS, args.out,
                    lambda rows, path: plot(rows, path, meta))
 

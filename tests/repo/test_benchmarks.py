@@ -75,6 +75,10 @@ def test_decode_step_benchmark(tmp_path):
     assert [(r["mode"], r["batch"]) for r in rows] == [
         (mode, batch) for mode in ("eager", "graphs", "async") for batch in (1, 4)]
     assert all(r["floor_ms"] > 0 and 0 <= r["host_ms"] <= r["step_ms"] for r in rows)
+    # the weights' read: sampled beside the steps, each run against the sample before it
+    assert all(r["read_GBps"] > 0 and r["ratio_to_weight_read"] > 0 for r in rows)
+    for r in rows:
+        assert r["weight_read_ms"] == pytest.approx(r["weight_MB"] / r["read_GBps"])
 
 
 @pytest.mark.slow
