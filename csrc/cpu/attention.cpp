@@ -439,12 +439,16 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
             const Item& item, float scale, [[maybe_unused]] Step step, Scratch& sc, T* out) {
   const int64_t D = c.head_dim, row = c.num_kv_heads * D;  // row: one token's [H_kv, D]
   const int64_t R = tile.num_rows, G = item.head_end - item.head_begin;
+  auto query_row = [&](int64_t g, int64_t r) {  // item head g's query of tile row r
+    return query + (tile.row + r) * query_stride + (item.head_begin + g) * D;
+  };
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t r = 0; r < R; ++r) {
-      const T* q_row = query + (tile.row + r) * query_stride + (item.head_begin + g) * D;
-      float* q = sc.q.data() + (g * R + r) * D;
-      widen(q_row, q, D);
-      for (int64_t d = 0; d < D; ++d) q[d] *= scale;
+      if (step != Step::kAvx512Bf16) {  // (which reads the query row as it is)
+        float* q = sc.q.data() + (g * R + r) * D;
+        widen(query_row(g, r), q, D);
+        for (int64_t d = 0; d < D; ++d) q[d] *= scale;
+      }
       sc.m[g * R + r] = -std::numeric_limits<float>::infinity();
       sc.l[g * R + r] = 0.f;
     }
@@ -476,11 +480,10 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
             const int64_t gr = g * R + r;
             float *q = sc.q.data() + gr * D, *acc = sc.acc.data() + gr * D;
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
-              if (step == Step::kAvx512Bf16) {  // the query row as it is
-                avx512::online_softmax_step_bf16(
-                    query + (tile.row + r) * query_stride + (item.head_begin + g) * D,
-                    key_cache + offset, value_cache + offset, row, n, D, scale, sc.m[gr],
-                    sc.l[gr], acc);
+              if (step == Step::kAvx512Bf16) {
+                avx512::online_softmax_step_bf16(query_row(g, r), key_cache + offset,
+                                                 value_cache + offset, row, n, D, scale,
+                                                 sc.m[gr], sc.l[gr], acc);
                 continue;
               }
             }
