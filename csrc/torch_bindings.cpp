@@ -59,7 +59,8 @@ TORCH_LIBRARY(cbatch, m) {
       "float scale, Tensor positions, Tensor cos_sin_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, bool decode) -> Tensor");
   // The CPU kernels' options and what they ran (no tensors: one kernel for all devices)
-  m.def("set_cpu_options(str isa, str attention) -> ()", &cbatch::set_cpu_options);
+  m.def("set_cpu_options(str isa, str attention, str amx=\"\") -> ()",
+        &cbatch::set_cpu_options);
   m.def("cpu_isa() -> str", &cbatch::cpu_isa);
   m.def("cpu_attention_step(int head_dim, ScalarType? dtype=None) -> str",
         &cbatch::cpu_attention_step);

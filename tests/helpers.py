@@ -210,6 +210,15 @@ def run_arrivals(engine, arrivals: list[Arrival], max_steps: int = 1000,
     return finished
 
 
+def w8a8_calls() -> int:
+    """How many calls the W8A8 kernel has run in this process on its paths here now: its ISA's
+    and AMX-INT8's (tiles take calls of 8 rows and more where the CPU has them)."""
+    from cbatch.ops import cpu
+    paths = cpu.kernel_paths()
+    return paths.get(f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}", 0) + \
+        paths.get("quantized_linear.w8a8.amx", 0)
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -187,10 +187,20 @@ def quantized_linear_isa(bits: int = 8, dtype: torch.dtype = torch.float32) -> s
 def quantized_linear_w8a8_isa() -> str:
     """The path cbatch's W8A8 CPU kernel (``cbatch::quantized_linear_w8a8``, which runs where
     :func:`quantized_linear_available`) takes here now, after ``$CBATCH_CPU_ISA``'s cap:
-    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddwd``), or ""."""
+    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddwd``), or "".  Calls of 8 rows and
+    more may take AMX-INT8 tiles instead (:func:`quantized_linear_w8a8_tiles`)."""
     if not quantized_linear_available():
         return ""
     return "avx512vnni" if "avx512vnni" in cpu_isa().split() else "avx2"
+
+
+def quantized_linear_w8a8_tiles() -> bool:
+    """Whether the W8A8 kernel runs calls of 8 rows and more (K whole tiles of 64 k) on
+    AMX-INT8 tiles here now (``tdpbsud``; the same integers and output bits as the VNNI
+    path): on a CPU with AMX-INT8 and AVX512-VNNI, unless ``set_cpu_options`` turned AMX
+    off."""
+    return quantized_linear_available() and "amx-int8" in cpu_isa().split()
+
 
 
 @functools.cache
@@ -315,8 +325,9 @@ def may_use_amx(batch_invariant: bool) -> bool:
 
 def cpu_isa() -> str:
     """The x86 features the C++ CPU kernels use here, after ``$CBATCH_CPU_ISA``'s cap:
-    space-separated from ``avx512 avx512bf16 avx512vnni avx2``; "" without the extension or
-    on a CPU with none of them."""
+    space-separated from ``avx512 avx512bf16 avx512vnni amx-int8 avx2`` (amx-int8: W8A8's
+    tiles, :func:`quantized_linear_w8a8_tiles`); "" without the extension or on a CPU with
+    none of them."""
     if "cpu" not in compiled.compiled_backends():
         return ""
     return torch.ops.cbatch.cpu_isa()
@@ -334,7 +345,8 @@ def attention_step(head_dim: int, dtype: torch.dtype = torch.float32) -> str:
 def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
-    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w4a8.avx512vnni``,
+    ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w8a8.amx``,
+    ``quantized_linear.w4a8.avx512vnni``,
     ``greedy_head.int8.avx2``, ``decode_attention.avx512``, ...;
     ``greedy_head.unsettled_rows`` counts rows the screen left to the kernel, not calls);
     empty without the extension.  Counts only grow: compare two readings."""

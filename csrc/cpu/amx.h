@@ -15,9 +15,7 @@
 #include "gemm.h"
 
 #ifdef CBATCH_X86
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define CBATCH_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16," \
@@ -29,30 +27,16 @@ namespace {
 // Rows of x, columns of W and pairs of k per tile (tiles of 16 rows of 64 bytes).
 constexpr int64_t kTileRows = 16, kTileK = 32;
 
-// Whether the CPU has AMX-TILE and AMX-BF16 and Linux gave this process the tile state
-// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once), below the ISA cap.
+// Whether the CPU has AMX-BF16 and the tile state (amx_tiles.h), with AVX512-BF16 below the
+// ISA cap, unless set_cpu_options turned AMX off (the software model is int8's only).
 inline bool available() {
-  static const bool granted = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tiles = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return tiles && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return granted && cpu_has_avx512bf16();
+  return cpu_amx_option() != AmxOption::kOff && tiles_granted(22) && cpu_has_avx512bf16();
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32 columns); 4-5: two row tiles of x; 6-7: two
 // column blocks of W; every tile 16 rows of 64 bytes.
 CBATCH_AMX inline void load_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+  const TileConfig config = full_tiles();
   _tile_loadconfig(&config);
 }
 

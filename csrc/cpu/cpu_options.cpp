@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "../ops.h"
+#include "amx_tiles.h"
 #include "x86.h"
 
 namespace cbatch {
 
 std::atomic<bool> g_cpu_isa_avx2{false};
 std::atomic<bool> g_cpu_attention_generic{false};
+std::atomic<int> g_cpu_amx{static_cast<int>(AmxOption::kCpu)};
 std::atomic<int64_t> g_cpu_path_counts[static_cast<int>(CpuPath::kCount)] = {};
 
 namespace {
@@ -32,6 +34,7 @@ constexpr const char* kCpuPathNames[] = {
     "quantized_linear.w4.avx512bf16",
     "quantized_linear.w8a8.avx512vnni",
     "quantized_linear.w8a8.avx2",
+    "quantized_linear.w8a8.amx",
     "quantized_linear.w4a8.avx512vnni",
     "quantized_linear.w4a8.avx2",
     "greedy_head.int8.avx512vnni",
@@ -71,13 +74,21 @@ static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
 
 }  // namespace
 
-void set_cpu_options(const std::string& isa, const std::string& attention) {
+void set_cpu_options(const std::string& isa, const std::string& attention,
+                     const std::string& amx) {
   TORCH_CHECK_VALUE(isa.empty() || isa == "avx2",
                     "set_cpu_options: isa must be \"\" or \"avx2\", got \"", isa, "\"");
   TORCH_CHECK_VALUE(attention.empty() || attention == "generic",
                     "set_cpu_options: attention must be \"\" or \"generic\", got \"", attention,
                     "\"");
+  TORCH_CHECK_VALUE(amx.empty() || amx == "off" || amx == "model",
+                    "set_cpu_options: amx must be \"\", \"off\" or \"model\", got \"", amx,
+                    "\"");
   g_cpu_isa_avx2.store(isa == "avx2", std::memory_order_relaxed);
+  g_cpu_amx.store(static_cast<int>(amx == "off"     ? AmxOption::kOff
+                                   : amx == "model" ? AmxOption::kModel
+                                                    : AmxOption::kCpu),
+                  std::memory_order_relaxed);
   g_cpu_attention_generic.store(attention == "generic", std::memory_order_relaxed);
 }
 
@@ -92,6 +103,7 @@ std::string cpu_isa() {
   add(cpu_has_avx512(), "avx512");
   add(cpu_has_avx512bf16(), "avx512bf16");
   add(cpu_has_avx512vnni(), "avx512vnni");
+  add(amx::int8_tiles(), "amx-int8");
   add(cpu_has_avx2(), "avx2");
 #endif
   return out;

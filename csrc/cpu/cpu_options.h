@@ -1,5 +1,5 @@
 // What the CPU kernels may run and what they ran: the options that set_cpu_options sets (an
-// ISA cap and the attention step), read by the kernels on every call, and one counter per
+// ISA cap, the attention step and AMX), read by the kernels on every call, and one counter per
 // kernel path, counted once per op call where that path runs (cpu_path_names and
 // cpu_path_counts report them, so that a test can tell which path an op took).
 #pragma once
@@ -15,9 +15,17 @@ extern std::atomic<bool> g_cpu_isa_avx2;
 // "generic": attention runs its portable step whatever the CPU.
 extern std::atomic<bool> g_cpu_attention_generic;
 
+// "": AMX tiles where the CPU has them; "off": never; "model": the int8 path on amx_tiles.h's
+// software model of the tile instructions wherever AVX512-VNNI runs (for its tests).
+enum class AmxOption : int { kCpu = 0, kOff = 1, kModel = 2 };
+extern std::atomic<int> g_cpu_amx;
+
 inline bool cpu_isa_capped_at_avx2() { return g_cpu_isa_avx2.load(std::memory_order_relaxed); }
 inline bool cpu_attention_generic() {
   return g_cpu_attention_generic.load(std::memory_order_relaxed);
+}
+inline AmxOption cpu_amx_option() {
+  return static_cast<AmxOption>(g_cpu_amx.load(std::memory_order_relaxed));
 }
 
 // Every path an op can take; kCpuPathNames (cpu_options.cpp) holds their names, in this order.
@@ -33,6 +41,7 @@ enum class CpuPath : int {
   kQuantizedLinearW4Avx512Bf16,  // int4 on a bf16 x: vdpbf16ps
   kQuantizedLinearW8A8Vnni,
   kQuantizedLinearW8A8Avx2,
+  kQuantizedLinearW8A8Amx,  // AMX-INT8 tiles (or their model: set_cpu_options)
   kQuantizedLinearW4A8Vnni,
   kQuantizedLinearW4A8Avx2,
   kGreedyHeadInt8Avx512Vnni,

@@ -23,9 +23,9 @@
 // each fp32 result rounded in the tile's epilogue as Tensor.to(torch.bfloat16) rounds: no fp32
 // copy of x or of the output.
 //
-// Paths: AVX512-VNNI (vpdpbusd, 4 rows x 4 blocks of 16 columns per tile) where the CPU has
-// it, else AVX2 (vpmaddwd on 16-bit lanes, 2 rows x 16 columns per tile).  AMX-INT8 tiles are
-// not used.
+// Paths: AMX-INT8 tiles (tdpbsud) from 8 rows where the CPU has them; AVX512-VNNI (vpdpbusd,
+// 4 rows x 4 blocks of 16 columns per tile) where it has that, else AVX2 (vpmaddwd on 16-bit
+// lanes, 2 rows x 16 columns per tile).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -34,6 +34,7 @@
 #include <cstring>
 
 #include "../ops.h"
+#include "amx_tiles.h"
 #include "avx2.h"
 #include "avx512.h"
 #include "quantized_operands.h"
@@ -141,6 +142,25 @@ void item_avx2(const W8A8Args& a, int64_t block, int64_t /*end*/, int64_t m0, in
 constexpr int kVnniRows = 4;    // 4 rows x 4 blocks = 16 sums, 4 weight vectors, 1 x
 constexpr int kVnniBlocks = 4;  // blocks per column item
 
+// Row m's int32 sums of columns n .. n + 15 (those below N) finished and stored:
+// y = fl(fl(fl(acc - 128 xsum) * s_w) * s_x) (+ bias, fused into the last multiply).
+CBATCH_VNNI CBATCH_INLINE void finish(const W8A8Args& a, __m512i acc, int64_t m, int64_t n) {
+  const __mmask16 lanes = avx512::first_lanes(a.N - n);
+  const __m512i shift = _mm512_set1_epi32(128 * a.xsum[m]);
+  const __m512 sx = _mm512_set1_ps(a.xscale[m]);
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, shift)),
+                                 _mm512_loadu_ps(a.wscale + n));
+  const __m512 y = a.bias ? _mm512_fmadd_ps(t, sx, _mm512_maskz_loadu_ps(lanes, a.bias + n))
+                          : _mm512_mul_ps(t, sx);
+  if (a.out) {
+    _mm512_mask_storeu_ps(a.out + m * a.N + n, lanes, y);
+  } else {
+    alignas(64) float t[16];
+    _mm512_store_ps(t, y);
+    quantized_operands::store_bf16(t, std::min<int64_t>(a.N - n, 16), a.out_bf16 + m * a.N + n);
+  }
+}
+
 template <int R, int V>
 CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
   __m512i acc[kVnniRows][kVnniBlocks];
@@ -169,25 +189,8 @@ CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m512i shift = _mm512_set1_epi32(128 * a.xsum[m + r]);
-    const __m512 sx = _mm512_set1_ps(a.xscale[m + r]);
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
-      const int64_t n = (block + v) * kBlock;
-      const __mmask16 lanes = avx512::first_lanes(a.N - n);
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], shift)),
-                                     _mm512_loadu_ps(a.wscale + n));
-      const __m512 y = a.bias ? _mm512_fmadd_ps(t, sx, _mm512_maskz_loadu_ps(lanes, a.bias + n))
-                              : _mm512_mul_ps(t, sx);
-      if (a.out) {
-        _mm512_mask_storeu_ps(a.out + (m + r) * a.N + n, lanes, y);
-      } else {
-        alignas(64) float t[16];
-        _mm512_store_ps(t, y);
-        quantized_operands::store_bf16(t, std::min<int64_t>(a.N - n, 16),
-                                       a.out_bf16 + (m + r) * a.N + n);
-      }
-    }
+    for (int v = 0; v < V; ++v) finish(a, acc[r][v], m + r, (block + v) * kBlock);
   }
 }
 
@@ -206,6 +209,89 @@ void item_vnni(const W8A8Args& a, int64_t block, int64_t end, int64_t m0, int64_
     case 2: return rows_vnni<2>(a, block, m0, m1);
     default: return rows_vnni<1>(a, block, m0, m1);
   }
+}
+
+// ---- AMX-INT8 (Sapphire Rapids and later): tdpbsud multiplies 16 rows x 64 k of x (signed)
+// by 64 k x 16 columns of W (unsigned) into 16 x 16 int32 sums, where vpdpbusd does 16 x 4.
+// A block of the packed layout, [K4][64], is a stack of AMX B tiles as it is (16 quads of k,
+// 64 bytes apart); x's rows are A tiles, zero rows past M.  The sums are the same exact
+// integers and `finish` the VNNI tiles' epilogue, so a row's output is the same bits whichever
+// path ran and however many rows share the call (batch-invariant engines take it too).
+// Templated on the tile instructions: the hardware's, or amx_tiles.h's model of them.
+constexpr int64_t kAmxFromRows = 8;  // below: the weights' bytes bound the time
+constexpr int64_t kAmxQuads = 16;    // quads of k per tile row (64 bytes)
+constexpr int64_t kAmxRows = 32;     // rows of x per step: two A tiles
+
+// Rows [m, m + 32) of x times the NB column blocks from `block`: sums [32][32] int32, tiles
+// 0-3 the 2 x 2 products, 4-5 the A tiles, 6-7 the B tiles (as amx.h's bf16 kernel has them).
+template <class Tiles, int NB>
+CBATCH_AMX_INT8 void amx_sums(const W8A8Args& a, int64_t m, int64_t block, int32_t* sums) {
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  Tiles::template zero<2>();
+  Tiles::template zero<3>();
+  const int64_t ldx = a.K4 * 4;
+  const int8_t* xa = a.xq + m * ldx;
+  const int8_t* xb = xa + 16 * ldx;
+  const uint8_t* w0 = a.w + block * a.K4 * 64;
+  const uint8_t* w1 = w0 + a.K4 * 64;
+  for (int64_t i = 0; i < a.K4; i += kAmxQuads) {
+    Tiles::template load<4>(xa + 4 * i, ldx);
+    Tiles::template load<6>(w0 + 64 * i, 64);
+    Tiles::template dot_su<0, 4, 6>();
+    if constexpr (NB == 2) {
+      Tiles::template load<7>(w1 + 64 * i, 64);
+      Tiles::template dot_su<1, 4, 7>();
+    }
+    Tiles::template load<5>(xb + 4 * i, ldx);
+    Tiles::template dot_su<2, 5, 6>();
+    if constexpr (NB == 2) Tiles::template dot_su<3, 5, 7>();
+  }
+  Tiles::template store<0>(sums, 128);
+  Tiles::template store<2>(sums + 16 * 32, 128);
+  if constexpr (NB == 2) {
+    Tiles::template store<1>(sums + 16, 128);
+    Tiles::template store<3>(sums + 16 * 32 + 16, 128);
+  }
+}
+
+// Pairs of column blocks [begin, end) against every 32 rows of x, on this thread: rows in
+// chunks of about 512 KiB of x, so that x comes from L2 once per pair.
+template <class Tiles>
+CBATCH_AMX_INT8 void amx_pairs(const W8A8Args& a, int64_t begin, int64_t end) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock, ldx = a.K4 * 4;
+  const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (ldx * kAmxRows)) * kAmxRows;
+  Tiles::configure(amx::full_tiles());
+  alignas(64) int32_t sums[kAmxRows * 32];
+  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
+    const int64_t m1 = std::min(a.M, m0 + chunk);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t block = 2 * pair;
+      const int nb = block + 1 < blocks ? 2 : 1;
+      for (int64_t m = m0; m < m1; m += kAmxRows) {
+        if (nb == 2) {
+          amx_sums<Tiles, 2>(a, m, block, sums);
+        } else {
+          amx_sums<Tiles, 1>(a, m, block, sums);
+        }
+        for (int64_t r = 0; r < std::min(kAmxRows, a.M - m); ++r) {
+          for (int b = 0; b < nb; ++b) {
+            finish(a, _mm512_load_si512(sums + r * 32 + b * kBlock), m + r,
+                   (block + b) * kBlock);
+          }
+        }
+      }
+    }
+  }
+  Tiles::release();
+}
+
+template <class Tiles>
+void run_amx(const W8A8Args& a) {
+  const int64_t pairs = ((a.N + kBlock - 1) / kBlock + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_pairs<Tiles>(a, begin, end);
+  });
 }
 #undef CBATCH_VNNI
 
@@ -255,8 +341,12 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
 #ifdef CBATCH_X86
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool vnni = cpu_has_avx512vnni(), bf16 = x.scalar_type() == at::kBFloat16;
+  const bool tiles = vnni && M >= kAmxFromRows && K4 % kAmxQuads == 0 && amx::int8_tiles();
   const auto opts = x.options();
-  at::Tensor xq = at::empty({M, K4 * 4}, opts.dtype(at::kChar));  // 0 past K: quantize_rows
+  // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
+  const int64_t rows = tiles ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  at::Tensor xq = at::empty({rows, K4 * 4}, opts.dtype(at::kChar));
+  std::memset(xq.data_ptr<int8_t>() + M * K4 * 4, 0, (rows - M) * K4 * 4);
   at::Tensor xq16 = vnni ? at::Tensor() : at::empty({M, K4 * 4}, opts.dtype(at::kShort));
   at::Tensor xsum = at::empty({M}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M}, opts.dtype(at::kFloat));
@@ -276,8 +366,16 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  count_path(vnni ? CpuPath::kQuantizedLinearW8A8Vnni : CpuPath::kQuantizedLinearW8A8Avx2);
-  if (vnni) {
+  count_path(tiles  ? CpuPath::kQuantizedLinearW8A8Amx
+             : vnni ? CpuPath::kQuantizedLinearW8A8Vnni
+                    : CpuPath::kQuantizedLinearW8A8Avx2);
+  if (tiles) {
+    if (cpu_amx_option() == AmxOption::kModel) {
+      run_amx<amx::ModelTiles>(a);
+    } else {
+      run_amx<amx::HardwareTiles>(a);
+    }
+  } else if (vnni) {
     run(a, kVnniBlocks, item_vnni);
   } else {
     run(a, 1, item_avx2);

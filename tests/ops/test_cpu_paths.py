@@ -65,7 +65,8 @@ def test_path_names_and_counts():
             "quantized_linear.w8.avx2", "quantized_linear.w4.avx512",
             "quantized_linear.w4.avx2", "quantized_linear.w4.avx512bf16",
             "quantized_linear.w8a8.avx512vnni",
-            "quantized_linear.w8a8.avx2", "quantized_linear.w4a8.avx512vnni",
+            "quantized_linear.w8a8.avx2", "quantized_linear.w8a8.amx",
+            "quantized_linear.w4a8.avx512vnni",
             "quantized_linear.w4a8.avx2",
             "greedy_head.int8.avx512vnni", "greedy_head.int8.avx2", "greedy_head.bf16.avx512",
             "greedy_head.bf16.avx2", "greedy_head.kernel", "greedy_head.unsettled_rows",
@@ -80,13 +81,35 @@ def test_path_names_and_counts():
             "rotary_embedding.generic", "decoder_layers.cpu"} == set(names)
 
 
-@pytest.mark.parametrize("isa, attention", [("avx512", ""), ("", "fast"), ("AVX2", ""),
-                                            ("", "Generic")])
-def test_set_cpu_options_rejects_other_values(isa, attention):
+@pytest.mark.parametrize("isa, attention, amx", [("avx512", "", ""), ("", "fast", ""),
+                                                 ("AVX2", "", ""), ("", "Generic", ""),
+                                                 ("", "", "on"), ("", "", "Model")])
+def test_set_cpu_options_rejects_other_values(isa, attention, amx):
     before = torch.ops.cbatch.cpu_isa()
-    with pytest.raises(ValueError, match=f'"{isa or attention}"'):
-        torch.ops.cbatch.set_cpu_options(isa, attention)
+    with pytest.raises(ValueError, match=f'"{isa or attention or amx}"'):
+        torch.ops.cbatch.set_cpu_options(isa, attention, amx)
     assert torch.ops.cbatch.cpu_isa() == before  # nothing changed
+
+
+@pytest.mark.skipif(not HAS_AVX512 or "avx512_vnni" not in FLAGS, reason="no AVX512-VNNI")
+def test_set_cpu_options_amx_turns_w8a8s_tiles_on_the_model_and_off():
+    """amx="model": W8A8 calls of 8 rows take the tiles (amx_tiles.h's model of them here),
+    cpu_isa says amx-int8; "off": VNNI; the ISA cap turns them off too (no AVX512-VNNI)."""
+    from cbatch.layers.quantization.weight import pack, pack_w8a8
+    q = pack(torch.randint(-128, 128, (16, 64)), torch.ones(1, 16), None, 8, 64)
+    w, x = pack_w8a8(q), torch.randn(8, 64)
+
+    def w8a8():
+        return _ran(lambda: torch.ops.cbatch.quantized_linear_w8a8(x, w, q.scales, 16, None))
+    torch.ops.cbatch.set_cpu_options("", "", "model")
+    assert "amx-int8" in torch.ops.cbatch.cpu_isa().split()
+    assert w8a8() == {"quantized_linear.w8a8.amx": 1}
+    torch.ops.cbatch.set_cpu_options("", "", "off")
+    assert "amx-int8" not in torch.ops.cbatch.cpu_isa().split()
+    assert w8a8() == {"quantized_linear.w8a8.avx512vnni": 1}
+    torch.ops.cbatch.set_cpu_options("avx2", "", "model")
+    assert torch.ops.cbatch.cpu_isa() == "avx2"
+    assert w8a8() == {"quantized_linear.w8a8.avx2": 1}
 
 
 def _linear(dtype, M=3, N=40, K=32):

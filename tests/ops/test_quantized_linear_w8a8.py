@@ -8,9 +8,12 @@ the add (one rounding fewer than the reference's), so there it is within
 2^-23 (|acc s_w s_x| + |b|) of it.  Against the exact value acc s_w s_x + b (float64), every
 output is within gamma_4 (|acc s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (the
 rounding of acc to fp32, two multiplies, the add); bf16 outputs add 2^-8 |y|.
-Both paths run every case where the CPU has them (set_cpu_options("avx2") caps the kernel at
+Every path runs every case where the CPU has it (set_cpu_options("avx2") caps the kernel at
 its AVX2 path; the AVX512-VNNI cases skip on a CPU without VNNI), and each call asserts the
-path of its ISA ran.
+path of its ISA ran.  "amx" runs AMX-INT8 tiles from 8 rows where K is whole tiles of 64 k:
+the CPU's where it has them, else amx_tiles.h's software model of the tile instructions
+(set_cpu_options(amx="model")), which checks the kernel's addressing, tile shapes and
+epilogue, not the silicon; "avx512vnni" turns the tiles off.
 """
 
 import pytest
@@ -25,19 +28,32 @@ pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
                                 reason="cbatch's quantized CPU kernels do not run here")
 
 HAS_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= FLAGS
-ISAS = [pytest.param("avx512vnni", marks=pytest.mark.skipif(not HAS_VNNI,
-                                                             reason="no AVX512-VNNI")),
-        "avx2"]
+NO_VNNI = pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI")
+ISAS = [pytest.param("amx", marks=NO_VNNI), pytest.param("avx512vnni", marks=NO_VNNI), "avx2"]
 U = 2.0 ** -24
+# where this CPU runs AMX-INT8 itself, the tiles' tests run on it rather than on the model
+HARDWARE_AMX = "amx-int8" in cpu.cpu_isa()
 
 
 @pytest.fixture
 def isa(request):
-    """Run the test with the kernel capped at ``request.param``; restore the options after."""
-    torch.ops.cbatch.set_cpu_options("avx2" if request.param == "avx2" else "", "")
-    assert cpu.quantized_linear_w8a8_isa() == request.param
+    """Run the test on ``request.param``'s path (the tiles' from 8 rows for "amx"); restore
+    the options after."""
+    options = {"amx": ("", "", "" if HARDWARE_AMX else "model"),
+               "avx512vnni": ("", "", "off"), "avx2": ("avx2", "", "")}[request.param]
+    torch.ops.cbatch.set_cpu_options(*options)
+    assert cpu.quantized_linear_w8a8_isa() == ("avx512vnni" if request.param == "amx"
+                                               else request.param)
+    assert ("amx-int8" in cpu.cpu_isa()) == (request.param == "amx")
     yield request.param
     torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def _path(isa, M, K):
+    """The path counter a call of M rows and K k moves on ``isa``'s options: the tiles take
+    8 rows and more of whole tiles of k (ceil(K / 4) quads a multiple of 16)."""
+    tiles = isa == "amx" and M >= 8 and -(-K // 4) % 16 == 0
+    return f"quantized_linear.w8a8.{'amx' if tiles else 'avx512vnni' if isa == 'amx' else isa}"
 
 
 def _random_w8a8(N, K, gen, q=None):
@@ -52,7 +68,7 @@ def _random_w8a8(N, K, gen, q=None):
 def _run(isa, x, qweight, scales, N, bias):
     before = cpu.kernel_paths()
     ours = torch.ops.cbatch.quantized_linear_w8a8(x, qweight, scales, N, bias)
-    path = f"quantized_linear.w8a8.{isa}"
+    path = _path(isa, *x.shape)
     assert cpu.kernel_paths()[path] == before[path] + 1, path
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
@@ -93,8 +109,9 @@ def test_the_kernel_quantizes_x_as_the_reference(isa, dtype):
 
 
 # (N, K): one column, K of one element, odd K and N, K not a multiple of 4, a partial last
-# block, several 4-block column items
-SHAPES = [(1, 1), (5, 3), (33, 129), (17, 302), (130, 257), (64, 512), (200, 96)]
+# block, several 4-block column items; whole tiles of k (the tiles' from 8 rows), one with a
+# last block alone in its pair
+SHAPES = [(1, 1), (5, 3), (33, 129), (17, 302), (130, 257), (64, 512), (200, 96), (70, 192)]
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
@@ -178,6 +195,29 @@ def test_many_rows_and_rows_are_independent(isa):
         assert torch.equal(alone, ours[m:m + 1])
 
 
+@pytest.mark.parametrize("isa", [pytest.param("amx", marks=NO_VNNI)], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_tiles_are_the_vnni_tiles_bit_for_bit(isa, dtype):
+    """The tiles' sums are the same exact integers and their epilogue the VNNI tiles', so
+    every output is the VNNI path's to the bit: 8 rows (one tile pair, mostly zero rows), 31
+    and 33 (a partial tile pair), 300 rows of K = 4096 (three chunks of 128 rows), odd N (a
+    last block alone in its pair, a partial block), with and without bias; 7 rows and K not
+    whole tiles stay on VNNI."""
+    gen = torch.Generator().manual_seed(11)
+    for M, N, K, with_bias in ((8, 16, 64, False), (31, 33, 128, True), (33, 100, 960, False),
+                               (300, 40, 4096, True), (7, 48, 256, False),
+                               (64, 24, 96, True)):
+        qweight, scales, q, s_w = _random_w8a8(N, K, gen)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        bias = (torch.randn(N, generator=gen) * 0.1).to(dtype) if with_bias else None
+        ours = _run(isa, x, qweight, scales, N, bias)
+        _check(x, q, s_w, bias, ours, reference.quantized_linear_w8a8(x, qweight, scales, N,
+                                                                        bias))
+        torch.ops.cbatch.set_cpu_options("", "", "off")
+        assert torch.equal(ours, _run("avx512vnni", x, qweight, scales, N, bias))
+        torch.ops.cbatch.set_cpu_options("", "", "" if HARDWARE_AMX else "model")
+
+
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_the_layer_runs_the_kernel(isa):
     gen = torch.Generator().manual_seed(2)
@@ -185,9 +225,9 @@ def test_the_layer_runs_the_kernel(isa):
     layer = QuantizedLinear(pack(q, s_w[None], None, 8, 70), torch.randn(24, generator=gen),
                             act_bits=8)
     x = torch.randn(5, 70, generator=gen)
-    before = cpu.kernel_paths()[f"quantized_linear.w8a8.{isa}"]
+    before = cpu.kernel_paths()[_path(isa, 5, 70)]
     y = layer(x)
-    assert cpu.kernel_paths()[f"quantized_linear.w8a8.{isa}"] == before + 1
+    assert cpu.kernel_paths()[_path(isa, 5, 70)] == before + 1
     _check(x, q, s_w, layer.bias.detach(), y, reference.quantized_linear_w8a8(
         x, layer.qweight, layer.scales, 24, layer.bias))
 

@@ -86,7 +86,9 @@ def quantized_phrase() -> str:
         bf16 = cpu.quantized_linear_isa(4, torch.bfloat16)
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
                 + (f" (int4 on bf16: {bf16})" if bf16 != isa else "") + "; w8a8: "
-                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}), int8 dot products; "
+                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}"
+                + ("; AMX-INT8 tiles from 8 rows" if cpu.quantized_linear_w8a8_tiles() else "")
+                + "), int8 dot products; "
                 f"w4a8: {w4a8}")
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 

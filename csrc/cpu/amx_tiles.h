@@ -1,0 +1,159 @@
+// What the AMX paths share (amx.h's bf16 linear, quantized_linear_w8a8.cpp's int8 one): the
+// tile configuration, whether Linux gave this process the tile state, and the tile
+// instructions the int8 kernel uses, twice: on the hardware (HardwareTiles), and as a software
+// model of them (ModelTiles), instruction by instruction as Intel's SDM defines them, so that
+// the kernel's addressing, its tiles' shapes and its epilogue are tested on a CPU without AMX
+// (set_cpu_options(..., amx="model")).  The model checks the kernel against the manual's
+// semantics, not the silicon: NOTES says where the AMX-INT8 path has run on hardware.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "x86.h"
+
+#ifdef CBATCH_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define CBATCH_AMX_INT8                                                                  \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni," \
+                        "avx2,fma,f16c")))
+
+namespace cbatch::amx {
+
+// Whether the CPU has AMX-TILE and the AMX feature `bit` of CPUID leaf 7's EDX (22: BF16,
+// 25: INT8), and Linux gave this process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA), asked once).
+inline bool tiles_granted(int bit) {
+  static const unsigned edx = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return 0u;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? d : 0u;
+  }();
+  return (edx >> bit) & 1;
+}
+
+// Whether W8A8 may run on AMX-INT8 tiles now: the CPU's (with AVX512-VNNI for the epilogue,
+// below the ISA cap) unless set_cpu_options turned them off, or the model's.
+inline bool int8_tiles() {
+  const AmxOption option = cpu_amx_option();
+  if (option == AmxOption::kOff || !cpu_has_avx512vnni()) return false;
+  return option == AmxOption::kModel || tiles_granted(25);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 each 16 rows of 64 bytes (the kernels' one shape).
+inline TileConfig full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  return config;
+}
+
+// The tile instructions, by tile number (a template argument: the intrinsics take literals).
+#define CBATCH_TILE_CASE(T, op, ...)          \
+  if constexpr (T == 0) op(0, __VA_ARGS__);   \
+  else if constexpr (T == 1) op(1, __VA_ARGS__); \
+  else if constexpr (T == 2) op(2, __VA_ARGS__); \
+  else if constexpr (T == 3) op(3, __VA_ARGS__); \
+  else if constexpr (T == 4) op(4, __VA_ARGS__); \
+  else if constexpr (T == 5) op(5, __VA_ARGS__); \
+  else if constexpr (T == 6) op(6, __VA_ARGS__); \
+  else op(7, __VA_ARGS__)
+#define CBATCH_TILE_ZERO(t, unused) _tile_zero(t)
+#define CBATCH_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define CBATCH_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+
+struct HardwareTiles {
+  CBATCH_AMX_INT8 static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
+  CBATCH_AMX_INT8 static void release() { _tile_release(); }
+  template <int T>
+  CBATCH_AMX_INT8 static void zero() {
+    CBATCH_TILE_CASE(T, CBATCH_TILE_ZERO, 0);
+  }
+  template <int T>
+  CBATCH_AMX_INT8 static void load(const void* base, int64_t stride) {
+    CBATCH_TILE_CASE(T, CBATCH_TILE_LOAD, base, stride);
+  }
+  template <int T>
+  CBATCH_AMX_INT8 static void store(void* base, int64_t stride) {
+    CBATCH_TILE_CASE(T, CBATCH_TILE_STORE, base, stride);
+  }
+  // C += A B: A's rows of signed bytes, B's rows of 16 columns x 4 unsigned bytes (tdpbsud).
+  template <int C, int A, int B>
+  CBATCH_AMX_INT8 static void dot_su() {
+    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the int8 kernel's tiles");
+    if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbsud(0, 4, 6);
+    else if constexpr (C == 1 && A == 4 && B == 7) _tile_dpbsud(1, 4, 7);
+    else if constexpr (C == 2 && A == 5 && B == 6) _tile_dpbsud(2, 5, 6);
+    else _tile_dpbsud(3, 5, 7);
+  }
+};
+#undef CBATCH_TILE_ZERO
+#undef CBATCH_TILE_LOAD
+#undef CBATCH_TILE_STORE
+#undef CBATCH_TILE_CASE
+
+// The same instructions on a thread's own 8 tiles of 1 KiB, as the SDM's pseudocode has them:
+// a load or store moves rows[t] rows of colsb[t] bytes, `stride` bytes apart in memory; a zero
+// clears the whole tile; tdpbsud adds, for every row m of C and column n (colsb[C] / 4 of
+// them), the products of A's signed bytes 4 k .. 4 k + 3 of row m with B's unsigned bytes
+// 4 n .. 4 n + 3 of row k, for k < colsb[A] / 4, into C's int32 (wrapping, as the hardware
+// does not saturate).
+struct ModelTiles {
+  struct State {
+    TileConfig config;
+    alignas(64) uint8_t tile[8][16][64];
+  };
+  static State& state() {
+    static thread_local State s;
+    return s;
+  }
+  static void configure(const TileConfig& config) { state().config = config; }
+  static void release() { state().config = TileConfig{}; }
+  template <int T>
+  static void zero() {
+    std::memset(state().tile[T], 0, sizeof state().tile[T]);
+  }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[T]; ++r) {
+      std::memcpy(s.tile[T][r], static_cast<const uint8_t*>(base) + r * stride, s.config.colsb[T]);
+    }
+  }
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[T]; ++r) {
+      std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.tile[T][r], s.config.colsb[T]);
+    }
+  }
+  template <int C, int A, int B>
+  static void dot_su() {
+    State& s = state();
+    for (int m = 0; m < s.config.rows[C]; ++m) {
+      for (int n = 0; n < s.config.colsb[C] / 4; ++n) {
+        uint32_t acc;
+        std::memcpy(&acc, &s.tile[C][m][4 * n], sizeof acc);
+        for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
+          for (int t = 0; t < 4; ++t) {
+            acc += static_cast<uint32_t>(static_cast<int8_t>(s.tile[A][m][4 * k + t]) *
+                                         static_cast<int32_t>(s.tile[B][k][4 * n + t]));
+          }
+        }
+        std::memcpy(&s.tile[C][m][4 * n], &acc, sizeof acc);
+      }
+    }
+  }
+};
+
+}  // namespace cbatch::amx
+#endif  // CBATCH_X86
