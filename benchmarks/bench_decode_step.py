@@ -21,7 +21,8 @@ time of reading the weights alone at the measured read bandwidth (``weight_read_
 yardstick for quantized weights: packed integers, scales and zero points counted).  The read
 bandwidth is sampled before each of 5 runs of a batch size's steps and each run is compared
 with the sample just before it (``ratio_to_weight_read``: the median of those): a 2-core
-cloud machine's read bandwidth drifts by half from minute to minute.
+cloud machine's read bandwidth drifts by half from minute to minute.  ``--amx off`` keeps the
+CPU kernels off AMX tiles (W8A8 takes AMX-INT8 from 8 rows where the CPU has it), to compare.
 Results in decode_step.*, written to a new folder under benchmarks/runs/ or to --out.
 """
 
@@ -41,6 +42,7 @@ from benchmarks.common import (  # noqa: E402
     base_parser, copy_bandwidth, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: E402
 from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
+from cbatch.ops import compiled, cpu  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",
            "read_GBps", "weight_read_ms", "ratio_to_weight_read",
@@ -110,6 +112,8 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 def run(args) -> Path:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.amx == "off" and device.type == "cpu":  # the kernels' AMX paths (W8A8's tiles)
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options(), "off")
     model = load_model(args.model, device=device, dtype=dtype, attention_backend=args.backend,
                        quantization=args.quantization)
     cfg = model.config
@@ -155,7 +159,8 @@ def run(args) -> Path:
               f"{stats.graph_memory_bytes / 1e6:.1f} MB", flush=True)
         engine = None  # its cache and graph pool go before the next mode builds its own
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
-            "quantization": args.quantization,
+            "quantization": args.quantization, "amx": args.amx or "where the CPU has it",
+            "cpu_isa": cpu.cpu_isa() if device.type == "cpu" else None,
             "copy_bandwidth_GBps": bw / 1e9,
             "attention_backend": args.backend or "auto", "reps": reps,
             "step": "Engine.step() with every request decoding, wall time over reps "
@@ -198,6 +203,9 @@ def main(argv=None):
                         help="which step modes to time (default: all three)")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                         help="online weight quantization of the decoder layers (CPU)")
+    parser.add_argument("--amx", choices=["", "off"], default="",
+                        help="off: the CPU kernels take no AMX tiles (to compare W8A8's tiles "
+                             "with its VNNI path on an AMX CPU)")
     parser.add_argument("--context", type=int, default=512 if cuda else 128)
     parser.add_argument("--batches", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16, 64])
