@@ -184,13 +184,14 @@ at::Tensor argmax_rows_cpu(const at::Tensor& logits);
 // The CPU kernels' options, read on every call (cpu/cpu_options.cpp): isa "" (what the CPU
 // has) or "avx2" (the paths of a CPU without AVX-512); attention "" (the widest step) or
 // "generic" (the portable step); amx "" (AMX tiles where the CPU has them), "off", or "model"
-// (W8A8's AMX-INT8 path on a software model of the tiles, for its tests: cpu/amx_tiles.h).
+// (the int8 kernels' AMX-INT8 paths on a software model of the tiles, for their tests:
+// cpu/amx_tiles.h).
 // Any other value is an error that names it.
 void set_cpu_options(const std::string& isa, const std::string& attention,
                      const std::string& amx);
 // The ISA features the CPU kernels use now (the CPU's, under the cap), space-separated, from
-// "avx512 avx512bf16 avx512vnni amx-int8 avx2"; "" where none.  amx-int8: W8A8 takes AMX-INT8
-// tiles from 8 rows (or their model, set_cpu_options).
+// "avx512 avx512bf16 avx512vnni amx-int8 avx2"; "" where none.  amx-int8: W8A8 and W4A8 take
+// AMX-INT8 tiles from 8 rows (or their model, set_cpu_options).
 std::string cpu_isa();
 // The step CPU attention runs for this head dim and dtype (default float32) now:
 // "avx512bf16" (bf16 on AVX512-BF16), "avx512", "avx2" or "generic" (cpu/attention.cpp, the

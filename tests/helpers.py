@@ -210,13 +210,14 @@ def run_arrivals(engine, arrivals: list[Arrival], max_steps: int = 1000,
     return finished
 
 
-def w8a8_calls() -> int:
-    """How many calls the W8A8 kernel has run in this process on its paths here now: its ISA's
-    and AMX-INT8's (tiles take calls of 8 rows and more where the CPU has them)."""
+def int8_kernel_calls(op: str) -> int:
+    """How many calls cbatch's ``op`` kernel ("w8a8" or "w4a8": int8 dot products) has run in
+    this process on its paths here now: its ISA's and AMX-INT8's (tiles take calls of 8 rows
+    and more where the CPU has them)."""
     from cbatch.ops import cpu
+    isa = cpu.quantized_linear_w8a8_isa() if op == "w8a8" else cpu.quantized_linear_w4a8_isa()
     paths = cpu.kernel_paths()
-    return paths.get(f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}", 0) + \
-        paths.get("quantized_linear.w8a8.amx", 0)
+    return paths.get(f"quantized_linear.{op}.{isa}", 0) + paths.get(f"quantized_linear.{op}.amx", 0)
 
 
 def _cpu_flags() -> set[str]:

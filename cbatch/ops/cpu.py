@@ -188,17 +188,17 @@ def quantized_linear_w8a8_isa() -> str:
     """The path cbatch's W8A8 CPU kernel (``cbatch::quantized_linear_w8a8``, which runs where
     :func:`quantized_linear_available`) takes here now, after ``$CBATCH_CPU_ISA``'s cap:
     ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddwd``), or "".  Calls of 8 rows and
-    more may take AMX-INT8 tiles instead (:func:`quantized_linear_w8a8_tiles`)."""
+    more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`)."""
     if not quantized_linear_available():
         return ""
     return "avx512vnni" if "avx512vnni" in cpu_isa().split() else "avx2"
 
 
-def quantized_linear_w8a8_tiles() -> bool:
-    """Whether the W8A8 kernel runs calls of 8 rows and more (K whole tiles of 64 k) on
-    AMX-INT8 tiles here now (``tdpbsud``; the same integers and output bits as the VNNI
-    path): on a CPU with AMX-INT8 and AVX512-VNNI, unless ``set_cpu_options`` turned AMX
-    off."""
+def amx_int8_tiles() -> bool:
+    """Whether the W8A8 and W4A8 kernels run calls of 8 rows and more on AMX-INT8 tiles here
+    now (``tdpbsud``; K whole tiles of 64 k, W4A8's groups multiples of 64 k; the same
+    integers and output bits as the VNNI path): on a CPU with AMX-INT8 and AVX512-VNNI,
+    unless ``set_cpu_options`` turned AMX off."""
     return quantized_linear_available() and "amx-int8" in cpu_isa().split()
 
 
@@ -213,7 +213,8 @@ def quantized_linear_w4a8_available() -> bool:
 def quantized_linear_w4a8_isa() -> str:
     """The path cbatch's W4A8 CPU kernel takes here now, after ``$CBATCH_CPU_ISA``'s cap:
     ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddubsw``), or "" where it does not run
-    (W8A8's rule, on a CPU with AVX2)."""
+    (W8A8's rule, on a CPU with AVX2; calls of 8 rows and more may take AMX-INT8 tiles,
+    :func:`amx_int8_tiles`)."""
     return quantized_linear_w8a8_isa() if quantized_linear_w4a8_available() else ""
 
 
@@ -325,9 +326,9 @@ def may_use_amx(batch_invariant: bool) -> bool:
 
 def cpu_isa() -> str:
     """The x86 features the C++ CPU kernels use here, after ``$CBATCH_CPU_ISA``'s cap:
-    space-separated from ``avx512 avx512bf16 avx512vnni amx-int8 avx2`` (amx-int8: W8A8's
-    tiles, :func:`quantized_linear_w8a8_tiles`); "" without the extension or on a CPU with
-    none of them."""
+    space-separated from ``avx512 avx512bf16 avx512vnni amx-int8 avx2`` (amx-int8: the int8
+    kernels' tiles, :func:`amx_int8_tiles`); "" without the extension or on a CPU with none
+    of them."""
     if "cpu" not in compiled.compiled_backends():
         return ""
     return torch.ops.cbatch.cpu_isa()
@@ -346,7 +347,7 @@ def kernel_paths() -> dict[str, int]:
     """How many calls each path of the C++ CPU kernels has run in this process, by
     ``<op>.<path>`` (``linear.avx512``, ``linear.bf16.avx2``, ``quantized_linear.w4.avx2``,
     ``quantized_linear.w8a8.avx512vnni``, ``quantized_linear.w8a8.amx``,
-    ``quantized_linear.w4a8.avx512vnni``,
+    ``quantized_linear.w4a8.avx512vnni``, ``quantized_linear.w4a8.amx``,
     ``greedy_head.int8.avx2``, ``decode_attention.avx512``, ...;
     ``greedy_head.unsettled_rows`` counts rows the screen left to the kernel, not calls);
     empty without the extension.  Counts only grow: compare two readings."""

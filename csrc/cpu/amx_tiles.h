@@ -1,10 +1,11 @@
-// What the AMX paths share (amx.h's bf16 linear, quantized_linear_w8a8.cpp's int8 one): the
-// tile configuration, whether Linux gave this process the tile state, and the tile
-// instructions the int8 kernel uses, twice: on the hardware (HardwareTiles), and as a software
-// model of them (ModelTiles), instruction by instruction as Intel's SDM defines them, so that
-// the kernel's addressing, its tiles' shapes and its epilogue are tested on a CPU without AMX
-// (set_cpu_options(..., amx="model")).  The model checks the kernel against the manual's
-// semantics, not the silicon: NOTES says where the AMX-INT8 path has run on hardware.
+// What the AMX paths share (amx.h's bf16 linear; the int8 ones of quantized_linear_w8a8.cpp
+// and quantized_linear_w4a8.cpp): the tile configuration, whether Linux gave this process the
+// tile state, and the tile instructions the int8 kernels use, twice: on the hardware
+// (HardwareTiles), and as a software model of them (ModelTiles), instruction by instruction as
+// Intel's SDM defines them, so that the kernels' addressing, their tiles' shapes and their
+// epilogues are tested on a CPU without AMX (set_cpu_options(..., amx="model")).  The model
+// checks the kernels against the manual's semantics, not the silicon: benchmarks/NOTES.md
+// says where the AMX-INT8 paths have run on hardware.
 #pragma once
 
 #include <cstdint>
@@ -36,8 +37,8 @@ inline bool tiles_granted(int bit) {
   return (edx >> bit) & 1;
 }
 
-// Whether W8A8 may run on AMX-INT8 tiles now: the CPU's (with AVX512-VNNI for the epilogue,
-// below the ISA cap) unless set_cpu_options turned them off, or the model's.
+// Whether W8A8 and W4A8 may run on AMX-INT8 tiles now: the CPU's (with AVX512-VNNI for the
+// epilogue, below the ISA cap) unless set_cpu_options turned them off, or the model's.
 inline bool int8_tiles() {
   const AmxOption option = cpu_amx_option();
   if (option == AmxOption::kOff || !cpu_has_avx512vnni()) return false;

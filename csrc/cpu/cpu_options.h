@@ -15,8 +15,8 @@ extern std::atomic<bool> g_cpu_isa_avx2;
 // "generic": attention runs its portable step whatever the CPU.
 extern std::atomic<bool> g_cpu_attention_generic;
 
-// "": AMX tiles where the CPU has them; "off": never; "model": the int8 path on amx_tiles.h's
-// software model of the tile instructions wherever AVX512-VNNI runs (for its tests).
+// "": AMX tiles where the CPU has them; "off": never; "model": the int8 paths (W8A8, W4A8) on
+// amx_tiles.h's software model of the tile instructions wherever AVX512-VNNI runs (tests).
 enum class AmxOption : int { kCpu = 0, kOff = 1, kModel = 2 };
 extern std::atomic<int> g_cpu_amx;
 
@@ -44,6 +44,7 @@ enum class CpuPath : int {
   kQuantizedLinearW8A8Amx,  // AMX-INT8 tiles (or their model: set_cpu_options)
   kQuantizedLinearW4A8Vnni,
   kQuantizedLinearW4A8Avx2,
+  kQuantizedLinearW4A8Amx,  // AMX-INT8 tiles (or their model)
   kGreedyHeadInt8Avx512Vnni,
   kGreedyHeadInt8Avx2,
   kGreedyHeadBf16Avx512,

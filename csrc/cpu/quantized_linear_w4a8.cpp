@@ -42,15 +42,18 @@
 // even, as Tensor.to(torch.bfloat16)): no fp32 copy of x or of the output.
 //
 // Paths (4 rows x 16 columns per tile): AVX512-VNNI where present (vpdpbusd on 256-bit
-// vectors), else AVX2 (vpmaddubsw); the same integers, the same output bits.
+// vectors), else AVX2 (vpmaddubsw); from 8 rows AMX-INT8 tiles where the CPU has them and
+// group_size is a multiple of 64; the same integers, the same output bits.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "../ops.h"
+#include "amx_tiles.h"
 #include "avx2.h"
 #include "quantized_operands.h"
 
@@ -266,6 +269,164 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
   }
   store_tile<R>(a, m, block, y);
 }
+
+// ---- AMX-INT8 (Sapphire Rapids and later): tdpbsud multiplies 16 rows x 64 k of x (signed)
+// by 64 k x 16 columns of unsigned weights into 16 x 16 int32 sums.  A block's nibbles are
+// unpacked once per pair of blocks and chunk of rows into B tiles' rows (quad i: the low
+// nibbles, columns 0..7, then the high ones, 8..15; 64 bytes), x's rows are A tiles (zero
+// rows past M), and a group's sums stay in the C tiles over its 64-k steps (group_size a
+// multiple of 64).  They are the VNNI tile's exact integers, and add_group and store_tile its
+// epilogue on them, so the output is the same bits on every path and however many rows share
+// the call.  Templated on the tile instructions: the hardware's, or amx_tiles.h's model.
+constexpr int64_t kAmxFromRows = 8;  // below: the weights' bytes bound the time
+constexpr int64_t kAmxQuads = 16;    // quads of k per tile row (64 bytes)
+constexpr int64_t kAmxRows = 32;     // rows of x per step: two A tiles
+
+// Block `block`'s nibbles as B tiles' rows: [Q][64] bytes at out.
+CBATCH_AMX_INT8 void unpack_block(const W4A8Args& a, int64_t block, uint8_t* out) {
+  const uint8_t* w = a.w + block * a.Q * 32;
+  for (int64_t i = 0; i < a.Q; ++i) {
+    __m256i lo, hi;
+    unpack(w + i * 32, lo, hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 64), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 64 + 32), hi);
+  }
+}
+
+// Group g's sums of rows [r0, r0 + R) of the step (sums [32][32] int32, block b's 16 columns
+// at 16 b) scaled and added to their sums over groups (ys, the same shape, fp32) by add_group.
+template <int R>
+CBATCH_AMX_INT8 void add_group_rows(const W4A8Args& a, const int32_t* sums, float* ys,
+                                    int64_t m, int64_t r0, int64_t block, int b, int64_t g) {
+  __m256i s[kRows][2];
+  __m256 y[kRows][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = (r0 + r) * 32 + b * kBlock + 8 * h;
+      s[r][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + at));
+      y[r][h] = _mm256_load_ps(ys + at);
+    }
+  }
+  add_group<R>(a, m + r0, block, g, s, y);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(ys + (r0 + r) * 32 + b * kBlock, y[r][0]);
+    _mm256_store_ps(ys + (r0 + r) * 32 + b * kBlock + 8, y[r][1]);
+  }
+}
+
+// Rows [r0, r0 + R) of the step's sums over groups, block b's columns, stored by store_tile.
+template <int R>
+CBATCH_AMX_INT8 void store_rows(const W4A8Args& a, const float* ys, int64_t m, int64_t r0,
+                                int64_t block, int b) {
+  __m256 y[kRows][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    y[r][0] = _mm256_load_ps(ys + (r0 + r) * 32 + b * kBlock);
+    y[r][1] = _mm256_load_ps(ys + (r0 + r) * 32 + b * kBlock + 8);
+  }
+  store_tile<R>(a, m + r0, block, y);
+}
+
+// Group g's epilogue (store: the step's output) for the step's first `rows` rows, 4 at a time.
+template <bool kStore>
+CBATCH_AMX_INT8 void step_rows(const W4A8Args& a, const int32_t* sums, float* ys, int64_t m,
+                               int64_t rows, int64_t block, int nb, int64_t g) {
+  for (int b = 0; b < nb; ++b) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int64_t n = std::min<int64_t>(kRows, rows - r0);
+      if constexpr (kStore) {
+        if (n == 4) store_rows<4>(a, ys, m, r0, block + b, b);
+        if (n == 3) store_rows<3>(a, ys, m, r0, block + b, b);
+        if (n == 2) store_rows<2>(a, ys, m, r0, block + b, b);
+        if (n == 1) store_rows<1>(a, ys, m, r0, block + b, b);
+      } else {
+        if (n == 4) add_group_rows<4>(a, sums, ys, m, r0, block + b, b, g);
+        if (n == 3) add_group_rows<3>(a, sums, ys, m, r0, block + b, b, g);
+        if (n == 2) add_group_rows<2>(a, sums, ys, m, r0, block + b, b, g);
+        if (n == 1) add_group_rows<1>(a, sums, ys, m, r0, block + b, b, g);
+      }
+    }
+  }
+}
+
+// Rows [m, m + 32) of x times the NB unpacked blocks (w0, w1), group by group, into the
+// output; tiles 0-3 the 2 x 2 sums, 4-5 the A tiles, 6-7 the B tiles.
+template <class Tiles, int NB>
+CBATCH_AMX_INT8 void amx_step(const W4A8Args& a, int64_t m, int64_t block, const uint8_t* w0,
+                              const uint8_t* w1, int32_t* sums, float* ys) {
+  const int64_t ldx = a.Q * 4, rows = std::min(kAmxRows, a.M - m);
+  const int8_t* xa = a.xq + m * ldx;
+  const int8_t* xb = xa + 16 * ldx;
+  std::memset(ys, 0, sizeof(float) * kAmxRows * 32);
+  for (int64_t g = 0; g < a.G; ++g) {
+    Tiles::template zero<0>();
+    Tiles::template zero<1>();
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+    for (int64_t i = g * a.GQ; i < std::min((g + 1) * a.GQ, a.Q); i += kAmxQuads) {
+      Tiles::template load<4>(xa + 4 * i, ldx);
+      Tiles::template load<6>(w0 + 64 * i, 64);
+      Tiles::template dot_su<0, 4, 6>();
+      if constexpr (NB == 2) {
+        Tiles::template load<7>(w1 + 64 * i, 64);
+        Tiles::template dot_su<1, 4, 7>();
+      }
+      Tiles::template load<5>(xb + 4 * i, ldx);
+      Tiles::template dot_su<2, 5, 6>();
+      if constexpr (NB == 2) Tiles::template dot_su<3, 5, 7>();
+    }
+    Tiles::template store<0>(sums, 128);
+    Tiles::template store<2>(sums + 16 * 32, 128);
+    if constexpr (NB == 2) {
+      Tiles::template store<1>(sums + 16, 128);
+      Tiles::template store<3>(sums + 16 * 32 + 16, 128);
+    }
+    step_rows<false>(a, sums, ys, m, rows, block, NB, g);
+  }
+  step_rows<true>(a, sums, ys, m, rows, block, NB, 0);
+}
+
+// Pairs of blocks [begin, end) against every 32 rows of x, on this thread: rows in chunks of
+// about 512 KiB of x (x from L2 once per pair), each pair's blocks unpacked once per chunk.
+template <class Tiles>
+CBATCH_AMX_INT8 void amx_pairs(const W4A8Args& a, int64_t begin, int64_t end) {
+  const int64_t blocks = a.N16 / kBlock, ldx = a.Q * 4;
+  const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (ldx * kAmxRows)) * kAmxRows;
+  std::unique_ptr<uint8_t[]> unpacked(new uint8_t[2 * a.Q * 64]);
+  uint8_t* w0 = unpacked.get();
+  uint8_t* w1 = w0 + a.Q * 64;
+  Tiles::configure(amx::full_tiles());
+  alignas(64) int32_t sums[kAmxRows * 32];
+  alignas(64) float ys[kAmxRows * 32];
+  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
+    const int64_t m1 = std::min(a.M, m0 + chunk);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t block = 2 * pair;
+      const int nb = block + 1 < blocks ? 2 : 1;
+      unpack_block(a, block, w0);
+      if (nb == 2) unpack_block(a, block + 1, w1);
+      for (int64_t m = m0; m < m1; m += kAmxRows) {
+        if (nb == 2) {
+          amx_step<Tiles, 2>(a, m, block, w0, w1, sums, ys);
+        } else {
+          amx_step<Tiles, 1>(a, m, block, w0, w1, sums, ys);
+        }
+      }
+    }
+  }
+  Tiles::release();
+}
+
+template <class Tiles>
+void run_amx(const W4A8Args& a) {
+  const int64_t pairs = (a.N16 / kBlock + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_pairs<Tiles>(a, begin, end);
+  });
+}
 #undef CBATCH_VNNI
 
 template <bool kVnni, int R>
@@ -344,7 +505,12 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  at::Tensor xq = at::empty({M, Q * 4}, opts.dtype(at::kChar));  // 0 past K: quantize_rows
+  const bool tiles = cpu_has_avx512vnni() && M >= kAmxFromRows && GQ % kAmxQuads == 0 &&
+                     Q % kAmxQuads == 0 && amx::int8_tiles();
+  // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
+  const int64_t rows = tiles ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  at::Tensor xq = at::empty({rows, Q * 4}, opts.dtype(at::kChar));
+  std::memset(xq.data_ptr<int8_t>() + M * Q * 4, 0, (rows - M) * Q * 4);
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
@@ -362,7 +528,14 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  if (cpu_has_avx512vnni()) {
+  if (tiles) {
+    count_path(CpuPath::kQuantizedLinearW4A8Amx);
+    if (cpu_amx_option() == AmxOption::kModel) {
+      run_amx<amx::ModelTiles>(a);
+    } else {
+      run_amx<amx::HardwareTiles>(a);
+    }
+  } else if (cpu_has_avx512vnni()) {
     count_path(CpuPath::kQuantizedLinearW4A8Vnni);
     run<true>(a);
   } else {

@@ -17,7 +17,7 @@ from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
-from tests.helpers import w8a8_calls
+from tests.helpers import int8_kernel_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -390,13 +390,12 @@ def test_an_int4_checkpoint_runs_w4a8(tmp_path, fmt, gs, sym, desc_act, tied, mo
         else torch.arange(224) // gs
     x = torch.randn(5, 224, generator=torch.Generator().manual_seed(4))
     x[2] = 0  # a row of zeros: scale 0
-    w4a8 = f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"
-    before = [cpu.kernel_paths().get(w4a8, 0), w8a8_calls()]
+    before = [int8_kernel_calls("w4a8"), int8_kernel_calls("w8a8")]
     with torch.no_grad():
         got = model.get_submodule(name)(x)
     torch.testing.assert_close(got.double(), own_w4a8(x, w, group), atol=1e-5, rtol=1e-5)
     ours = torch.cat(prefill_logits(model, PROMPTS))
-    moved = [cpu.kernel_paths().get(w4a8, 0) - before[0], w8a8_calls() - before[1]]
+    moved = [int8_kernel_calls(op) - b for op, b in zip(("w4a8", "w8a8"), before)]
     assert moved[0] >= 1 + len(layers) or not cpu.quantized_linear_w4a8_available()
     assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
     monkeypatch.setattr(cpu, "quantized_linear_w4a8_available", lambda: False)
@@ -416,9 +415,9 @@ def test_an_int8_per_channel_checkpoint_runs_w8a8(tmp_path):
     assert len(layers) == 4 * SHAPE["num_hidden_layers"]
     assert all((m.bits, m.act_bits) == (8, 8) for m in layers)
     assert isinstance(model.lm_head, Linear)
-    before = w8a8_calls()
+    before = int8_kernel_calls("w8a8")
     got = torch.cat(prefill_logits(model, PROMPTS))
-    assert w8a8_calls() > before or not cpu.quantized_linear_available()
+    assert int8_kernel_calls("w8a8") > before or not cpu.quantized_linear_available()
     want = torch.cat(prefill_logits(load_model(dense), PROMPTS))
     assert (got - want).abs().max() < 0.02 * want.abs().max()
 

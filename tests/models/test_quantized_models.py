@@ -16,7 +16,7 @@ from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.quantization import linear as quantized_linear
 from cbatch.ops import compiled, cpu
-from tests.helpers import triton_device, triton_skip_reason, w8a8_calls
+from tests.helpers import int8_kernel_calls, triton_device, triton_skip_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -62,9 +62,9 @@ def test_w8a8_logits_are_the_references(name, monkeypatch):
     assert not isinstance(model.lm_head, QuantizedLinear)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
-    before = w8a8_calls()
+    before = int8_kernel_calls("w8a8")
     ours = torch.cat(prefill_logits(model, prompts))
-    assert w8a8_calls() > before or not cpu.quantized_linear_available()
+    assert int8_kernel_calls("w8a8") > before or not cpu.quantized_linear_available()
     monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_available", lambda: False)
     reference = torch.cat(prefill_logits(model, prompts))
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
@@ -88,10 +88,9 @@ def test_w4a8_logits_are_the_references_and_near_int4s(name, monkeypatch):
                           for m in layers)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
-    w4a8 = f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"
-    before = [cpu.kernel_paths().get(w4a8, 0), w8a8_calls()]
+    before = [int8_kernel_calls("w4a8"), int8_kernel_calls("w8a8")]
     ours = torch.cat(prefill_logits(model, prompts))
-    moved = [cpu.kernel_paths().get(w4a8, 0) - before[0], w8a8_calls() - before[1]]
+    moved = [int8_kernel_calls(op) - b for op, b in zip(("w4a8", "w8a8"), before)]
     assert moved[0] >= len(layers) or not cpu.quantized_linear_w4a8_available()
     assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
     monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available", lambda: False)
@@ -171,20 +170,22 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 
 
 @pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")
-def test_w8a8_engine_on_amx_tiles_is_the_vnni_engine():
-    """A W8A8 engine whose prefills run on AMX-INT8 tiles (the CPU's where it has them, else
-    amx_tiles.h's model of them) gives the VNNI engine's tokens and logprobs to the bit, prompt
-    logprobs too: the tiles' integers and epilogue are the VNNI tiles'."""
+@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+def test_engine_on_amx_tiles_is_the_vnni_engine(method):
+    """A W8A8 or W4A8 engine whose prefills run on AMX-INT8 tiles (the CPU's where it has
+    them, else amx_tiles.h's model of them) gives the VNNI engine's tokens and logprobs to the
+    bit, prompt logprobs too: the tiles' integers and epilogue are the VNNI tiles'."""
     prompts = [[5, 6, 7] * 7, [9] * 20, [11, 12]]
     params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    counter = f"quantized_linear.{method}.amx"
     runs = {}
     try:
         for amx in ("" if "amx-int8" in cpu.cpu_isa() else "model", "off"):
             torch.ops.cbatch.set_cpu_options(*compiled._cpu_options(), amx)
-            llm = LLM("random:llama-tiny", quantization="w8a8", max_num_seqs=4)
-            before = cpu.kernel_paths()["quantized_linear.w8a8.amx"]
+            llm = LLM("random:llama-tiny", quantization=method, max_num_seqs=4)
+            before = cpu.kernel_paths()[counter]
             outs = llm.generate(prompts, params, use_tqdm=False)
-            tiles = cpu.kernel_paths()["quantized_linear.w8a8.amx"] - before
+            tiles = cpu.kernel_paths()[counter] - before
             runs[amx or "model"] = tiles, [(o.token_ids, o.logprobs, o.prompt_logprobs)
                                             for o in outs]
     finally:

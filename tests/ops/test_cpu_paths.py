@@ -67,7 +67,7 @@ def test_path_names_and_counts():
             "quantized_linear.w8a8.avx512vnni",
             "quantized_linear.w8a8.avx2", "quantized_linear.w8a8.amx",
             "quantized_linear.w4a8.avx512vnni",
-            "quantized_linear.w4a8.avx2",
+            "quantized_linear.w4a8.avx2", "quantized_linear.w4a8.amx",
             "greedy_head.int8.avx512vnni", "greedy_head.int8.avx2", "greedy_head.bf16.avx512",
             "greedy_head.bf16.avx2", "greedy_head.kernel", "greedy_head.unsettled_rows",
             "decode_attention.avx512", "decode_attention.avx512bf16",

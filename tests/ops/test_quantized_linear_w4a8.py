@@ -8,8 +8,11 @@ reference's bit for bit: y = (...(0 + t_0) + t_1 ... + t_{G-1}) + b, t_g = fl(fl
 Against the exact value sum_g S_g s_w s_x + b (float64) every output is within
 gamma_{G+3} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S_g < 2^24 is
 exact in fp32; two multiplies per term, G adds, the bias's); bf16 outputs add 2^-8 |y|.
-The kernel has two paths, AVX512-VNNI (where present) and AVX2: every test runs on each this
-CPU has (the AVX2 one also under set_cpu_options' avx2 cap), and each call asserts its path ran.
+The kernel has three paths, AVX512-VNNI (where present), AVX2, and from 8 rows, with groups of
+a multiple of 64 k, AMX-INT8 tiles: every test runs on each (the AVX2 one also under
+set_cpu_options' avx2 cap; the tiles on the CPU's where it has them, else on amx_tiles.h's
+software model of the tile instructions, which checks the kernel's addressing, tile shapes
+and epilogue, not the silicon), and each call asserts its path ran.
 """
 
 import pytest
@@ -23,26 +26,37 @@ from tests.quant_utils import random_quantized
 U = 2.0 ** -24
 needs_kernel = pytest.mark.skipif(not cpu.quantized_linear_w4a8_available(),
                                   reason="cbatch's W4A8 CPU kernel (AVX2) does not run here")
+# where this CPU runs AMX-INT8 itself, the tiles' tests run on it rather than on the model
+HARDWARE_AMX = "amx-int8" in cpu.cpu_isa()
 
 
-@pytest.fixture(autouse=True, params=["", "avx2"], ids=["native", "avx2-cap"])
+@pytest.fixture(autouse=True, params=["", "avx2", "amx"], ids=["native", "avx2-cap", "amx"])
 def isa(request):
-    """Each test on the kernel's native path here, then under the avx2 cap (where the native
-    path is not already AVX2's)."""
+    """Each test on the kernel's native path here without AMX tiles, then under the avx2 cap
+    (where the native path is not already AVX2's), then with the tiles (where AVX512-VNNI
+    runs: the CPU's tiles, or their model)."""
     from cbatch.ops import compiled
 
-    if request.param and cpu.quantized_linear_w4a8_isa() in ("avx2", ""):
+    native = cpu.quantized_linear_w4a8_isa()
+    if request.param == "avx2" and native in ("avx2", ""):
         pytest.skip("the native path here is already AVX2's")
-    torch.ops.cbatch.set_cpu_options(request.param, "")
+    if request.param == "amx" and native != "avx512vnni":
+        pytest.skip("no AVX512-VNNI here (the tiles' epilogue)")
+    torch.ops.cbatch.set_cpu_options(request.param if request.param == "avx2" else "", "",
+                                     "" if request.param == "amx" and HARDWARE_AMX else
+                                     "model" if request.param == "amx" else "off")
     try:
         yield request.param
     finally:
         torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
 
 
-def path() -> str:
-    """The kernel path counter this call should move."""
-    return f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"
+def path(M: int = 1, K: int = 1, group_size: int = 32) -> str:
+    """The kernel path counter a call of M rows, K k and group_size should move: the tiles'
+    from 8 rows where they run, groups a multiple of 64 k and K's quads whole tiles."""
+    tiles = "amx-int8" in cpu.cpu_isa() and M >= 8 and group_size % 64 == 0 and \
+        -(-K // 32) * 8 % 16 == 0
+    return f"quantized_linear.w4a8.{'amx' if tiles else cpu.quantized_linear_w4a8_isa()}"
 
 
 def _random_w4a8(N, K, group_size, gen):
@@ -53,10 +67,11 @@ def _random_w4a8(N, K, group_size, gen):
 
 
 def _run(x, qweight, scales, group_size, N, bias, zeros=None):
-    before = cpu.kernel_paths()[path()]
+    counter = path(*x.shape, group_size)
+    before = cpu.kernel_paths()[counter]
     ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias,
                                                   zeros)
-    assert cpu.kernel_paths()[path()] == before + 1
+    assert cpu.kernel_paths()[counter] == before + 1, counter
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
 
@@ -243,14 +258,40 @@ def test_many_rows_and_rows_are_independent():
 
 
 @needs_kernel
+def test_amx_tiles_are_the_vnni_tile_bit_for_bit(isa):
+    """The tiles' group sums are the VNNI tile's exact integers and their epilogue its
+    add_group and store_tile, so every output is the VNNI path's to the bit: 8 rows (mostly
+    zero rows in the tiles), 33 (a partial pair of row tiles), 300 rows of K = 4096 in groups
+    of 256 with zero points (three chunks of 128 rows), a short last group, odd N (a last
+    block alone in its pair); groups of 32 and 7 rows stay on VNNI."""
+    if isa != "amx":
+        pytest.skip("the tiles' test")
+    gen = torch.Generator().manual_seed(12)
+    for M, N, K, gs, zp in ((8, 16, 64, 64, False), (33, 100, 960, 128, True),
+                            (300, 40, 4096, 256, True), (40, 17, 300, 64, False),
+                            (16, 32, 128, 32, False), (7, 48, 256, 128, True)):
+        qw, _ = random_quantized(N, K, 4, gs, zp, gen)
+        qweight = pack_w4a8(qw)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            bias = torch.randn(N, generator=gen).to(dtype) if zp else None
+            ours = _run(x, qweight, qw.scales, gs, N, bias, qw.zeros)
+            torch.ops.cbatch.set_cpu_options("", "", "off")
+            vnni = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, gs, N, bias,
+                                                          qw.zeros)
+            torch.ops.cbatch.set_cpu_options("", "", "" if HARDWARE_AMX else "model")
+            assert torch.equal(ours, vnni), (M, N, K, gs, dtype)
+
+
+@needs_kernel
 def test_the_layer_runs_the_kernel():
     gen = torch.Generator().manual_seed(2)
     qw, (q, s, _) = random_quantized(24, 70, 4, 32, False, gen)
     layer = QuantizedLinear(qw, torch.randn(24, generator=gen), act_bits=8)
     x = torch.randn(2, 5, 70, generator=gen)
-    before = cpu.kernel_paths()[path()]
+    before = cpu.kernel_paths()[path(10, 70, 32)]
     y = layer(x)
-    assert cpu.kernel_paths()[path()] == before + 1 and y.shape == (2, 5, 24)
+    assert cpu.kernel_paths()[path(10, 70, 32)] == before + 1 and y.shape == (2, 5, 24)
     _check(x.view(10, 70), q - 8, s, 32, layer.bias.detach(), y.view(10, 24),
            reference.quantized_linear_w4a8(x.view(10, 70), layer.qweight, layer.scales, 32,
                                            24, layer.bias))

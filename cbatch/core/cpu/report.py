@@ -80,15 +80,14 @@ def quantized_phrase() -> str:
     their ISA, or the reference."""
     isa = cpu.quantized_linear_isa()
     if isa:
+        tiles = "; AMX-INT8 tiles from 8 rows" if cpu.amx_int8_tiles() else ""
         w4a8_isa = cpu.quantized_linear_w4a8_isa()
-        w4a8 = (f"cbatch's kernel ({w4a8_isa}), int8 dot products" if w4a8_isa
+        w4a8 = (f"cbatch's kernel ({w4a8_isa}{tiles}), int8 dot products" if w4a8_isa
                 else "the pure-torch reference")
         bf16 = cpu.quantized_linear_isa(4, torch.bfloat16)
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
                 + (f" (int4 on bf16: {bf16})" if bf16 != isa else "") + "; w8a8: "
-                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}"
-                + ("; AMX-INT8 tiles from 8 rows" if cpu.quantized_linear_w8a8_tiles() else "")
-                + "), int8 dot products; "
+                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}{tiles}), int8 dot products; "
                 f"w4a8: {w4a8}")
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 

@@ -12,7 +12,7 @@ from cbatch.core.cpu.model_runner import CPUModelRunner
 from cbatch.core.cpu.report import cpu_paths
 from cbatch.core.worker import model_runner_class
 from cbatch.core.model_runner import ModelRunner
-from cbatch.ops import cpu
+from cbatch.ops import compiled, cpu
 from tests.helpers import needs_cpu_ext
 
 
@@ -32,8 +32,25 @@ def test_version_lists_the_cpu_fast_paths():
                      "decoder layers", "huge pages", "threads"]
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
     quantized = section[names.index("quantized linear")]
-    assert (f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()})"
+    tiles = "; AMX-INT8 tiles from 8 rows" if cpu.amx_int8_tiles() else ""
+    assert (f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()}{tiles})"
             if cpu.quantized_linear_w4a8_available() else "w4a8") in quantized
+
+
+@pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")
+def test_the_report_says_where_the_int8_kernels_take_amx_tiles():
+    """The quantized linears' line names AMX-INT8 tiles while they run (here on their model)
+    and not once set_cpu_options turns them off."""
+    try:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options(), "model")
+        on = cpu_paths()["quantized linear"]
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options(), "off")
+        off = cpu_paths()["quantized linear"]
+    finally:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+    for kernel in ("w8a8", "w4a8"):
+        assert f"{kernel}: cbatch's kernel (avx512vnni; AMX-INT8 tiles from 8 rows)" in on
+        assert f"{kernel}: cbatch's kernel (avx512vnni)" in off
 
 
 def test_switches_show_in_the_report(monkeypatch):
