@@ -8,6 +8,7 @@
 // says where the AMX-INT8 paths have run on hardware.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -155,6 +156,56 @@ struct ModelTiles {
     }
   }
 };
+
+// The int8 kernels' shape: from kInt8FromRows rows (below, the weights' bytes bound the
+// time), steps of kInt8StepRows rows of x (two A tiles) and kInt8StepQuads quads of k (a tile
+// row of 64 bytes), rows in chunks of about 512 KiB of x (ldx bytes a row), so that x comes
+// from L2 once per pair of blocks.
+constexpr int64_t kInt8FromRows = 8, kInt8StepRows = 32, kInt8StepQuads = 16;
+inline int64_t int8_chunk_rows(int64_t ldx) {
+  return std::max<int64_t>(1, (512 << 10) / (ldx * kInt8StepRows)) * kInt8StepRows;
+}
+
+// The int8 kernels' step (W8A8's, W4A8's), on Tiles: 32 rows of x against NB blocks of 16
+// columns, tiles 0-3 the 2 x NB sums (int32), 4-5 the A tiles (x's rows, ldx bytes apart: rows
+// 0-15 and 16-31), 6-7 the B tiles (a block's quads of k, 64 bytes each), as amx.h's bf16
+// kernel has them.  Each tile is loaded just before its first product.
+template <class Tiles>
+CBATCH_AMX_INT8 void zero_sums() {
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  Tiles::template zero<2>();
+  Tiles::template zero<3>();
+}
+
+// Sums += x's k of quads [i0, i1) (a multiple of 16 of them) times the blocks' (w0, w1).
+template <class Tiles, int NB>
+CBATCH_AMX_INT8 void add_products(const int8_t* x, int64_t ldx, const uint8_t* w0,
+                                  const uint8_t* w1, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; i += kInt8StepQuads) {
+    Tiles::template load<4>(x + 4 * i, ldx);
+    Tiles::template load<6>(w0 + 64 * i, 64);
+    Tiles::template dot_su<0, 4, 6>();
+    if constexpr (NB == 2) {
+      Tiles::template load<7>(w1 + 64 * i, 64);
+      Tiles::template dot_su<1, 4, 7>();
+    }
+    Tiles::template load<5>(x + 16 * ldx + 4 * i, ldx);
+    Tiles::template dot_su<2, 5, 6>();
+    if constexpr (NB == 2) Tiles::template dot_su<3, 5, 7>();
+  }
+}
+
+// The sums into sums [32][32] int32 (block b's columns at 16 b).
+template <class Tiles, int NB>
+CBATCH_AMX_INT8 void store_sums(int32_t* sums) {
+  Tiles::template store<0>(sums, 128);
+  Tiles::template store<2>(sums + 16 * 32, 128);
+  if constexpr (NB == 2) {
+    Tiles::template store<1>(sums + 16, 128);
+    Tiles::template store<3>(sums + 16 * 32 + 16, 128);
+  }
+}
 
 }  // namespace cbatch::amx
 #endif  // CBATCH_X86

@@ -278,9 +278,7 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
 // multiple of 64).  They are the VNNI tile's exact integers, and add_group and store_tile its
 // epilogue on them, so the output is the same bits on every path and however many rows share
 // the call.  Templated on the tile instructions: the hardware's, or amx_tiles.h's model.
-constexpr int64_t kAmxFromRows = 8;  // below: the weights' bytes bound the time
-constexpr int64_t kAmxQuads = 16;    // quads of k per tile row (64 bytes)
-constexpr int64_t kAmxRows = 32;     // rows of x per step: two A tiles
+using amx::kInt8FromRows, amx::kInt8StepQuads, amx::kInt8StepRows;
 
 // Block `block`'s nibbles as B tiles' rows: [Q][64] bytes at out.
 CBATCH_AMX_INT8 void unpack_block(const W4A8Args& a, int64_t block, uint8_t* out) {
@@ -353,54 +351,34 @@ CBATCH_AMX_INT8 void step_rows(const W4A8Args& a, const int32_t* sums, float* ys
 }
 
 // Rows [m, m + 32) of x times the NB unpacked blocks (w0, w1), group by group, into the
-// output; tiles 0-3 the 2 x 2 sums, 4-5 the A tiles, 6-7 the B tiles.
+// output.
 template <class Tiles, int NB>
 CBATCH_AMX_INT8 void amx_step(const W4A8Args& a, int64_t m, int64_t block, const uint8_t* w0,
                               const uint8_t* w1, int32_t* sums, float* ys) {
-  const int64_t ldx = a.Q * 4, rows = std::min(kAmxRows, a.M - m);
-  const int8_t* xa = a.xq + m * ldx;
-  const int8_t* xb = xa + 16 * ldx;
-  std::memset(ys, 0, sizeof(float) * kAmxRows * 32);
+  const int64_t rows = std::min(kInt8StepRows, a.M - m);
+  std::memset(ys, 0, sizeof(float) * kInt8StepRows * 32);
   for (int64_t g = 0; g < a.G; ++g) {
-    Tiles::template zero<0>();
-    Tiles::template zero<1>();
-    Tiles::template zero<2>();
-    Tiles::template zero<3>();
-    for (int64_t i = g * a.GQ; i < std::min((g + 1) * a.GQ, a.Q); i += kAmxQuads) {
-      Tiles::template load<4>(xa + 4 * i, ldx);
-      Tiles::template load<6>(w0 + 64 * i, 64);
-      Tiles::template dot_su<0, 4, 6>();
-      if constexpr (NB == 2) {
-        Tiles::template load<7>(w1 + 64 * i, 64);
-        Tiles::template dot_su<1, 4, 7>();
-      }
-      Tiles::template load<5>(xb + 4 * i, ldx);
-      Tiles::template dot_su<2, 5, 6>();
-      if constexpr (NB == 2) Tiles::template dot_su<3, 5, 7>();
-    }
-    Tiles::template store<0>(sums, 128);
-    Tiles::template store<2>(sums + 16 * 32, 128);
-    if constexpr (NB == 2) {
-      Tiles::template store<1>(sums + 16, 128);
-      Tiles::template store<3>(sums + 16 * 32 + 16, 128);
-    }
+    amx::zero_sums<Tiles>();
+    amx::add_products<Tiles, NB>(a.xq + m * a.Q * 4, a.Q * 4, w0, w1, g * a.GQ,
+                                 std::min((g + 1) * a.GQ, a.Q));
+    amx::store_sums<Tiles, NB>(sums);
     step_rows<false>(a, sums, ys, m, rows, block, NB, g);
   }
   step_rows<true>(a, sums, ys, m, rows, block, NB, 0);
 }
 
-// Pairs of blocks [begin, end) against every 32 rows of x, on this thread: rows in chunks of
-// about 512 KiB of x (x from L2 once per pair), each pair's blocks unpacked once per chunk.
+// Pairs of blocks [begin, end) against every 32 rows of x, on this thread, a chunk of rows at
+// a time (amx::int8_chunk_rows), each pair's blocks unpacked once per chunk.
 template <class Tiles>
 CBATCH_AMX_INT8 void amx_pairs(const W4A8Args& a, int64_t begin, int64_t end) {
   const int64_t blocks = a.N16 / kBlock, ldx = a.Q * 4;
-  const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (ldx * kAmxRows)) * kAmxRows;
+  const int64_t chunk = amx::int8_chunk_rows(ldx);
   std::unique_ptr<uint8_t[]> unpacked(new uint8_t[2 * a.Q * 64]);
   uint8_t* w0 = unpacked.get();
   uint8_t* w1 = w0 + a.Q * 64;
   Tiles::configure(amx::full_tiles());
-  alignas(64) int32_t sums[kAmxRows * 32];
-  alignas(64) float ys[kAmxRows * 32];
+  alignas(64) int32_t sums[kInt8StepRows * 32];
+  alignas(64) float ys[kInt8StepRows * 32];
   for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
     const int64_t m1 = std::min(a.M, m0 + chunk);
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -408,7 +386,7 @@ CBATCH_AMX_INT8 void amx_pairs(const W4A8Args& a, int64_t begin, int64_t end) {
       const int nb = block + 1 < blocks ? 2 : 1;
       unpack_block(a, block, w0);
       if (nb == 2) unpack_block(a, block + 1, w1);
-      for (int64_t m = m0; m < m1; m += kAmxRows) {
+      for (int64_t m = m0; m < m1; m += kInt8StepRows) {
         if (nb == 2) {
           amx_step<Tiles, 2>(a, m, block, w0, w1, sums, ys);
         } else {
@@ -505,10 +483,10 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  const bool tiles = cpu_has_avx512vnni() && M >= kAmxFromRows && GQ % kAmxQuads == 0 &&
-                     Q % kAmxQuads == 0 && amx::int8_tiles();
+  const bool tiles = cpu_has_avx512vnni() && M >= kInt8FromRows && GQ % kInt8StepQuads == 0 &&
+                     Q % kInt8StepQuads == 0 && amx::int8_tiles();
   // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
-  const int64_t rows = tiles ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  const int64_t rows = tiles ? (M + kInt8StepRows - 1) / kInt8StepRows * kInt8StepRows : M;
   at::Tensor xq = at::empty({rows, Q * 4}, opts.dtype(at::kChar));
   std::memset(xq.data_ptr<int8_t>() + M * Q * 4, 0, (rows - M) * Q * 4);
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));

@@ -218,63 +218,37 @@ void item_vnni(const W8A8Args& a, int64_t block, int64_t end, int64_t m0, int64_
 // integers and `finish` the VNNI tiles' epilogue, so a row's output is the same bits whichever
 // path ran and however many rows share the call (batch-invariant engines take it too).
 // Templated on the tile instructions: the hardware's, or amx_tiles.h's model of them.
-constexpr int64_t kAmxFromRows = 8;  // below: the weights' bytes bound the time
-constexpr int64_t kAmxQuads = 16;    // quads of k per tile row (64 bytes)
-constexpr int64_t kAmxRows = 32;     // rows of x per step: two A tiles
+using amx::kInt8FromRows, amx::kInt8StepQuads, amx::kInt8StepRows;
 
-// Rows [m, m + 32) of x times the NB column blocks from `block`: sums [32][32] int32, tiles
-// 0-3 the 2 x 2 products, 4-5 the A tiles, 6-7 the B tiles (as amx.h's bf16 kernel has them).
+// Rows [m, m + 32) of x times the NB column blocks from `block`: sums [32][32] int32.
 template <class Tiles, int NB>
 CBATCH_AMX_INT8 void amx_sums(const W8A8Args& a, int64_t m, int64_t block, int32_t* sums) {
-  Tiles::template zero<0>();
-  Tiles::template zero<1>();
-  Tiles::template zero<2>();
-  Tiles::template zero<3>();
-  const int64_t ldx = a.K4 * 4;
-  const int8_t* xa = a.xq + m * ldx;
-  const int8_t* xb = xa + 16 * ldx;
   const uint8_t* w0 = a.w + block * a.K4 * 64;
-  const uint8_t* w1 = w0 + a.K4 * 64;
-  for (int64_t i = 0; i < a.K4; i += kAmxQuads) {
-    Tiles::template load<4>(xa + 4 * i, ldx);
-    Tiles::template load<6>(w0 + 64 * i, 64);
-    Tiles::template dot_su<0, 4, 6>();
-    if constexpr (NB == 2) {
-      Tiles::template load<7>(w1 + 64 * i, 64);
-      Tiles::template dot_su<1, 4, 7>();
-    }
-    Tiles::template load<5>(xb + 4 * i, ldx);
-    Tiles::template dot_su<2, 5, 6>();
-    if constexpr (NB == 2) Tiles::template dot_su<3, 5, 7>();
-  }
-  Tiles::template store<0>(sums, 128);
-  Tiles::template store<2>(sums + 16 * 32, 128);
-  if constexpr (NB == 2) {
-    Tiles::template store<1>(sums + 16, 128);
-    Tiles::template store<3>(sums + 16 * 32 + 16, 128);
-  }
+  amx::zero_sums<Tiles>();
+  amx::add_products<Tiles, NB>(a.xq + m * a.K4 * 4, a.K4 * 4, w0, w0 + a.K4 * 64, 0, a.K4);
+  amx::store_sums<Tiles, NB>(sums);
 }
 
-// Pairs of column blocks [begin, end) against every 32 rows of x, on this thread: rows in
-// chunks of about 512 KiB of x, so that x comes from L2 once per pair.
+// Pairs of column blocks [begin, end) against every 32 rows of x, on this thread, a chunk of
+// rows at a time (amx::int8_chunk_rows).
 template <class Tiles>
 CBATCH_AMX_INT8 void amx_pairs(const W8A8Args& a, int64_t begin, int64_t end) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock, ldx = a.K4 * 4;
-  const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (ldx * kAmxRows)) * kAmxRows;
+  const int64_t chunk = amx::int8_chunk_rows(ldx);
   Tiles::configure(amx::full_tiles());
-  alignas(64) int32_t sums[kAmxRows * 32];
+  alignas(64) int32_t sums[kInt8StepRows * 32];
   for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
     const int64_t m1 = std::min(a.M, m0 + chunk);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t block = 2 * pair;
       const int nb = block + 1 < blocks ? 2 : 1;
-      for (int64_t m = m0; m < m1; m += kAmxRows) {
+      for (int64_t m = m0; m < m1; m += kInt8StepRows) {
         if (nb == 2) {
           amx_sums<Tiles, 2>(a, m, block, sums);
         } else {
           amx_sums<Tiles, 1>(a, m, block, sums);
         }
-        for (int64_t r = 0; r < std::min(kAmxRows, a.M - m); ++r) {
+        for (int64_t r = 0; r < std::min(kInt8StepRows, a.M - m); ++r) {
           for (int b = 0; b < nb; ++b) {
             finish(a, _mm512_load_si512(sums + r * 32 + b * kBlock), m + r,
                    (block + b) * kBlock);
@@ -341,10 +315,11 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
 #ifdef CBATCH_X86
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool vnni = cpu_has_avx512vnni(), bf16 = x.scalar_type() == at::kBFloat16;
-  const bool tiles = vnni && M >= kAmxFromRows && K4 % kAmxQuads == 0 && amx::int8_tiles();
+  const bool tiles =
+      vnni && M >= kInt8FromRows && K4 % kInt8StepQuads == 0 && amx::int8_tiles();
   const auto opts = x.options();
   // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
-  const int64_t rows = tiles ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  const int64_t rows = tiles ? (M + kInt8StepRows - 1) / kInt8StepRows * kInt8StepRows : M;
   at::Tensor xq = at::empty({rows, K4 * 4}, opts.dtype(at::kChar));
   std::memset(xq.data_ptr<int8_t>() + M * K4 * 4, 0, (rows - M) * K4 * 4);
   at::Tensor xq16 = vnni ? at::Tensor() : at::empty({M, K4 * 4}, opts.dtype(at::kShort));
