@@ -161,16 +161,20 @@ CBATCH_VNNI CBATCH_INLINE void finish(const W8A8Args& a, __m512i acc, int64_t m,
   }
 }
 
+// Rows m .. m + R - 1 times blocks block .. block + V - 1 over quads [i0, i1) of k, added to
+// their sums so far (`sums`; none before quad 0); the pass that ends at the last quad finishes
+// them into the output, the others leave them in `sums`.
 template <int R, int V>
-CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
+CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block, int64_t i0, int64_t i1,
+                           __m512i (&sums)[kVnniRows][kVnniBlocks]) {
   __m512i acc[kVnniRows][kVnniBlocks];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int v = 0; v < V; ++v) acc[r][v] = i0 == 0 ? _mm512_setzero_si512() : sums[r][v];
   }
   const uint8_t* w = a.w + block * a.K4 * 64;
   const int8_t* x = a.xq + m * a.K4 * 4;
-  for (int64_t i = 0; i < a.K4; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     __m512i wv[kVnniBlocks];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
@@ -190,15 +194,38 @@ CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block) {
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) finish(a, acc[r][v], m + r, (block + v) * kBlock);
+    for (int v = 0; v < V; ++v) {
+      if (i1 == a.K4) {
+        finish(a, acc[r][v], m + r, (block + v) * kBlock);
+      } else {
+        sums[r][v] = acc[r][v];
+      }
+    }
   }
 }
 
+// Quads of k per pass where several tiles of rows share an item's weights: 1 KiB of each
+// block, which the first tile streams from memory and the others then read from L1, so that
+// their multiplies run while the stream goes on.  One pass over all of K ran the first tile's
+// loads, then the others' multiplies, the two times added: SmolLM2-360M's 128 linears at 8 rows
+// took 14.5-14.9 ms, in these passes 11.8-12.5 (1 row: 10.5-11.6; benchmarks/NOTES.md,
+// "Batch 8 streams again", issue 50, twelfth session).
+constexpr int64_t kVnniPassQuads = 16;
+
+// Rows [m0, m1) (at most kChunkRows) of blocks [block, block + V): tiles of kVnniRows rows,
+// then the last rows one by one, in one pass over K where one tile holds them all.
 template <int V>
 void rows_vnni(const W8A8Args& a, int64_t block, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kVnniRows <= m1; m += kVnniRows) tile_vnni<kVnniRows, V>(a, m, block);
-  for (; m < m1; ++m) tile_vnni<1, V>(a, m, block);
+  const int64_t pass = m1 - m0 > kVnniRows ? kVnniPassQuads : a.K4;
+  __m512i sums[kChunkRows / kVnniRows + kVnniRows - 1][kVnniRows][kVnniBlocks];
+  for (int64_t i0 = 0; i0 < a.K4; i0 += pass) {
+    const int64_t i1 = std::min(a.K4, i0 + pass);
+    int64_t m = m0, t = 0;
+    for (; m + kVnniRows <= m1; m += kVnniRows) {
+      tile_vnni<kVnniRows, V>(a, m, block, i0, i1, sums[t++]);
+    }
+    for (; m < m1; ++m) tile_vnni<1, V>(a, m, block, i0, i1, sums[t++]);
+  }
 }
 
 // Blocks [block, end) (at most kVnniBlocks) of rows [m0, m1).
