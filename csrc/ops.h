@@ -184,7 +184,7 @@ at::Tensor argmax_rows_cpu(const at::Tensor& logits);
 // The CPU kernels' options, read on every call (cpu/cpu_options.cpp): isa "" (what the CPU
 // has) or "avx2" (the paths of a CPU without AVX-512); attention "" (the widest step) or
 // "generic" (the portable step); amx "" (AMX tiles where the CPU has them), "off", or "model"
-// (the int8 kernels' AMX-INT8 paths on a software model of the tiles, for their tests:
+// (the AMX paths, int8 and bf16, on a software model of the tiles, for their tests:
 // cpu/amx_tiles.h).
 // Any other value is an error that names it.
 void set_cpu_options(const std::string& isa, const std::string& attention,

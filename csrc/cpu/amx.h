@@ -4,7 +4,8 @@
 // cbatch's packed bf16 layout as it is: a block of 16 columns, [K / 2][16][2], is a stack of
 // AMX B tiles (16 rows of 16 column pairs, 64 bytes apart).  The sums run in another order than
 // vdpbf16ps' (each pair's products added even first), so a row's result depends on whether
-// this path ran: batch-invariant engines never take it (cbatch/ops/cpu.py).
+// this path ran: batch-invariant engines never take it (cbatch/ops/cpu.py).  The tile
+// instructions come from amx_tiles.h, on the hardware or (for tests) on its model.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -27,28 +28,26 @@ namespace {
 // Rows of x, columns of W and pairs of k per tile (tiles of 16 rows of 64 bytes).
 constexpr int64_t kTileRows = 16, kTileK = 32;
 
-// Whether the CPU has AMX-BF16 and the tile state (amx_tiles.h), with AVX512-BF16 below the
-// ISA cap, unless set_cpu_options turned AMX off (the software model is int8's only).
+// Whether the bf16 linear may run on AMX tiles now: AVX512-BF16 below the ISA cap (the
+// epilogue), and the CPU's AMX-BF16 with the tile state (amx_tiles.h) unless set_cpu_options
+// turned AMX off, or the tiles' model.
 inline bool available() {
-  return cpu_amx_option() != AmxOption::kOff && tiles_granted(22) && cpu_has_avx512bf16();
-}
-
-// Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32 columns); 4-5: two row tiles of x; 6-7: two
-// column blocks of W; every tile 16 rows of 64 bytes.
-CBATCH_AMX inline void load_config() {
-  const TileConfig config = full_tiles();
-  _tile_loadconfig(&config);
+  const AmxOption option = cpu_amx_option();
+  if (option == AmxOption::kOff || !cpu_has_avx512bf16()) return false;
+  return option == AmxOption::kModel || tiles_granted(22);
 }
 
 // Rows [m, m + 32) of x (padded to whole tiles) times the NB column blocks from `block`, into
-// sums [32][NB * 16] (fp32, 128 bytes a row).
-template <int NB>
+// sums [32][NB * 16] (fp32, 128 bytes a row).  Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32
+// columns); 4-5: two row tiles of x; 6-7: two column blocks of W; every tile 16 rows of 64
+// bytes.  On Tiles: the hardware's instructions, or amx_tiles.h's model of them.
+template <class Tiles, int NB>
 CBATCH_AMX void tile_sums(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t m,
                           int64_t block, float* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  Tiles::template zero<2>();
+  Tiles::template zero<3>();
   const c10::BFloat16* xa = x + m * K;
   const c10::BFloat16* xb = xa + kTileRows * K;
   const c10::BFloat16* w0 = w + block * K * kBlock;
@@ -56,22 +55,22 @@ CBATCH_AMX void tile_sums(const c10::BFloat16* x, int64_t K, const c10::BFloat16
   // Each tile is loaded just before its first product and its last reader comes early, so
   // the next step's load into it (tiles are not renamed) waits as little as possible.
   for (int64_t k = 0; k < K; k += kTileK) {
-    _tile_loadd(4, xa + k, K * 2);
-    _tile_loadd(6, w0 + k * kBlock, 64);  // 16 pairs of k, 16 columns each
-    _tile_dpbf16ps(0, 4, 6);
+    Tiles::template load<4>(xa + k, K * 2);
+    Tiles::template load<6>(w0 + k * kBlock, 64);  // 16 pairs of k, 16 columns each
+    Tiles::template dot_bf16<0, 4, 6>();
     if constexpr (NB == 2) {
-      _tile_loadd(7, w1 + k * kBlock, 64);
-      _tile_dpbf16ps(1, 4, 7);
+      Tiles::template load<7>(w1 + k * kBlock, 64);
+      Tiles::template dot_bf16<1, 4, 7>();
     }
-    _tile_loadd(5, xb + k, K * 2);
-    _tile_dpbf16ps(2, 5, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    Tiles::template load<5>(xb + k, K * 2);
+    Tiles::template dot_bf16<2, 5, 6>();
+    if constexpr (NB == 2) Tiles::template dot_bf16<3, 5, 7>();
   }
-  _tile_stored(0, sums, 128);
-  _tile_stored(2, sums + kTileRows * 32, 128);
+  Tiles::template store<0>(sums, 128);
+  Tiles::template store<2>(sums + kTileRows * 32, 128);
   if constexpr (NB == 2) {
-    _tile_stored(1, sums + kBlock, 128);
-    _tile_stored(3, sums + kTileRows * 32 + kBlock, 128);
+    Tiles::template store<1>(sums + kBlock, 128);
+    Tiles::template store<3>(sums + kTileRows * 32 + kBlock, 128);
   }
 }
 
@@ -105,11 +104,12 @@ inline int64_t chunk_rows(int64_t K) {
 
 // Column-block pairs [begin, end) against every 32 rows of x (whole tiles), on this thread,
 // chunk_rows(K) rows at a time.
+template <class Tiles>
 CBATCH_AMX void run_pairs(const Args<c10::BFloat16>& a, const c10::BFloat16* x, int64_t begin,
                           int64_t end) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t chunk = chunk_rows(a.K);
-  load_config();
+  Tiles::configure(full_tiles());
   alignas(64) float sums[2 * kTileRows * 32];
   for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
     const int64_t m1 = std::min(a.M, m0 + chunk);
@@ -118,15 +118,15 @@ CBATCH_AMX void run_pairs(const Args<c10::BFloat16>& a, const c10::BFloat16* x, 
       const int nb = block + 1 < blocks ? 2 : 1;
       for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
         if (nb == 2) {
-          tile_sums<2>(x, a.K, a.w, m, block, sums);
+          tile_sums<Tiles, 2>(x, a.K, a.w, m, block, sums);
         } else {
-          tile_sums<1>(x, a.K, a.w, m, block, sums);
+          tile_sums<Tiles, 1>(x, a.K, a.w, m, block, sums);
         }
         epilogue(a, sums, m, block, nb);
       }
     }
   }
-  _tile_release();
+  Tiles::release();
 }
 
 // The whole product: x's rows copied into whole tiles (zero rows past M), then pairs of
@@ -138,8 +138,13 @@ inline void run(const Args<c10::BFloat16>& a) {
   for (int64_t m = 0; m < a.M; ++m) std::memcpy(&x[m * a.K], a.x + m * a.ldx, a.K * 2);
   std::memset(static_cast<void*>(&x[a.M * a.K]), 0, (rows - a.M) * a.K * 2);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  const bool model = cpu_amx_option() == AmxOption::kModel;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    run_pairs(a, x.get(), begin, end);
+    if (model) {
+      run_pairs<ModelTiles>(a, x.get(), begin, end);
+    } else {
+      run_pairs<HardwareTiles>(a, x.get(), begin, end);
+    }
   });
 }
 

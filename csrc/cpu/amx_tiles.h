@@ -1,6 +1,6 @@
 // What the AMX paths share (amx.h's bf16 linear; the int8 ones of quantized_linear_w8a8.cpp
 // and quantized_linear_w4a8.cpp): the tile configuration, whether Linux gave this process the
-// tile state, and the tile instructions the int8 kernels use, twice: on the hardware
+// tile state, and the tile instructions the kernels use, twice: on the hardware
 // (HardwareTiles), and as a software model of them (ModelTiles), instruction by instruction as
 // Intel's SDM defines them, so that the kernels' addressing, their tiles' shapes and their
 // epilogues are tested on a CPU without AMX (set_cpu_options(..., amx="model")).  The model
@@ -73,31 +73,44 @@ inline TileConfig full_tiles() {
 #define CBATCH_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define CBATCH_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 
+// Each instruction with the one extension it needs, so that it inlines into the int8 kernels
+// (CBATCH_AMX_INT8) and amx.h's bf16 one (CBATCH_AMX) alike.
+#define CBATCH_AMX_TILE __attribute__((target("amx-tile")))
 struct HardwareTiles {
-  CBATCH_AMX_INT8 static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
-  CBATCH_AMX_INT8 static void release() { _tile_release(); }
+  CBATCH_AMX_TILE static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
+  CBATCH_AMX_TILE static void release() { _tile_release(); }
   template <int T>
-  CBATCH_AMX_INT8 static void zero() {
+  CBATCH_AMX_TILE static void zero() {
     CBATCH_TILE_CASE(T, CBATCH_TILE_ZERO, 0);
   }
   template <int T>
-  CBATCH_AMX_INT8 static void load(const void* base, int64_t stride) {
+  CBATCH_AMX_TILE static void load(const void* base, int64_t stride) {
     CBATCH_TILE_CASE(T, CBATCH_TILE_LOAD, base, stride);
   }
   template <int T>
-  CBATCH_AMX_INT8 static void store(void* base, int64_t stride) {
+  CBATCH_AMX_TILE static void store(void* base, int64_t stride) {
     CBATCH_TILE_CASE(T, CBATCH_TILE_STORE, base, stride);
   }
   // C += A B: A's rows of signed bytes, B's rows of 16 columns x 4 unsigned bytes (tdpbsud).
   template <int C, int A, int B>
-  CBATCH_AMX_INT8 static void dot_su() {
-    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the int8 kernel's tiles");
+  __attribute__((target("amx-tile,amx-int8"))) static void dot_su() {
+    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the kernels' tiles");
     if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbsud(0, 4, 6);
     else if constexpr (C == 1 && A == 4 && B == 7) _tile_dpbsud(1, 4, 7);
     else if constexpr (C == 2 && A == 5 && B == 6) _tile_dpbsud(2, 5, 6);
     else _tile_dpbsud(3, 5, 7);
   }
+  // C += A B in fp32: A's rows of bf16 pairs of k, B's rows of 16 columns x a pair (tdpbf16ps).
+  template <int C, int A, int B>
+  __attribute__((target("amx-tile,amx-bf16"))) static void dot_bf16() {
+    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the kernels' tiles");
+    if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (C == 1 && A == 4 && B == 7) _tile_dpbf16ps(1, 4, 7);
+    else if constexpr (C == 2 && A == 5 && B == 6) _tile_dpbf16ps(2, 5, 6);
+    else _tile_dpbf16ps(3, 5, 7);
+  }
 };
+#undef CBATCH_AMX_TILE
 #undef CBATCH_TILE_ZERO
 #undef CBATCH_TILE_LOAD
 #undef CBATCH_TILE_STORE
@@ -108,7 +121,9 @@ struct HardwareTiles {
 // clears the whole tile; tdpbsud adds, for every row m of C and column n (colsb[C] / 4 of
 // them), the products of A's signed bytes 4 k .. 4 k + 3 of row m with B's unsigned bytes
 // 4 n .. 4 n + 3 of row k, for k < colsb[A] / 4, into C's int32 (wrapping, as the hardware
-// does not saturate).
+// does not saturate); tdpbf16ps adds to C's fp32 the products of A's bf16 pair k of row m with
+// B's pair n of row k, the even one first, each add rounded to nearest even (a product of two
+// bf16 is exact in fp32; the hardware's flushing of denormals is not modelled).
 struct ModelTiles {
   struct State {
     TileConfig config;
@@ -149,6 +164,30 @@ struct ModelTiles {
           for (int t = 0; t < 4; ++t) {
             acc += static_cast<uint32_t>(static_cast<int8_t>(s.tile[A][m][4 * k + t]) *
                                          static_cast<int32_t>(s.tile[B][k][4 * n + t]));
+          }
+        }
+        std::memcpy(&s.tile[C][m][4 * n], &acc, sizeof acc);
+      }
+    }
+  }
+  template <int C, int A, int B>
+  static void dot_bf16() {
+    State& s = state();
+    const auto bf16 = [](const uint8_t* p) {  // a bf16 as the fp32 with its 16 bits on top
+      uint32_t bits = uint32_t(p[0] | p[1] << 8) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    };
+    for (int m = 0; m < s.config.rows[C]; ++m) {
+      for (int n = 0; n < s.config.colsb[C] / 4; ++n) {
+        float acc;
+        std::memcpy(&acc, &s.tile[C][m][4 * n], sizeof acc);
+        for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
+          for (int t = 0; t < 2; ++t) {
+            const float product = bf16(&s.tile[A][m][4 * k + 2 * t]) *
+                                  bf16(&s.tile[B][k][4 * n + 2 * t]);
+            acc = acc + product;
           }
         }
         std::memcpy(&s.tile[C][m][4 * n], &acc, sizeof acc);
