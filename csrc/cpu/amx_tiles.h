@@ -5,7 +5,7 @@
 // Intel's SDM defines them, so that the kernels' addressing, their tiles' shapes and their
 // epilogues are tested on a CPU without AMX (set_cpu_options(..., amx="model")).  The model
 // checks the kernels against the manual's semantics, not the silicon: benchmarks/NOTES.md
-// says where the AMX-INT8 paths have run on hardware.
+// says where the AMX paths have run on hardware.
 #pragma once
 
 #include <algorithm>
