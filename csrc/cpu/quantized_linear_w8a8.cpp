@@ -77,19 +77,31 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t
 }
 
 #ifdef CBATCH_X86
+// Quads of k per pass where several tiles of rows share an item's weights (both paths): 1 KiB
+// of each block, which the first tile streams from memory and the others then read from L1,
+// so that their multiplies run while the stream goes on.  One pass over all of K ran the first
+// tile's loads, then the others' multiplies, the two times added: SmolLM2-360M's 128 linears
+// at 8 rows took 14.5-14.9 ms on VNNI, in these passes 11.8-12.5 (1 row: 10.5-11.6;
+// benchmarks/NOTES.md, "Batch 8 streams again", issue 50, twelfth session).  A tile's sums
+// wait between passes in its caller's array; the integers are exact, so the bits do not move.
+constexpr int64_t kPassQuads = 16;
+
 // ---- AVX2: a block of 16 columns is 4 vectors of 4 columns x (k 0+1, k 2+3) int32 pairs. ----
 constexpr int kAvx2Rows = 2;  // 2 rows x 4 vectors = 8 sums, 4 weight vectors, 1 x
 
+// Rows m .. m + R - 1 of `block` over quads [i0, i1) of k, added to their sums so far
+// (`sums`; none before quad 0); the pass that ends at the last quad finishes them.
 template <int R>
-CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
+CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block, int64_t i0, int64_t i1,
+                           __m256i (&sums)[kAvx2Rows][4]) {
   __m256i acc[kAvx2Rows][4];
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) acc[r][c] = i0 == 0 ? _mm256_setzero_si256() : sums[r][c];
   }
   const uint8_t* w = a.w + block * a.K4 * 64;
   const int16_t* x = a.xq16 + m * a.K4 * 4;
-  for (int64_t i = 0; i < a.K4; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     __m256i wv[4];  // 4 columns x 4 k as int16, 0..255
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -107,6 +119,13 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
         acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wv[c], xv));
       }
     }
+  }
+  if (i1 < a.K4) {
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) sums[r][c] = acc[r][c];
+    }
+    return;
   }
   const int64_t col = block * kBlock;
 #pragma GCC unroll 2
@@ -130,11 +149,22 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block) {
   }
 }
 
-// One block (end = block + 1) of rows [m0, m1).
+// One block (end = block + 1) of rows [m0, m1) (at most kChunkRows), in passes of kPassQuads
+// where 2-4 tiles of rows share it (the AVX2 cap on Zen 4, 8 rows: the body 27.4-28.3 ms in one
+// pass, 22.5-23.6 in passes); more tiles keep one pass, as the small tile's sums, stored and
+// reloaded every pass, then cost more than the passes gain (64 rows: +14%).
 void item_avx2(const W8A8Args& a, int64_t block, int64_t /*end*/, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kAvx2Rows <= m1; m += kAvx2Rows) tile_avx2<kAvx2Rows>(a, m, block);
-  if (m < m1) tile_avx2<1>(a, m, block);
+  const int64_t rows = m1 - m0;
+  const int64_t pass = rows > kAvx2Rows && rows <= 4 * kAvx2Rows ? kPassQuads : a.K4;
+  __m256i sums[kChunkRows / kAvx2Rows + 1][kAvx2Rows][4];
+  for (int64_t i0 = 0; i0 < a.K4; i0 += pass) {
+    const int64_t i1 = std::min(a.K4, i0 + pass);
+    int64_t m = m0, t = 0;
+    for (; m + kAvx2Rows <= m1; m += kAvx2Rows) {
+      tile_avx2<kAvx2Rows>(a, m, block, i0, i1, sums[t++]);
+    }
+    if (m < m1) tile_avx2<1>(a, m, block, i0, i1, sums[t]);
+  }
 }
 
 // ---- AVX512-VNNI: a block of 16 columns is one vector of int32 sums. ----------------------
@@ -204,19 +234,11 @@ CBATCH_VNNI void tile_vnni(const W8A8Args& a, int64_t m, int64_t block, int64_t 
   }
 }
 
-// Quads of k per pass where several tiles of rows share an item's weights: 1 KiB of each
-// block, which the first tile streams from memory and the others then read from L1, so that
-// their multiplies run while the stream goes on.  One pass over all of K ran the first tile's
-// loads, then the others' multiplies, the two times added: SmolLM2-360M's 128 linears at 8 rows
-// took 14.5-14.9 ms, in these passes 11.8-12.5 (1 row: 10.5-11.6; benchmarks/NOTES.md,
-// "Batch 8 streams again", issue 50, twelfth session).
-constexpr int64_t kVnniPassQuads = 16;
-
 // Rows [m0, m1) (at most kChunkRows) of blocks [block, block + V): tiles of kVnniRows rows,
 // then the last rows one by one, in one pass over K where one tile holds them all.
 template <int V>
 void rows_vnni(const W8A8Args& a, int64_t block, int64_t m0, int64_t m1) {
-  const int64_t pass = m1 - m0 > kVnniRows ? kVnniPassQuads : a.K4;
+  const int64_t pass = m1 - m0 > kVnniRows ? kPassQuads : a.K4;
   __m512i sums[kChunkRows / kVnniRows + kVnniRows - 1][kVnniRows][kVnniBlocks];
   for (int64_t i0 = 0; i0 < a.K4; i0 += pass) {
     const int64_t i1 = std::min(a.K4, i0 + pass);
