@@ -202,7 +202,6 @@ def amx_int8_tiles() -> bool:
     return quantized_linear_available() and "amx-int8" in cpu_isa().split()
 
 
-
 @functools.cache
 def quantized_linear_w4a8_available() -> bool:
     """Whether cbatch's W4A8 CPU kernel (``cbatch::quantized_linear_w4a8``) runs here: x86

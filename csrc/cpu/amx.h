@@ -31,11 +31,7 @@ constexpr int64_t kTileRows = 16, kTileK = 32;
 // Whether the bf16 linear may run on AMX tiles now: AVX512-BF16 below the ISA cap (the
 // epilogue), and the CPU's AMX-BF16 with the tile state (amx_tiles.h) unless set_cpu_options
 // turned AMX off, or the tiles' model.
-inline bool available() {
-  const AmxOption option = cpu_amx_option();
-  if (option == AmxOption::kOff || !cpu_has_avx512bf16()) return false;
-  return option == AmxOption::kModel || tiles_granted(22);
-}
+inline bool available() { return tiles_allowed(22, cpu_has_avx512bf16()); }
 
 // Rows [m, m + 32) of x (padded to whole tiles) times the NB column blocks from `block`, into
 // sums [32][NB * 16] (fp32, 128 bytes a row).  Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32
@@ -138,13 +134,10 @@ inline void run(const Args<c10::BFloat16>& a) {
   for (int64_t m = 0; m < a.M; ++m) std::memcpy(&x[m * a.K], a.x + m * a.ldx, a.K * 2);
   std::memset(static_cast<void*>(&x[a.M * a.K]), 0, (rows - a.M) * a.K * 2);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
-  const bool model = cpu_amx_option() == AmxOption::kModel;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    if (model) {
-      run_pairs<ModelTiles>(a, x.get(), begin, end);
-    } else {
-      run_pairs<HardwareTiles>(a, x.get(), begin, end);
-    }
+  on_tiles([&](auto tiles) {
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      run_pairs<decltype(tiles)>(a, x.get(), begin, end);
+    });
   });
 }
 

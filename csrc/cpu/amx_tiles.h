@@ -38,13 +38,17 @@ inline bool tiles_granted(int bit) {
   return (edx >> bit) & 1;
 }
 
-// Whether W8A8 and W4A8 may run on AMX-INT8 tiles now: the CPU's (with AVX512-VNNI for the
-// epilogue, below the ISA cap) unless set_cpu_options turned them off, or the model's.
-inline bool int8_tiles() {
+// Whether a path may run on tiles of AMX feature `bit` now, its epilogue's ISA present
+// (`epilogue`, below the ISA cap): the CPU's tiles unless set_cpu_options turned AMX off, or the
+// model's.  The one rule for every AMX path.
+inline bool tiles_allowed(int bit, bool epilogue) {
   const AmxOption option = cpu_amx_option();
-  if (option == AmxOption::kOff || !cpu_has_avx512vnni()) return false;
-  return option == AmxOption::kModel || tiles_granted(25);
+  if (option == AmxOption::kOff || !epilogue) return false;
+  return option == AmxOption::kModel || tiles_granted(bit);
 }
+
+// Whether W8A8 and W4A8 may run on AMX-INT8 tiles now (AVX512-VNNI for their epilogues).
+inline bool int8_tiles() { return tiles_allowed(25, cpu_has_avx512vnni()); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -243,6 +247,17 @@ CBATCH_AMX_INT8 void store_sums(int32_t* sums) {
   if constexpr (NB == 2) {
     Tiles::template store<1>(sums + 16, 128);
     Tiles::template store<3>(sums + 16 * 32 + 16, 128);
+  }
+}
+
+// f(HardwareTiles{}) or, where set_cpu_options chose the model, f(ModelTiles{}): which tile
+// instructions a kernel's instantiation runs.
+template <class F>
+void on_tiles(F&& f) {
+  if (cpu_amx_option() == AmxOption::kModel) {
+    f(ModelTiles{});
+  } else {
+    f(HardwareTiles{});
   }
 }
 

@@ -50,7 +50,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
+#include <vector>
 
 #include "../ops.h"
 #include "amx_tiles.h"
@@ -373,8 +373,11 @@ template <class Tiles>
 CBATCH_AMX_INT8 void amx_pairs(const W4A8Args& a, int64_t begin, int64_t end) {
   const int64_t blocks = a.N16 / kBlock, ldx = a.Q * 4;
   const int64_t chunk = amx::int8_chunk_rows(ldx);
-  std::unique_ptr<uint8_t[]> unpacked(new uint8_t[2 * a.Q * 64]);
-  uint8_t* w0 = unpacked.get();
+  // the pair's unpacked blocks: a thread's buffer kept between calls (a fresh one was an mmap
+  // and its page faults on every call where it passed glibc's threshold, K 8192's 256 KiB)
+  static thread_local std::vector<uint8_t> unpacked;
+  unpacked.resize(std::max<size_t>(unpacked.size(), 2 * a.Q * 64));
+  uint8_t* w0 = unpacked.data();
   uint8_t* w1 = w0 + a.Q * 64;
   Tiles::configure(amx::full_tiles());
   alignas(64) int32_t sums[kInt8StepRows * 32];
@@ -508,11 +511,7 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   });
   if (tiles) {
     count_path(CpuPath::kQuantizedLinearW4A8Amx);
-    if (cpu_amx_option() == AmxOption::kModel) {
-      run_amx<amx::ModelTiles>(a);
-    } else {
-      run_amx<amx::HardwareTiles>(a);
-    }
+    amx::on_tiles([&](auto tiles) { run_amx<decltype(tiles)>(a); });
   } else if (cpu_has_avx512vnni()) {
     count_path(CpuPath::kQuantizedLinearW4A8Vnni);
     run<true>(a);

@@ -394,11 +394,7 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
              : vnni ? CpuPath::kQuantizedLinearW8A8Vnni
                     : CpuPath::kQuantizedLinearW8A8Avx2);
   if (tiles) {
-    if (cpu_amx_option() == AmxOption::kModel) {
-      run_amx<amx::ModelTiles>(a);
-    } else {
-      run_amx<amx::HardwareTiles>(a);
-    }
+    amx::on_tiles([&](auto tiles) { run_amx<decltype(tiles)>(a); });
   } else if (vnni) {
     run(a, kVnniBlocks, item_vnni);
   } else {
