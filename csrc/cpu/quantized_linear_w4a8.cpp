@@ -41,9 +41,9 @@
 // each fp32 result rounded in the tile's epilogue by c10::BFloat16's rounding (to nearest
 // even, as Tensor.to(torch.bfloat16)): no fp32 copy of x or of the output.
 //
-// Paths (4 rows x 16 columns per tile): AVX512-VNNI where present (vpdpbusd on 256-bit
-// vectors), else AVX2 (vpmaddubsw); from 8 rows AMX-INT8 tiles where the CPU has them and
-// group_size is a multiple of 64; the same integers, the same output bits.
+// Paths (tiles of 16 columns): AVX512-VNNI where present (vpdpbusd on 256-bit vectors, up to 8
+// rows a tile), else AVX2 (vpmaddubsw, 4 rows a tile); from 8 rows AMX-INT8 tiles where the CPU
+// has them and group_size is a multiple of 64; the same integers, the same output bits.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -100,6 +100,7 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
 
 #ifdef CBATCH_X86
 constexpr int kRows = 4;  // 4 rows x 2 halves = 8 int16 sums, 2 weight vectors, 1 x
+constexpr int kVnniRows = 8;  // VNNI: 8 rows x 2 halves = 16 int32 sums in AVX-512's 32 registers
 
 // t as it is: an fp32 the compiler cannot fuse into the add that takes it.
 CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
@@ -112,7 +113,7 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 // column's zero point.
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
-                                         const __m256i (&s)[kRows][2], __m256 (&y)[kRows][2]) {
+                                         const __m256i (*s)[2], __m256 (*y)[2]) {
   const float* sw = a.wscale + g * a.N16 + block * kBlock;
   const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
   const int8_t* z = a.wzero ? a.wzero + g * a.N16 + block * kBlock : nullptr;
@@ -120,7 +121,7 @@ CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t b
                              reinterpret_cast<const __m128i*>(z))) : __m256i{},
                 z1 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                              reinterpret_cast<const __m128i*>(z + 8))) : __m256i{};
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
@@ -139,8 +140,8 @@ CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t b
 // The tile's rows m .. m + R - 1 of the output (columns of `block` below N), plus the bias.
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void store_tile(const W4A8Args& a, int64_t m, int64_t block,
-                                          const __m256 (&y)[kRows][2]) {
-#pragma GCC unroll 4
+                                          const __m256 (*y)[2]) {
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
@@ -154,11 +155,13 @@ CBATCH_AVX2 CBATCH_INLINE void store_tile(const W4A8Args& a, int64_t m, int64_t 
   }
 }
 
-// A run's 4 cache lines (8 quads of 32 bytes), prefetched 1 KiB ahead.
+// A run's 4 cache lines (8 quads of 32 bytes), prefetched 2 KiB ahead: an 8-row tile takes
+// ~300 cycles over 1 KiB, too little to hide DRAM's latency (1 KiB ahead, its 128 linears took
+// 5% longer at 8 rows; benchmarks/NOTES.md, "W4A8 in tiles of 8 rows").
 CBATCH_AVX2 CBATCH_INLINE void prefetch_run(const uint8_t* run) {
 #pragma GCC unroll 4
   for (int l = 0; l < 4; ++l) {
-    _mm_prefetch(reinterpret_cast<const char*>(run) + 1024 + 64 * l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(run) + 2048 + 64 * l, _MM_HINT_T0);
   }
 }
 
@@ -226,25 +229,30 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
 // ---- AVX512-VNNI (on 256-bit vectors): vpdpbusd multiplies a quad's 4 unsigned weights by
 // the row's 4 int8 k and adds them into a column's int32 sum in one instruction, in place of
 // vpmaddubsw, the int16 add and the widening vpmaddwd.  The integer sums are exact either way,
-// so the output is the AVX2 tile's (and the reference's) bit for bit.  Even and odd quads sum
-// into separate registers (so a one-row tile has 4 chains, not 2, waiting on vpdpbusd's
-// latency), added at the group's end.
+// so the output is the AVX2 tile's (and the reference's) bit for bit.  A tile takes up to 8
+// rows (AVX-512's 32 registers hold their 16 sums): each quad's weights are unpacked once for
+// all of them, and at 8 rows the weights stream while the multiplies run (two tiles of 4 rows
+// took 15% longer: the first streamed the block, the second ran from L1 with nothing in
+// flight).  Up to 4 rows, even and odd quads sum into separate registers (so a one-row tile
+// has 4 chains, not 2, waiting on vpdpbusd's latency), added at the group's end.
 // (AVX2's target too: the tiles' shared helpers inline into it.)
 #define CBATCH_VNNI \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 template <int R>
 CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
+  constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 10-16 chains without
   const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * 32;
   const int8_t* x = a.xq + m * Q * 4;
-  __m256 y[kRows][2];  // [row][half]: the sum over groups so far
-#pragma GCC unroll 4
+  __m256 y[kVnniRows][2];  // [row][half]: the sum over groups so far
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
-    __m256i s[2][kRows][2];  // [quad parity][row][half]: this group's int32 sums
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[0][r][0] = s[0][r][1] = s[1][r][0] = s[1][r][1] =
-        _mm256_setzero_si256();
+    __m256i s[P][kVnniRows][2];  // [quad parity][row][half]: this group's int32 sums
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) s[p][r][0] = s[p][r][1] = _mm256_setzero_si256();
+    }
     for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
       prefetch_run(w + i0 * 32);
 #pragma GCC unroll 8
@@ -252,18 +260,20 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
         const int64_t i = i0 + j;
         __m256i lo, hi;
         unpack(w + i * 32, lo, hi);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
-          s[j % 2][r][0] = _mm256_dpbusd_epi32(s[j % 2][r][0], lo, xv);
-          s[j % 2][r][1] = _mm256_dpbusd_epi32(s[j % 2][r][1], hi, xv);
+          s[j % P][r][0] = _mm256_dpbusd_epi32(s[j % P][r][0], lo, xv);
+          s[j % P][r][1] = _mm256_dpbusd_epi32(s[j % P][r][1], hi, xv);
         }
       }
     }
+    if constexpr (P == 2) {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      s[0][r][0] = _mm256_add_epi32(s[0][r][0], s[1][r][0]);
-      s[0][r][1] = _mm256_add_epi32(s[0][r][1], s[1][r][1]);
+      for (int r = 0; r < R; ++r) {
+        s[0][r][0] = _mm256_add_epi32(s[0][r][0], s[1][r][0]);
+        s[0][r][1] = _mm256_add_epi32(s[0][r][1], s[1][r][1]);
+      }
     }
     add_group<R>(a, m, block, g, s[0], y);
   }
@@ -419,10 +429,20 @@ void tile(const W4A8Args& a, int64_t m, int64_t block) {
   }
 }
 
-// Rows [m0, m1) of one block of columns, kRows at a time.
+// Rows [m0, m1) of one block of columns: AVX2 kRows at a time, VNNI kVnniRows at a time and
+// the rest (1 to 7 rows) in one tile.
 template <bool kVnni>
 void item(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
   int64_t m = m0;
+  if constexpr (kVnni) {
+    for (; m + kVnniRows <= m1; m += kVnniRows) tile<kVnni, kVnniRows>(a, m, block);
+    switch (m1 - m) {
+      case 7: return tile<kVnni, 7>(a, m, block);
+      case 6: return tile<kVnni, 6>(a, m, block);
+      case 5: return tile<kVnni, 5>(a, m, block);
+      default: break;
+    }
+  }
   for (; m + kRows <= m1; m += kRows) tile<kVnni, kRows>(a, m, block);
   switch (m1 - m) {
     case 3: return tile<kVnni, 3>(a, m, block);

@@ -169,14 +169,15 @@ SHAPES = [(1, 1, 128), (5, 3, 32), (33, 127, 128), (17, 128, 128), (24, 129, 128
 @needs_kernel
 @pytest.mark.parametrize("N,K,group_size", SHAPES)
 def test_w4a8_matches_exact_integer_sums(N, K, group_size):
-    """Rows 1, 2, 3, 8, 33 and 300 (past four chunks of 64), fp32 and bf16 x, with and without
-    bias; a row of zeros (the output is the bias), a group of zeros in another row, and an
+    """Rows 1, 2, 3, 8, 15 (VNNI's tiles of 8 and then 7 rows), 33 and 300 (past four chunks of
+    64), fp32 and bf16 x, with and without bias; a row of zeros (the output is the bias), a group of zeros in another row, and an
     outlier in one group (its own scale only)."""
     gen = torch.Generator().manual_seed(N * 1000 + K)
     qweight, scales, q, s_w = _random_w4a8(N, K, group_size, gen)
     for M, dtype, with_bias in ((1, torch.float32, False), (2, torch.bfloat16, True),
                                 (3, torch.float32, True), (8, torch.float32, False),
-                                (33, torch.bfloat16, False), (300, torch.float32, True)):
+                                (15, torch.bfloat16, True), (33, torch.bfloat16, False),
+                                (300, torch.float32, True)):
         x = torch.randn(M, K, generator=gen)
         if M > 1:
             x[M // 2] = 0
@@ -198,13 +199,13 @@ def test_w4a8_matches_exact_integer_sums(N, K, group_size):
 def test_w4a8_with_zero_points_matches_exact_integer_sums(N, K, group_size):
     """Zero points per group and column (AWQ's, asymmetric GPTQ's): the weight's integers are
     the nibbles less z, each group's sum exact against the oracle's int64 sums of x's q times
-    (q - z) from the drawn integers; rows 1, 4 and 33, fp32 and bf16."""
+    (q - z) from the drawn integers; rows 1, 4, 6 and 33, fp32 and bf16."""
     gen = torch.Generator().manual_seed(N * 7 + K)
     qw, (q, s_w, z) = random_quantized(N, K, 4, group_size, True, gen)
     qweight = pack_w4a8(qw)
     signed = q - z[torch.arange(K) // group_size].t()  # [N, K] in [-15, 15]
     for M, dtype, with_bias in ((1, torch.float32, True), (4, torch.bfloat16, False),
-                                (33, torch.float32, False)):
+                                (6, torch.float32, True), (33, torch.float32, False)):
         x = torch.randn(M, K, generator=gen).to(dtype)
         bias = torch.randn(N, generator=gen).to(dtype) if with_bias else None
         ours = _run(x, qweight, qw.scales, group_size, N, bias, qw.zeros)
