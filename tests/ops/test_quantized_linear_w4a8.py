@@ -170,8 +170,8 @@ SHAPES = [(1, 1, 128), (5, 3, 32), (33, 127, 128), (17, 128, 128), (24, 129, 128
 @pytest.mark.parametrize("N,K,group_size", SHAPES)
 def test_w4a8_matches_exact_integer_sums(N, K, group_size):
     """Rows 1, 2, 3, 8, 15 (VNNI's tiles of 8 and then 7 rows), 33 and 300 (past four chunks of
-    64), fp32 and bf16 x, with and without bias; a row of zeros (the output is the bias), a group of zeros in another row, and an
-    outlier in one group (its own scale only)."""
+    64), fp32 and bf16 x, with and without bias; a row of zeros (the output is the bias), a
+    group of zeros in another row, and an outlier in one group (its own scale only)."""
     gen = torch.Generator().manual_seed(N * 1000 + K)
     qweight, scales, q, s_w = _random_w4a8(N, K, group_size, gen)
     for M, dtype, with_bias in ((1, torch.float32, False), (2, torch.bfloat16, True),
