@@ -226,9 +226,62 @@ CBATCH_AVX512 CBATCH_INLINE void accumulate_columns(const float* p, const T* v, 
   }
 }
 
+// accumulate for bf16 values, kChunks chunks of 32 columns in the pair layout: a 32-column
+// load holds columns 2j and 2j + 1 in the low and high halves of lane j, so a 16-bit shift
+// gives the even columns as fp32 and an `and` the odd ones, one instruction per 16 columns
+// where widening takes two.  acc keeps each chunk as its 16 even columns, then its 16 odd
+// ones (pair_index; the caller's last store puts them back).  Every column adds its keys in
+// the same order with the same FMAs as accumulate's: the same bits.
+template <int kChunks>
+CBATCH_AVX512 CBATCH_INLINE void accumulate_chunks(const float* p, const c10::BFloat16* v,
+                                                   int64_t stride, int64_t n, float correction,
+                                                   float* acc) {
+  __m512 a[kChunks][2];  // [chunk][even / odd columns]
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunks; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      a[c][h] = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c + 16 * h),
+                              _mm512_set1_ps(correction));
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 p_i = _mm512_set1_ps(p[i]);
+#pragma GCC unroll 4
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i w = _mm512_loadu_si512(v + i * stride + 32 * c);
+      a[c][0] = _mm512_fmadd_ps(p_i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), a[c][0]);
+      a[c][1] = _mm512_fmadd_ps(p_i, _mm512_castsi512_ps(_mm512_and_si512(w, high)), a[c][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunks; ++c) {
+    _mm512_storeu_ps(acc + 32 * c, a[c][0]);
+    _mm512_storeu_ps(acc + 32 * c + 16, a[c][1]);
+  }
+}
+
+// accumulate_columns for bf16 values in the pair layout: 128 columns at a time, then the last
+// D % 128 (D % 16 == 0): whole chunks of 32 in pairs, a last 16 as they are (pair_index).
+CBATCH_AVX512 CBATCH_INLINE void accumulate_pairs(const float* p, const c10::BFloat16* v,
+                                                    int64_t stride, int64_t n, int64_t D,
+                                                    float correction, float* acc) {
+  int64_t d = 0;
+  for (; d + 128 <= D; d += 128) accumulate_chunks<4>(p, v + d, stride, n, correction, acc + d);
+  switch ((D - d) / 32) {
+    case 3: accumulate_chunks<3>(p, v + d, stride, n, correction, acc + d); break;
+    case 2: accumulate_chunks<2>(p, v + d, stride, n, correction, acc + d); break;
+    case 1: accumulate_chunks<1>(p, v + d, stride, n, correction, acc + d); break;
+    default: break;
+  }
+  d += (D - d) / 32 * 32;
+  if (d < D) accumulate<1>(p, v + d, stride, n, correction, acc + d);
+}
+
 // The rest of a step once it has the scores of its (up to 16) keys: the running max m and sum
-// l updated, acc rescaled and the keys' values added with their weights.
-template <typename T>
+// l updated, acc rescaled and the keys' values added with their weights (kPairs: bf16 values in
+// the pair layout).
+template <bool kPairs, typename T>
 CBATCH_AVX512 CBATCH_INLINE void add_keys(__m512 scores, int64_t count, const T* v,
                                           int64_t stride, int64_t D, float& m, float& l,
                                           float* acc) {
@@ -241,7 +294,11 @@ CBATCH_AVX512 CBATCH_INLINE void add_keys(__m512 scores, int64_t count, const T*
   const __m512 e = _mm512_maskz_mov_ps(valid, exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
   l = l * correction + _mm512_reduce_add_ps(e);
   _mm512_store_ps(p, e);
-  accumulate_columns(p, v, stride, count, D, correction, acc);
+  if constexpr (kPairs) {
+    accumulate_pairs(p, v, stride, count, D, correction, acc);
+  } else {
+    accumulate_columns(p, v, stride, count, D, correction, acc);
+  }
   m = new_m;
 }
 
@@ -271,7 +328,7 @@ CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v, i
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load(keys[i] + d), dots[i]);
     }
-    add_keys(sum_each(dots), count, v, stride, D, m, l, acc);
+    add_keys<false>(sum_each(dots), count, v, stride, D, m, l, acc);
   }
 }
 
@@ -301,8 +358,8 @@ CBATCH_AVX512_DOT void online_softmax_step_bf16(const c10::BFloat16* q, const c1
                                    (__m512bh)_mm512_maskz_loadu_epi16(lanes, keys[i] + d));
       }
     }
-    add_keys(_mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)), count, v, stride, D, m, l,
-             acc);
+    add_keys<true>(_mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)), count, v, stride, D, m,
+                   l, acc);
   }
 }
 
@@ -431,6 +488,13 @@ inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t D) {
   }
 }
 
+// Where column d of a row of D sits in the pair layout: each whole chunk of 32 columns as its
+// 16 even columns, then its 16 odd ones; the last D % 32 as they are.
+inline int64_t pair_index(int64_t d, int64_t D) {
+  if (d >= D / 32 * 32) return d;
+  return d / 32 * 32 + d % 2 * 16 + d % 32 / 2;
+}
+
 // out[tile rows, item heads] = softmax(q K^T) V over each row's visible positions.  `group`
 // consecutive query heads share each KV head.
 template <typename T>
@@ -523,12 +587,16 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
       }
     }
   }
+  // the AVX512-BF16 step keeps its sums in the pair layout (avx512::accumulate_pairs)
+  const bool pairs = step == Step::kAvx512Bf16;
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t r = 0; r < R; ++r) {
       const float inv_l = 1.f / sc.l[g * R + r];
       const float* acc = sc.acc.data() + (g * R + r) * D;
       T* o = out + ((tile.row + r) * c.num_kv_heads * group + item.head_begin + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv_l);
+      for (int64_t d = 0; d < D; ++d) {
+        o[d] = static_cast<T>(acc[pairs ? pair_index(d, D) : d] * inv_l);
+      }
     }
   }
 }
