@@ -429,27 +429,23 @@ void tile(const W4A8Args& a, int64_t m, int64_t block) {
   }
 }
 
-// Rows [m0, m1) of one block of columns: AVX2 kRows at a time, VNNI kVnniRows at a time and
-// the rest (1 to 7 rows) in one tile.
+// Rows [m, m + n) of one block of columns in one tile, n below the path's rows a tile.
+template <bool kVnni, int R = (kVnni ? kVnniRows : kRows) - 1>
+void last_tile(const W4A8Args& a, int64_t m, int64_t block, int64_t n) {
+  if constexpr (R > 0) {
+    if (n == R) return tile<kVnni, R>(a, m, block);
+    last_tile<kVnni, R - 1>(a, m, block, n);
+  }
+}
+
+// Rows [m0, m1) of one block of columns: AVX2 kRows at a time, VNNI kVnniRows, then the rest
+// in one tile.
 template <bool kVnni>
 void item(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
+  constexpr int kTileRows = kVnni ? kVnniRows : kRows;
   int64_t m = m0;
-  if constexpr (kVnni) {
-    for (; m + kVnniRows <= m1; m += kVnniRows) tile<kVnni, kVnniRows>(a, m, block);
-    switch (m1 - m) {
-      case 7: return tile<kVnni, 7>(a, m, block);
-      case 6: return tile<kVnni, 6>(a, m, block);
-      case 5: return tile<kVnni, 5>(a, m, block);
-      default: break;
-    }
-  }
-  for (; m + kRows <= m1; m += kRows) tile<kVnni, kRows>(a, m, block);
-  switch (m1 - m) {
-    case 3: return tile<kVnni, 3>(a, m, block);
-    case 2: return tile<kVnni, 2>(a, m, block);
-    case 1: return tile<kVnni, 1>(a, m, block);
-    default: return;
-  }
+  for (; m + kTileRows <= m1; m += kTileRows) tile<kVnni, kTileRows>(a, m, block);
+  last_tile<kVnni>(a, m, block, m1 - m);
 }
 
 // Chunks of rows, each over every block of columns, the blocks shared out among threads.
