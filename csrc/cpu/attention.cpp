@@ -264,8 +264,8 @@ CBATCH_AVX512 CBATCH_INLINE void accumulate_chunks(const float* p, const c10::BF
 // accumulate_columns for bf16 values in the pair layout: 128 columns at a time, then the last
 // D % 128 (D % 16 == 0): whole chunks of 32 in pairs, a last 16 as they are (pair_index).
 CBATCH_AVX512 CBATCH_INLINE void accumulate_pairs(const float* p, const c10::BFloat16* v,
-                                                    int64_t stride, int64_t n, int64_t D,
-                                                    float correction, float* acc) {
+                                                  int64_t stride, int64_t n, int64_t D,
+                                                  float correction, float* acc) {
   int64_t d = 0;
   for (; d + 128 <= D; d += 128) accumulate_chunks<4>(p, v + d, stride, n, correction, acc + d);
   switch ((D - d) / 32) {

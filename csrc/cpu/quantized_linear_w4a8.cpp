@@ -232,7 +232,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
 // so the output is the AVX2 tile's (and the reference's) bit for bit.  A tile takes up to 8
 // rows (AVX-512's 32 registers hold their 16 sums): each quad's weights are unpacked once for
 // all of them, and at 8 rows the weights stream while the multiplies run (two tiles of 4 rows
-// took 15% longer: the first streamed the block, the second ran from L1 with nothing in
+// took 10% longer: the first streamed the block, the second ran from L1 with nothing in
 // flight).  Up to 4 rows, even and odd quads sum into separate registers (so a one-row tile
 // has 4 chains, not 2, waiting on vpdpbusd's latency), added at the group's end.
 // (AVX2's target too: the tiles' shared helpers inline into it.)
