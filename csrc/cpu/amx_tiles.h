@@ -8,6 +8,8 @@
 // says where the AMX paths have run on hardware.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +75,13 @@ inline TileConfig full_tiles() {
   else if constexpr (T == 5) op(5, __VA_ARGS__); \
   else if constexpr (T == 6) op(6, __VA_ARGS__); \
   else op(7, __VA_ARGS__)
+// C += A B by `op` on the kernels' four (C, A, B): sums 0-3, A tiles 4-5, B tiles 6-7.
+#define CBATCH_TILE_DOT(op)                                                    \
+  static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the kernels' tiles");     \
+  if constexpr (C == 0 && A == 4 && B == 6) op(0, 4, 6);                       \
+  else if constexpr (C == 1 && A == 4 && B == 7) op(1, 4, 7);                  \
+  else if constexpr (C == 2 && A == 5 && B == 6) op(2, 5, 6);                  \
+  else op(3, 5, 7)
 #define CBATCH_TILE_ZERO(t, unused) _tile_zero(t)
 #define CBATCH_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define CBATCH_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
@@ -98,23 +107,16 @@ struct HardwareTiles {
   // C += A B: A's rows of signed bytes, B's rows of 16 columns x 4 unsigned bytes (tdpbsud).
   template <int C, int A, int B>
   __attribute__((target("amx-tile,amx-int8"))) static void dot_su() {
-    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the kernels' tiles");
-    if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbsud(0, 4, 6);
-    else if constexpr (C == 1 && A == 4 && B == 7) _tile_dpbsud(1, 4, 7);
-    else if constexpr (C == 2 && A == 5 && B == 6) _tile_dpbsud(2, 5, 6);
-    else _tile_dpbsud(3, 5, 7);
+    CBATCH_TILE_DOT(_tile_dpbsud);
   }
   // C += A B in fp32: A's rows of bf16 pairs of k, B's rows of 16 columns x a pair (tdpbf16ps).
   template <int C, int A, int B>
   __attribute__((target("amx-tile,amx-bf16"))) static void dot_bf16() {
-    static_assert(C < 4 && A >= 4 && A < 6 && B >= 6, "the kernels' tiles");
-    if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbf16ps(0, 4, 6);
-    else if constexpr (C == 1 && A == 4 && B == 7) _tile_dpbf16ps(1, 4, 7);
-    else if constexpr (C == 2 && A == 5 && B == 6) _tile_dpbf16ps(2, 5, 6);
-    else _tile_dpbf16ps(3, 5, 7);
+    CBATCH_TILE_DOT(_tile_dpbf16ps);
   }
 };
 #undef CBATCH_AMX_TILE
+#undef CBATCH_TILE_DOT
 #undef CBATCH_TILE_ZERO
 #undef CBATCH_TILE_LOAD
 #undef CBATCH_TILE_STORE
@@ -157,22 +159,29 @@ struct ModelTiles {
       std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.tile[T][r], s.config.colsb[T]);
     }
   }
-  template <int C, int A, int B>
-  static void dot_su() {
-    State& s = state();
+  // f(m, n, acc) for each sum of C: row m, column n (4 bytes), acc an Acc read and written back.
+  template <int C, class Acc, class F>
+  static void each_sum(State& s, F f) {
     for (int m = 0; m < s.config.rows[C]; ++m) {
       for (int n = 0; n < s.config.colsb[C] / 4; ++n) {
-        uint32_t acc;
+        Acc acc;
         std::memcpy(&acc, &s.tile[C][m][4 * n], sizeof acc);
-        for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
-          for (int t = 0; t < 4; ++t) {
-            acc += static_cast<uint32_t>(static_cast<int8_t>(s.tile[A][m][4 * k + t]) *
-                                         static_cast<int32_t>(s.tile[B][k][4 * n + t]));
-          }
-        }
+        f(m, n, acc);
         std::memcpy(&s.tile[C][m][4 * n], &acc, sizeof acc);
       }
     }
+  }
+  template <int C, int A, int B>
+  static void dot_su() {
+    State& s = state();
+    each_sum<C, uint32_t>(s, [&](int m, int n, uint32_t& acc) {
+      for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
+        for (int t = 0; t < 4; ++t) {
+          acc += static_cast<uint32_t>(static_cast<int8_t>(s.tile[A][m][4 * k + t]) *
+                                       static_cast<int32_t>(s.tile[B][k][4 * n + t]));
+        }
+      }
+    });
   }
   template <int C, int A, int B>
   static void dot_bf16() {
@@ -183,20 +192,15 @@ struct ModelTiles {
       std::memcpy(&f, &bits, sizeof f);
       return f;
     };
-    for (int m = 0; m < s.config.rows[C]; ++m) {
-      for (int n = 0; n < s.config.colsb[C] / 4; ++n) {
-        float acc;
-        std::memcpy(&acc, &s.tile[C][m][4 * n], sizeof acc);
-        for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
-          for (int t = 0; t < 2; ++t) {
-            const float product = bf16(&s.tile[A][m][4 * k + 2 * t]) *
-                                  bf16(&s.tile[B][k][4 * n + 2 * t]);
-            acc = acc + product;
-          }
+    each_sum<C, float>(s, [&](int m, int n, float& acc) {
+      for (int k = 0; k < s.config.colsb[A] / 4; ++k) {
+        for (int t = 0; t < 2; ++t) {
+          const float product = bf16(&s.tile[A][m][4 * k + 2 * t]) *
+                                bf16(&s.tile[B][k][4 * n + 2 * t]);
+          acc = acc + product;
         }
-        std::memcpy(&s.tile[C][m][4 * n], &acc, sizeof acc);
       }
-    }
+    });
   }
 };
 
@@ -248,6 +252,26 @@ CBATCH_AMX_INT8 void store_sums(int32_t* sums) {
     Tiles::template store<1>(sums + 16, 128);
     Tiles::template store<3>(sums + 16 * 32 + 16, 128);
   }
+}
+
+// The int8 kernels' walk (W8A8's, W4A8's): their `blocks` blocks of 16 columns in pairs (the
+// last alone where blocks is odd), shared out among threads, each thread over x's M rows a
+// chunk at a time (int8_chunk_rows: a chunk of x comes from L2 once per pair) on its own tiles,
+// configured before and released after: pair(block, nb, m0, m1) for each chunk and pair, nb its
+// blocks.  pair is the kernel's CBATCH_AMX_INT8 function (a lambda here would not inherit the
+// target that its steps inline under).
+template <class Tiles, class Pair>
+void for_pairs(int64_t M, int64_t blocks, int64_t ldx, Pair&& pair) {
+  const int64_t chunk = int8_chunk_rows(ldx);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    Tiles::configure(full_tiles());
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      for (int64_t p = begin; p < end; ++p) {
+        pair(2 * p, 2 * p + 1 < blocks ? 2 : 1, m0, std::min(M, m0 + chunk));
+      }
+    }
+    Tiles::release();
+  });
 }
 
 // f(HardwareTiles{}) or, where set_cpu_options chose the model, f(ModelTiles{}): which tile

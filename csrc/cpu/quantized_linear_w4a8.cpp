@@ -377,46 +377,35 @@ CBATCH_AMX_INT8 void amx_step(const W4A8Args& a, int64_t m, int64_t block, const
   step_rows<true>(a, sums, ys, m, rows, block, NB, 0);
 }
 
-// Pairs of blocks [begin, end) against every 32 rows of x, on this thread, a chunk of rows at
-// a time (amx::int8_chunk_rows), each pair's blocks unpacked once per chunk.
+// Blocks block .. block + nb - 1, unpacked, against rows [m0, m1) of x, 32 at a time.
 template <class Tiles>
-CBATCH_AMX_INT8 void amx_pairs(const W4A8Args& a, int64_t begin, int64_t end) {
-  const int64_t blocks = a.N16 / kBlock, ldx = a.Q * 4;
-  const int64_t chunk = amx::int8_chunk_rows(ldx);
+CBATCH_AMX_INT8 void amx_pair(const W4A8Args& a, int64_t block, int nb, int64_t m0,
+                              int64_t m1) {
   // the pair's unpacked blocks: a thread's buffer kept between calls (a fresh one was an mmap
   // and its page faults on every call where it passed glibc's threshold, K 8192's 256 KiB)
   static thread_local std::vector<uint8_t> unpacked;
   unpacked.resize(std::max<size_t>(unpacked.size(), 2 * a.Q * 64));
   uint8_t* w0 = unpacked.data();
   uint8_t* w1 = w0 + a.Q * 64;
-  Tiles::configure(amx::full_tiles());
   alignas(64) int32_t sums[kInt8StepRows * 32];
   alignas(64) float ys[kInt8StepRows * 32];
-  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
-    const int64_t m1 = std::min(a.M, m0 + chunk);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t block = 2 * pair;
-      const int nb = block + 1 < blocks ? 2 : 1;
-      unpack_block(a, block, w0);
-      if (nb == 2) unpack_block(a, block + 1, w1);
-      for (int64_t m = m0; m < m1; m += kInt8StepRows) {
-        if (nb == 2) {
-          amx_step<Tiles, 2>(a, m, block, w0, w1, sums, ys);
-        } else {
-          amx_step<Tiles, 1>(a, m, block, w0, w1, sums, ys);
-        }
-      }
+  unpack_block(a, block, w0);
+  if (nb == 2) unpack_block(a, block + 1, w1);
+  for (int64_t m = m0; m < m1; m += kInt8StepRows) {
+    if (nb == 2) {
+      amx_step<Tiles, 2>(a, m, block, w0, w1, sums, ys);
+    } else {
+      amx_step<Tiles, 1>(a, m, block, w0, w1, sums, ys);
     }
   }
-  Tiles::release();
 }
 
 template <class Tiles>
 void run_amx(const W4A8Args& a) {
-  const int64_t pairs = (a.N16 / kBlock + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    amx_pairs<Tiles>(a, begin, end);
-  });
+  amx::for_pairs<Tiles>(a.M, a.N16 / kBlock, a.Q * 4,
+                        [&](int64_t block, int nb, int64_t m0, int64_t m1) {
+                          amx_pair<Tiles>(a, block, nb, m0, m1);
+                        });
 }
 #undef CBATCH_VNNI
 

@@ -278,43 +278,31 @@ CBATCH_AMX_INT8 void amx_sums(const W8A8Args& a, int64_t m, int64_t block, int32
   amx::store_sums<Tiles, NB>(sums);
 }
 
-// Pairs of column blocks [begin, end) against every 32 rows of x, on this thread, a chunk of
-// rows at a time (amx::int8_chunk_rows).
+// Column blocks block .. block + nb - 1 against rows [m0, m1) of x, 32 at a time.
 template <class Tiles>
-CBATCH_AMX_INT8 void amx_pairs(const W8A8Args& a, int64_t begin, int64_t end) {
-  const int64_t blocks = (a.N + kBlock - 1) / kBlock, ldx = a.K4 * 4;
-  const int64_t chunk = amx::int8_chunk_rows(ldx);
-  Tiles::configure(amx::full_tiles());
+CBATCH_AMX_INT8 void amx_pair(const W8A8Args& a, int64_t block, int nb, int64_t m0,
+                              int64_t m1) {
   alignas(64) int32_t sums[kInt8StepRows * 32];
-  for (int64_t m0 = 0; m0 < a.M; m0 += chunk) {
-    const int64_t m1 = std::min(a.M, m0 + chunk);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t block = 2 * pair;
-      const int nb = block + 1 < blocks ? 2 : 1;
-      for (int64_t m = m0; m < m1; m += kInt8StepRows) {
-        if (nb == 2) {
-          amx_sums<Tiles, 2>(a, m, block, sums);
-        } else {
-          amx_sums<Tiles, 1>(a, m, block, sums);
-        }
-        for (int64_t r = 0; r < std::min(kInt8StepRows, a.M - m); ++r) {
-          for (int b = 0; b < nb; ++b) {
-            finish(a, _mm512_load_si512(sums + r * 32 + b * kBlock), m + r,
-                   (block + b) * kBlock);
-          }
-        }
+  for (int64_t m = m0; m < m1; m += kInt8StepRows) {
+    if (nb == 2) {
+      amx_sums<Tiles, 2>(a, m, block, sums);
+    } else {
+      amx_sums<Tiles, 1>(a, m, block, sums);
+    }
+    for (int64_t r = 0; r < std::min(kInt8StepRows, a.M - m); ++r) {
+      for (int b = 0; b < nb; ++b) {
+        finish(a, _mm512_load_si512(sums + r * 32 + b * kBlock), m + r, (block + b) * kBlock);
       }
     }
   }
-  Tiles::release();
 }
 
 template <class Tiles>
 void run_amx(const W8A8Args& a) {
-  const int64_t pairs = ((a.N + kBlock - 1) / kBlock + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    amx_pairs<Tiles>(a, begin, end);
-  });
+  amx::for_pairs<Tiles>(a.M, (a.N + kBlock - 1) / kBlock, a.K4 * 4,
+                        [&](int64_t block, int nb, int64_t m0, int64_t m1) {
+                          amx_pair<Tiles>(a, block, nb, m0, m1);
+                        });
 }
 #undef CBATCH_VNNI
 
