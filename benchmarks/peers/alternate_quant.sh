@@ -5,9 +5,9 @@
 # named (REPS reps each) on the same weights written as its own format.  Set the peers up
 # first as benchmarks/peers/README.md says ("Quantized: SmolLM2-360M"; "A second size" for
 # another SHAPE); PEERS (default /work/peers) holds their venvs, the checkpoints and the
-# token ids (workloads.py --model random:$SHAPE: workloads.json for the default shape,
-# workloads-$SHAPE.json for one named).  Greedy unless SAMPLE gives the sampling flags, which
-# every engine takes alike (request i seeded --seed + i):
+# shape's token ids (workloads-<shape>.json, from workloads.py --model random:<shape>).  Greedy
+# unless SAMPLE gives the sampling flags, which every engine takes alike (request i seeded
+# --seed + i):
 #
 #   bash benchmarks/peers/alternate_quant.sh seed|longtail bf16|int8|int4 \
 #       [openvino] [vllm] [llamacpp]           # all three by default
@@ -33,7 +33,7 @@ workload=${1:?$usage}
 precision=${2:?$usage}
 peers=${PEERS:-/work/peers}
 shape=${SHAPE:-smollm2-360m}
-workloads=$peers/workloads${SHAPE:+-$SHAPE}.json
+workloads=$peers/workloads-$shape.json
 ckpt=$peers/$shape
 shift 2
 names=("${@:-openvino vllm llamacpp}")
