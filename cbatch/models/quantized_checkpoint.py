@@ -263,17 +263,18 @@ READERS = {"gptq": read_gptq, "awq": read_awq, "compressed-tensors": read_compre
 
 
 def quant_method(raw_config: dict, where: Path) -> str | None:
-    """The ``quant_method`` of config.json's ``quantization_config`` (None: a float
-    checkpoint); a method cbatch does not read is refused by name."""
+    """The ``quant_method`` of config.json's ``quantization_config``, lower-cased as vLLM
+    reads it (None: a float checkpoint); a method cbatch does not read is refused by name."""
     qc = raw_config.get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method not in READERS:
-        raise ValueError(f"{where}: quantization_config's quant_method {method!r} is not "
-                         f"supported; cbatch loads {', '.join(READERS)} checkpoints (and "
-                         "quantizes float ones online: quantization='int8' or 'int4')")
-    return method
+    if isinstance(method, str) and method.lower() in READERS:
+        return method.lower()
+    raise ValueError(f"{where}: quantization_config's quant_method {method!r} is not "
+                     f"supported; cbatch loads {', '.join(READERS)} checkpoints (and "
+                     "quantizes float ones online: quantization='int8', 'int4', 'w8a8' or "
+                     "'w4a8')")
 
 
 def read_layers(raw_config: dict, state: dict[str, torch.Tensor], where: Path

@@ -219,10 +219,12 @@ def test_gptq_v2_format_stores_zero_points_as_they_are(tmp_path):
     check_against_oracle(q, dense, 4)
 
 
-@pytest.mark.parametrize("arch,tied", [("Qwen2ForCausalLM", True), ("LlamaForCausalLM", True),
-                                       ("Qwen2ForCausalLM", False)])
-def test_awq_gemm(tmp_path, arch, tied):
-    q, dense = make_checkpoint(tmp_path, "awq", arch=arch, tied=tied, gs=32)
+@pytest.mark.parametrize("arch,tied,gs", [("Qwen2ForCausalLM", True, 32),
+                                          ("LlamaForCausalLM", True, 32),
+                                          ("Qwen2ForCausalLM", False, 32),
+                                          ("LlamaForCausalLM", False, 128)])  # AutoAWQ's own
+def test_awq_gemm(tmp_path, arch, tied, gs):
+    q, dense = make_checkpoint(tmp_path, "awq", arch=arch, tied=tied, gs=gs)
     model = check_against_oracle(q, dense, 4)
     assert (model.model.layers[1].self_attn.qkv_proj.bias is not None) == \
         (arch == "Qwen2ForCausalLM")
@@ -261,6 +263,12 @@ def _edit(path, **changes):
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"].update(changes)
     (path / "config.json").write_text(json.dumps(config))
+
+
+def test_quant_method_is_read_case_blind_as_vllm_reads_it(tmp_path):
+    q, dense = make_checkpoint(tmp_path, "gptq", gs=32)
+    _edit(tmp_path / "gptq", quant_method="GPTQ")
+    check_against_oracle(q, dense, 4)
 
 
 @pytest.mark.parametrize("fmt,changes,message", [

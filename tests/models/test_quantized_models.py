@@ -164,9 +164,10 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
         assert described["linear"] == "none (every linear layer is quantized)"
         head = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
         assert after[head] - before.get(head, 0) >= 6  # one call per step at least
-    elif llm.engine.runner.greedy_screen is not None:  # the lm_head stays float, screened
+    else:  # the lm_head stays float, screened wherever the screen runs
+        assert (llm.engine.runner.greedy_screen is not None) == cpu.screen_available(dtype)
         screened = [k for k in after if k.startswith("greedy_head.") and "rows" not in k]
-        assert sum(after[k] - before[k] for k in screened) > 0
+        assert (sum(after[k] - before[k] for k in screened) > 0) == cpu.screen_available(dtype)
 
 
 @pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")

@@ -56,6 +56,18 @@ def test_cpu_isa_is_what_the_cpu_reports():
     assert ("avx2" in words) == HAS_AVX2
 
 
+def test_quantized_kernels_run_wherever_their_isa_is():
+    """The quantized linears' tests skip where the kernels do not run; here a CPU with AVX2
+    and FMA that reports them unavailable fails instead, and each names its widest path."""
+    if not {"avx2", "fma"} <= FLAGS:
+        assert not cpu.quantized_linear_available()
+        return
+    assert cpu.quantized_linear_available() and cpu.quantized_linear_w4a8_available()
+    vnni = "avx512vnni" if HAS_AVX512 and "avx512_vnni" in FLAGS else "avx2"
+    assert cpu.quantized_linear_isa(8) == ("avx512" if HAS_AVX512 else "avx2")
+    assert cpu.quantized_linear_w8a8_isa() == cpu.quantized_linear_w4a8_isa() == vnni
+
+
 def test_path_names_and_counts():
     names, counts = torch.ops.cbatch.cpu_path_names(), torch.ops.cbatch.cpu_path_counts()
     assert len(names) == len(set(names)) == len(counts)

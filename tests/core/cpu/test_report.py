@@ -12,7 +12,7 @@ from cbatch.core.cpu.model_runner import CPUModelRunner
 from cbatch.core.cpu.report import cpu_paths
 from cbatch.core.worker import model_runner_class
 from cbatch.core.model_runner import ModelRunner
-from cbatch.ops import compiled, cpu
+from cbatch.ops import backends, compiled, cpu
 from tests.helpers import needs_cpu_ext
 
 
@@ -33,8 +33,14 @@ def test_version_lists_the_cpu_fast_paths():
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
     quantized = section[names.index("quantized linear")]
     tiles = "; AMX-INT8 tiles from 8 rows" if cpu.amx_int8_tiles() else ""
-    assert (f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()}{tiles})"
-            if cpu.quantized_linear_w4a8_available() else "w4a8") in quantized
+    if cpu.quantized_linear_available():  # each quantized kernel, by name and path
+        assert f"int8, int4: cbatch's kernel ({cpu.quantized_linear_isa()})" in quantized
+        assert f"w8a8: cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}{tiles})" in quantized
+        assert f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()}{tiles})" in quantized
+    else:
+        assert "int8, int4, w8a8, w4a8: the pure-torch reference" in quantized
+    if backends.triton_available():  # the Triton row names its quantized GEMMs
+        assert "quantized GEMMs (W8A16, W4A16, W8A8) on CUDA" in out.stdout
 
 
 @pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")
