@@ -21,11 +21,32 @@ from tests.helpers import int8_kernel_calls, triton_device, triton_skip_reason
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny"])  # Llama; GPT-2
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_logits_are_the_dequantized_models(name, method):
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A float Hugging Face directory (Qwen2: q/k/v biases, random here; bf16 on disk, as
+    real checkpoints ship) that online quantization reads through the real loader."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny", "qwen2_dir"])  # Llama;
+@pytest.mark.parametrize("method", ["int8", "int4"])  # GPT-2; a Hugging Face directory
+def test_quantized_logits_are_the_dequantized_models(name, method, request):
     """Every linear but the lm_head is replaced; the logits equal those of the float model
     whose linear weights are the dequantized ones (fp32, so only summation order differs)."""
+    if not name.startswith("random:"):
+        name = request.getfixturevalue(name)
     quantized = load_model(name, quantization=method, seed=3)
     dense = load_model(name, seed=3)
     layers = dict(quantized.named_modules())
