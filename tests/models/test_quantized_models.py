@@ -40,8 +40,9 @@ def qwen2_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny", "qwen2_dir"])  # Llama;
-@pytest.mark.parametrize("method", ["int8", "int4"])  # GPT-2; a Hugging Face directory
+# Llama, GPT-2 (biases everywhere), and a Hugging Face directory (the fixture's path)
+@pytest.mark.parametrize("name", ["random:llama-tiny", "random:tiny", "qwen2_dir"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_logits_are_the_dequantized_models(name, method, request):
     """Every linear but the lm_head is replaced; the logits equal those of the float model
     whose linear weights are the dequantized ones (fp32, so only summation order differs)."""
