@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # One round of cbatch beside its peers in one precision, alternated (issue 50 item 5), on a
 # named shape with cbatch's random weights (SHAPE: smollm2-360m by default, llama-3.2-1b or
-# qwen2.5-0.5b):
-# cbatch (random:$SHAPE, bf16 activations, quantized at load for int8 / int4), then each peer
-# named (REPS reps each) on the same weights written as its own format.  Set the peers up
-# first as benchmarks/peers/README.md says ("Quantized: SmolLM2-360M"; "A second size" for
-# another SHAPE); PEERS (default /work/peers) holds their venvs, the checkpoints and the
-# shape's token ids (workloads-<shape>.json, from workloads.py --model random:<shape>).  Greedy
-# unless SAMPLE gives the sampling flags, which every engine takes alike (request i seeded
-# --seed + i):
+# qwen2.5-0.5b): cbatch (random:$SHAPE, bf16 activations, quantized at load for int8 / int4),
+# then each peer named (REPS reps each) on the same weights written as its own format.  Set the
+# peers up first as benchmarks/peers/README.md says ("Quantized: SmolLM2-360M"; "A second size"
+# and "A third size" for the other shapes); PEERS (default /work/peers) holds their venvs, the
+# checkpoints and the shape's token ids (workloads-<shape>.json, from workloads.py --model
+# random:<shape>).  Greedy unless SAMPLE gives the sampling flags, which every engine takes
+# alike (request i seeded --seed + i):
 #
 #   bash benchmarks/peers/alternate_quant.sh seed|longtail bf16|int8|int4 \
 #       [openvino] [vllm] [llamacpp]           # all three by default

@@ -271,10 +271,9 @@ def quant_method(raw_config: dict, where: Path) -> str | None:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if isinstance(method, str) and method.lower() in READERS:
         return method.lower()
-    raise ValueError(f"{where}: quantization_config's quant_method {method!r} is not "
-                     f"supported; cbatch loads {', '.join(READERS)} checkpoints (and "
-                     "quantizes float ones online: quantization='int8', 'int4', 'w8a8' or "
-                     "'w4a8')")
+    raise ValueError(f"{where}: quantization_config's quant_method {method!r} is not supported; "
+                     f"cbatch loads {', '.join(READERS)} checkpoints (and quantizes float ones "
+                     "online: quantization='int8', 'int4', 'w8a8' or 'w4a8')")
 
 
 def read_layers(raw_config: dict, state: dict[str, torch.Tensor], where: Path

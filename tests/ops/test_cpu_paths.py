@@ -63,9 +63,9 @@ def test_quantized_kernels_run_wherever_their_isa_is():
         assert not cpu.quantized_linear_available()
         return
     assert cpu.quantized_linear_available() and cpu.quantized_linear_w4a8_available()
-    vnni = "avx512vnni" if HAS_AVX512 and "avx512_vnni" in FLAGS else "avx2"
+    int8_isa = "avx512vnni" if HAS_AVX512 and "avx512_vnni" in FLAGS else "avx2"
     assert cpu.quantized_linear_isa(8) == ("avx512" if HAS_AVX512 else "avx2")
-    assert cpu.quantized_linear_w8a8_isa() == cpu.quantized_linear_w4a8_isa() == vnni
+    assert cpu.quantized_linear_w8a8_isa() == cpu.quantized_linear_w4a8_isa() == int8_isa
 
 
 def test_path_names_and_counts():
