@@ -1,7 +1,7 @@
 """Packaging: the sdist -> wheel -> fresh virtualenv path a user installing from PyPI takes;
 and its hazards: errors raised from C++ must reach Python as exceptions, not kill it; the
-repository's kernels/ folder seen as a top-level `kernels`; the CUDA toolkit behind a wrapper
-`nvcc`."""
+repository's kernels/ folder on the path as a top-level `kernels` (Hugging Face's package's
+name); the CUDA toolkit behind a wrapper `nvcc`."""
 
 import os
 import re
@@ -136,12 +136,19 @@ def test_build_info_names_the_toolchain():
 PROBE = f"""
 import gc, os, sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, {str(ROOT)!r})
+sys.path.insert(0, {str(ROOT)!r})  # first, as from the checkout's root
 import torch
-import kernels  # what transformers does when it finds this folder on sys.path
-assert [n for n in vars(kernels) if not n.startswith("__")] == [], "kernels/ must stay inert"
-from transformers.utils.import_utils import is_kernels_available
-assert not is_kernels_available()
+import kernels  # Hugging Face's package, which transformers imports
+assert os.path.dirname(os.path.realpath(kernels.__file__)) != {str(ROOT / "kernels")!r}
+from kernels import CUDAProperties  # what transformers 5.25 imports from it
+from transformers import LlamaForCausalLM
+try:
+    import kernels.decode_attention
+except ImportError:
+    pass
+else:
+    raise SystemExit("cbatch's kernels/ imported as a top-level `kernels`")
+import cbatch.kernels.decode_attention
 from cbatch import ops
 q = torch.randn(2, 2, 16)
 kc = torch.randn(4, 4, 2, 16)
@@ -153,10 +160,24 @@ for _ in range(3):
 print("ok")
 """
 
+# The checkout's root with no Hugging Face `kernels` installed: the folder still does not
+# answer to that name.
+PROBE_WITHOUT_HF_KERNELS = f"""
+import sys
+sys.path[:] = [{str(ROOT)!r}] + [p for p in sys.path if "-packages" not in p]
+try:
+    import kernels
+except ModuleNotFoundError as e:
+    assert e.name == "kernels" and "kernels" not in sys.modules, e
+    print("ok")
+"""
+
 
 @pytest.mark.slow
-def test_top_level_kernels_import_is_inert():
-    """The probe runs Triton's interpreter (the kernels' first call imports triton)."""
+def test_hf_kernels_and_cbatch_kernels_import_from_the_checkout_root():
+    """From the checkout's root, `import kernels` is Hugging Face's package (transformers
+    imports it) and cbatch's Triton kernels import only as cbatch.kernels, and run (Triton's
+    interpreter: the kernels' first call imports triton)."""
     problem = triton_interpreter_problem()  # a subprocess on a GPU machine: ask only here
     if problem is not None:
         pytest.skip(problem)
@@ -164,6 +185,13 @@ def test_top_level_kernels_import_is_inert():
                             cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_kernels_folder_is_not_a_top_level_package_without_hf_kernels():
+    result = subprocess.run([sys.executable, "-c", PROBE_WITHOUT_HF_KERNELS],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on PATH")
