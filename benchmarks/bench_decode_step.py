@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     base_parser, copy_bandwidth, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import Engine, SamplingParams, bytes_per_token, load_model  # noqa: E402
-from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
+from cbatch.quantization import ONLINE as QUANTIZATION_METHODS  # noqa: E402
 from cbatch.ops import compiled, cpu  # noqa: E402
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "host_ms", "floor_ms", "ratio_to_floor",

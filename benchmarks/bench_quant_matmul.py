@@ -47,22 +47,21 @@ ROUTES = ("dense", "w8a16", "w4a16", "w8a8")
 def routes(weight: torch.Tensor) -> dict:
     """Route -> (callable(x), weight bytes, float64 weight it computes with)."""
     from cbatch.layers.quantization import quantize
-    from cbatch.layers.quantization.linear import (triton_quantized_linear,
-                                                   triton_quantized_linear_w8a8)
     from cbatch.layers.quantization.weight import pack_w8a8
+    from cbatch.ops.quantized import triton_linear
 
     out = {"dense": (lambda x: F.linear(x, weight), weight.numel() * weight.element_size(),
                      weight.double())}
     for name, bits, group in (("w8a16", 8, None), ("w4a16", 4, 128)):
         qw = quantize(weight, bits, group)
-        args = (qw.qweight, qw.scales, qw.zeros, bits, qw.group_size, qw.out_features, None)
+        args = (name, qw.qweight, qw.scales, qw.zeros, qw.group_size, qw.out_features, None)
         nbytes = sum(t.numel() * t.element_size() for t in (qw.qweight, qw.scales))
-        out[name] = (lambda x, args=args: triton_quantized_linear(x, *args), nbytes,
+        out[name] = (lambda x, args=args: triton_linear(x, *args), nbytes,
                      qw.dequantize().double())
     qw = quantize(weight, 8, None)
-    args = (pack_w8a8(qw), qw.scales, qw.out_features, None)
-    out["w8a8"] = (lambda x: triton_quantized_linear_w8a8(x, *args),
-                   sum(t.numel() * t.element_size() for t in args[:2]), qw.dequantize().double())
+    args = ("w8a8", pack_w8a8(qw), qw.scales, None, qw.in_features, qw.out_features, None)
+    out["w8a8"] = (lambda x: triton_linear(x, *args),
+                   sum(t.numel() * t.element_size() for t in args[1:3]), qw.dequantize().double())
     return out
 
 

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     Unavailable, base_parser, environment, publish, pyplot, read_bandwidth, save_figure)
 from cbatch import LLM, workloads  # noqa: E402
-from cbatch.config import QUANTIZATION_METHODS  # noqa: E402
+from cbatch.quantization import ONLINE as QUANTIZATION_METHODS  # noqa: E402
 from cbatch.layers.quantization import QuantizedLinear  # noqa: E402
 from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402

@@ -1,4 +1,5 @@
-"""Configurations: the model's (GPT-2 sizes) and the engine's, each a validated dataclass.
+"""The engine's configuration, a validated dataclass (a model's own configuration lives beside
+the model: :class:`cbatch.models.gpt2.GPT2Config`, :class:`cbatch.models.llama.LlamaConfig`).
 :class:`EngineConfig` is the one place that holds the engine's defaults and checks them: the
 command line derives its engine flags from its fields (:func:`engine_fields`).  No torch at
 import time, so ``cbatch --help`` answers at once."""
@@ -7,110 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
-from cbatch import devices
+from cbatch import devices, quantization
 
 POLICIES = ("fcfs", "priority", "sjf")  # continuous batching; "static" is the baseline
 DEFAULT_MODEL = "random:gpt2"  # LLM's, Engine's, AsyncEngine's and the CLI's
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")  # online: cbatch.layers.quantization
-CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors")  # models/quantized_checkpoint
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class GPT2Config:
-    """Hyper-parameters of a GPT-2-family model (Hugging Face ``config.json`` names)."""
-
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    n_inner: int | None = None  # MLP width; None = 4 * n_embd
-    layer_norm_epsilon: float = 1e-5
-    activation_function: str = "gelu_new"
-    bos_token_id: int = 50256
-    eos_token_id: int = 50256
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPT2Config.{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPT2Config.n_embd ({self.n_embd}) must be divisible by "
-                             f"n_head ({self.n_head})")
-        if self.activation_function not in _ACTIVATIONS:
-            raise ValueError(f"GPT2Config.activation_function must be one of "
-                             f"{sorted(_ACTIVATIONS)}, got {self.activation_function!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def mlp_dim(self) -> int:
-        return self.n_inner or 4 * self.n_embd
-
-    # The names the engine reads of any model's config (KV cache shape, prompt limits).
-    @property
-    def num_layers(self) -> int:
-        return self.n_layer
-
-    @property
-    def num_heads(self) -> int:
-        return self.n_head
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.n_head
-
-    @property
-    def max_model_len(self) -> int:
-        return self.n_positions
-
-    @classmethod
-    def named(cls, name: str) -> GPT2Config:
-        """One of :data:`MODEL_CONFIGS` (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``,
-        ``distilgpt2``) or a ``tiny`` test size."""
-        if name not in MODEL_CONFIGS:
-            raise ValueError(f"unknown model size {name!r}; known: {sorted(MODEL_CONFIGS)}")
-        return MODEL_CONFIGS[name]
-
-    @classmethod
-    def from_hf(cls, path: str | Path) -> GPT2Config:
-        """Read a Hugging Face ``config.json`` (a file or the directory holding it)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        raw = json.loads(path.read_text())
-        model_type = raw.get("model_type")
-        if model_type != "gpt2":
-            raise ValueError(f"{path}: model_type is {model_type!r}; cbatch runs GPT-2-family "
-                             "models (model_type 'gpt2')")
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if raw.get(flag):
-                raise ValueError(f"{path}: {flag}=true is not supported by cbatch")
-        if raw.get("scale_attn_weights") is False:
-            raise ValueError(f"{path}: scale_attn_weights=false is not supported by cbatch")
-        fields = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in raw.items() if k in fields and v is not None})
-
-
-_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu", "relu"}
-
-MODEL_CONFIGS: dict[str, GPT2Config] = {
-    "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
-    "distilgpt2": GPT2Config(n_layer=6, n_head=12, n_embd=768),
-    # Small enough for unit tests on a 2-core CPU.
-    "tiny": GPT2Config(vocab_size=512, n_positions=256, n_layer=2, n_head=4, n_embd=64,
-                       bos_token_id=511, eos_token_id=511),
-}
 
 
 # Bounds of speculative_config (vLLM has none): past a few tokens a draft is almost never
@@ -218,15 +121,6 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def check_quantization(method: str | None) -> str | None:
-    """``method`` if cbatch runs it (None: none); else a ValueError that names it."""
-    if method is None or method in QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION:
-        return method
-    raise ValueError(f"quantization={method!r} is not supported; cbatch runs "
-                     f"{', '.join(QUANTIZATION_METHODS)} (online) and a checkpoint's own "
-                     f"{', '.join(CHECKPOINT_QUANTIZATION)}")
-
-
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -250,7 +144,7 @@ class EngineConfig:
     quantization: str | None = _knob(
         None, "quantize the decoder's linears at load: int8, int4 (groups of 128), w8a8, w4a8 "
         "(int8 activations too; a checkpoint's own weights so), its own (default: own or none)",
-        choices=QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION)
+        choices=tuple(quantization.METHODS))
     block_size: int = _knob(16, "tokens per KV-cache block")
     num_blocks: int | None = _knob(None, "KV-cache blocks (default: max_num_seqs sequences of "
                                    "the longest length, at most 1 GiB on a CPU and half the "
@@ -307,7 +201,7 @@ class EngineConfig:
             raise ValueError("dtype must be float32, float16, bfloat16 or auto, got "
                              f"{self.dtype!r}")
         self.device = devices.check_device(self.device)
-        check_quantization(self.quantization)
+        quantization.get(self.quantization)
         if self.dtype == "auto":
             self.dtype = devices.auto_dtype(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -3,6 +3,11 @@ each.  No torch at import time (``cbatch --help`` imports this)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 def auto_dtype(device: str) -> str:
     """What ``dtype="auto"`` means on ``device``: float16 on CUDA; bfloat16 on a CPU that
@@ -50,3 +55,14 @@ def check_device(device) -> str:
             raise ValueError(f"device={device!r} but there are only "
                              f"{torch.cuda.device_count()} CUDA devices; available here: {here}")
     return str(dev)
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """A short host list as a tensor on ``device`` without waiting for the device (pinned
+    memory and an async copy; ``torch.tensor(values, device=cuda)`` would wait for every
+    kernel queued, the previous step's included)."""
+    import torch
+
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -16,6 +16,7 @@ import torch
 from cbatch.ops import compiled
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
+from cbatch.ops import quantized
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "from tests import triton_probe; triton_probe.run()"
@@ -215,7 +216,7 @@ def int8_kernel_calls(op: str) -> int:
     this process on its paths here now: its ISA's and AMX-INT8's (tiles take calls of 8 rows
     and more where the CPU has them)."""
     from cbatch.ops import cpu
-    isa = cpu.quantized_linear_w8a8_isa() if op == "w8a8" else cpu.quantized_linear_w4a8_isa()
+    isa = quantized.isa("w8a8") if op == "w8a8" else quantized.isa("w4a8")
     paths = cpu.kernel_paths()
     return paths.get(f"quantized_linear.{op}.{isa}", 0) + paths.get(f"quantized_linear.{op}.amx", 0)
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from cbatch import load_model
-from cbatch.models.llama import STACKED
+from cbatch.models.llama import FUSED
 from cbatch.models.registry import random_llama_configs
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -60,9 +60,6 @@ def hf_config(config) -> dict:
 def hf_state_dict(model, config) -> dict[str, torch.Tensor]:
     """cbatch's parameters under Hugging Face names: the fused qkv_proj and gate_up_proj
     split back into their shards (the inverse of ``convert_hf_state_dict``)."""
-    fused = {}
-    for part, (name, index) in STACKED.items():
-        fused.setdefault(name, {})[index] = part
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [config.intermediate_size] * 2}
@@ -71,12 +68,12 @@ def hf_state_dict(model, config) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         parts = name.split(".")
-        stacked = next((p for p in parts if p in fused), None)
+        stacked = next((p for p in parts if p in FUSED), None)
         if stacked is None:
             out[name] = tensor.contiguous()
             continue
         for index, shard in enumerate(torch.split(tensor, sizes[stacked])):
-            part = fused[stacked][index]
+            part = FUSED[stacked][index]
             out[".".join(part if p == stacked else p for p in parts)] = shard.contiguous()
     return out
 

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from cbatch import workloads
-from cbatch.config import MODEL_CONFIGS
+from cbatch.models.gpt2 import MODEL_CONFIGS
 from cbatch.models.registry import random_llama_configs
 from cbatch.tokenizer import load_tokenizer
 

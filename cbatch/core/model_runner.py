@@ -40,9 +40,10 @@ from cbatch.core.input_batch import StepBatchBuilder, run_starts
 from cbatch.core.sampler import (SamplingBatch, TokenCounts, logits_rules, logprobs_tensors,
                                  sample)
 from cbatch.core.scheduler import ScheduledSequence
+from cbatch.devices import to_device
 from cbatch.core.step_outputs import DraftPositions, PromptTargets, SampledTokens
 from cbatch.layers.kv_cache import KVCache
-from cbatch.layers.step_batch import StepBatch, to_device
+from cbatch.layers.step_batch import StepBatch
 
 
 # How far a graph's logits may be from the eager forward's on the same padded batch (the

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbatch.layers.step_batch import to_device
+from cbatch.devices import to_device
 from cbatch.ops import sampling
 
 if TYPE_CHECKING:

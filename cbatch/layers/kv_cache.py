@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from cbatch.config import EngineConfig, GPT2Config
-from cbatch.layers.step_batch import to_device
+from cbatch.config import EngineConfig
+from cbatch.devices import to_device
 
 
-def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+class ModelShape(Protocol):
+    """What the cache reads of a model's config (GPT2Config, LlamaConfig, ...)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+
+
+def bytes_per_token(config: ModelShape, dtype: torch.dtype) -> int:
     """KV-cache bytes one token costs across all layers:
     ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (GPT-2 small in fp16: 36 KiB)."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
@@ -19,7 +29,7 @@ def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def num_kv_blocks(config: EngineConfig, model_config: GPT2Config) -> int:
+def num_kv_blocks(config: EngineConfig, model_config: ModelShape) -> int:
     """Blocks for the KV cache: ``num_blocks``, else ``kv_cache_memory``, else a default that
     holds ``max_num_seqs`` full-length sequences (capped at 1 GiB on the CPU, half the free
     memory on a GPU)."""
@@ -47,7 +57,7 @@ class KVCache:
     """``data: [num_layers, 2, num_blocks, block_size, H_kv, D]``; :meth:`layer` gives one layer's
     ``key_cache, value_cache`` views, each ``[num_blocks, block_size, H, D]`` and contiguous."""
 
-    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int,
+    def __init__(self, config: ModelShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
         """``zeros(shape, dtype)``: how a CPU pool is allocated (the engine's: on huge pages,

@@ -49,12 +49,3 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
-    """A short host list as a tensor on ``device`` without waiting for the device (pinned
-    memory and an async copy; ``torch.tensor(values, device=cuda)`` would wait for every
-    kernel queued, the previous step's included)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

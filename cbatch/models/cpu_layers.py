@@ -26,10 +26,11 @@ from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.step_batch import StepBatch
-from cbatch.ops import cpu, layer_ops
+from cbatch.ops import cpu, layer_ops, quantized
 
 # a linear layer's kind, as csrc/cpu/decoder_layers.cpp numbers them
 PACKED, QUANTIZED, W8A8, W4A8 = 0, 1, 2, 3
+KINDS = {"w8a16": QUANTIZED, "w4a16": QUANTIZED, "w8a8": W8A8, "w4a8": W4A8}
 
 
 @dataclass
@@ -51,18 +52,13 @@ def linear_slots(module) -> tuple[list, list[int]] | str:
         buffers, bias = module._buffers, module._parameters.get("bias")
         if buffers["perm"] is not None:
             return "a GPTQ desc_act permutation"
-        if module.act_bits == 8 and module.bits == 4:
-            if not cpu.quantized_linear_w4a8_available():
-                return "W4A8 runs the pure-torch reference here"
-            return ([buffers["qweight"], buffers["scales"], buffers["zeros"], bias],
-                    [W4A8, module.out_features, 4, module.group_size, 0])
-        if not cpu.quantized_linear_available():
-            return "quantized layers run the pure-torch reference here"
-        if module.act_bits == 8:
-            return ([buffers["qweight"], buffers["scales"], None, bias],
-                    [W8A8, module.out_features, 8, 0, 0])
-        return ([buffers["qweight"], buffers["scales"], buffers["zeros"], bias],
-                [QUANTIZED, module.out_features, module.bits, module.group_size, 0])
+        if not quantized.available(module.kind):
+            return f"{module.kind.upper()} runs the pure-torch reference here"
+        kind = KINDS[module.kind]
+        zeros = None if kind == W8A8 else buffers["zeros"]
+        group_size = 0 if kind == W8A8 else module.group_size
+        return ([buffers["qweight"], buffers["scales"], zeros, bias],
+                [kind, module.out_features, module.bits, group_size, 0])
     if isinstance(module, Linear):
         packed = module.packed_weight
         if packed is None or packed.is_mkldnn:
@@ -126,4 +122,4 @@ def usable(bound: BoundLayers | str | None) -> bool:
     """Whether this call may take the bound layers: bound, no autograd recording, and W4A8's
     kernel still allowed its ISA."""
     return (isinstance(bound, BoundLayers) and not torch.is_grad_enabled()
-            and (not bound.w4a8 or cpu.quantized_linear_w4a8_available()))
+            and (not bound.w4a8 or quantized.available("w4a8")))

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -194,9 +195,42 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-# checkpoint name part -> (our fused parameter, its shard index)
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+T = TypeVar("T")
+
+# our fused projection -> its shards' checkpoint names, in the order they are stacked along N
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_shards(named: dict[str, T]) -> dict[str, T | list[T]]:
+    """``named`` (checkpoint names -> tensors, quantized layers, ...) with the shards of each
+    fused projection gathered under our fused name in stacking order
+    (``model.layers.0.self_attn.k_proj.weight`` is shard 1 of
+    ``model.layers.0.self_attn.qkv_proj.weight``); other names as they are.  A ValueError
+    names the shards that are missing."""
+    shard_of = {n: (fused, i) for fused, names in FUSED.items() for i, n in enumerate(names)}
+    out: dict = {}
+    shards: dict[str, tuple[list[str], dict[int, T]]] = {}
+    for name, value in named.items():
+        parts = name.split(".")
+        i = next((i for i, p in enumerate(parts) if p in shard_of), None)
+        if i is None:
+            out[name] = value
+            continue
+        fused, index = shard_of[parts[i]]
+        key = ".".join(parts[:i] + [fused] + parts[i + 1:])
+        shards.setdefault(key, (parts[:i] + ["{}"] + parts[i + 1:], {}))[1][index] = value
+        shards[key][1]["fused"] = fused
+    for key, (pattern, found) in shards.items():
+        names = FUSED[found.pop("fused")]
+        missing = [n for i, n in enumerate(names) if i not in found]
+        if missing:
+            there = [n for n in names if n not in missing]
+            raise ValueError(f"{' and '.join('.'.join(pattern).format(n) for n in missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} missing (its layer's "
+                             f"{' and '.join(there)} {'is' if len(there) == 1 else 'are'} "
+                             "there)")
+        out[key] = [found[i] for i in range(len(names))]
+    return out
 
 
 class LlamaForCausalLM(PagedCausalLM):
@@ -237,28 +271,12 @@ class LlamaForCausalLM(PagedCausalLM):
     def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: LlamaConfig
                               ) -> dict[str, torch.Tensor]:
         """Hugging Face names → ours: q/k/v and gate/up stacked into the fused projections
-        (each shard's shape checked), ``lm_head`` dropped when tied."""
-        out: dict[str, torch.Tensor] = {}
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        for name, tensor in raw.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a buffer some old checkpoints saved
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            stacked = next((p for p in parts if p in STACKED), None)
-            if stacked is None:
-                out[name] = tensor
-                continue
-            fused, index = STACKED[stacked]
-            fused_name = ".".join(fused if p == stacked else p for p in parts)
-            shards.setdefault(fused_name, {})[index] = tensor
-        for name, parts in shards.items():
-            count = 3 if ".qkv_proj." in name else 2
-            if sorted(parts) != list(range(count)):
-                raise ValueError(f"checkpoint has only shards {sorted(parts)} of {name}")
-            out[name] = torch.cat([parts[i] for i in range(count)])
-        return out
+        (:func:`fuse_shards`), ``lm_head`` dropped when tied."""
+        kept = {name: tensor for name, tensor in raw.items()
+                if not name.endswith("rotary_emb.inv_freq")  # a buffer old checkpoints saved
+                and not (name == "lm_head.weight" and config.tie_word_embeddings)}
+        return {name: torch.cat(value) if isinstance(value, list) else value
+                for name, value in fuse_shards(kept).items()}
 
     def init_random(self, seed: int) -> None:
         """Seeded random weights (normal, std 0.02; norms 1, biases 0), device-independent."""

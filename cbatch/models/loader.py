@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cbatch.logger import init_logger
-from cbatch.config import CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
+from cbatch import quantization as quant
 from cbatch.hub import resolve_checkpoint_dir
-from cbatch.layers.quantization import check_quantization, quantize_head, quantize_model
+from cbatch.layers.quantization import quantize_head, quantize_model
+from cbatch.logger import init_logger
 from cbatch.models import quantized_checkpoint
-from cbatch.models.gpt2 import GPT2LMHeadModel
+from cbatch.models.gpt2 import MODEL_CONFIGS, GPT2Config, GPT2LMHeadModel
 from cbatch.models.registry import architecture_of, model_class, random_llama_configs
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -34,8 +34,6 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 logger = init_logger(__name__)
-# online methods that are also a choice of kernel for a quantized checkpoint's own weights
-ACTIVATION_KERNELS = ("w8a8", "w4a8")
 
 
 def _init_random(model: GPT2LMHeadModel, seed: int) -> None:
@@ -109,8 +107,8 @@ def random_model_names() -> list[str]:
 
 def load_model(name_or_path: str, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, seed: int = 0,
-               attention_backend: str | None = None, quantization: str | None = None
-               ) -> nn.Module:
+               attention_backend: str | None = None,
+               quantization: str | quant.QuantizationMethod | None = None) -> nn.Module:
     """Build a model and load its weights.
 
     ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
@@ -119,28 +117,26 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     through huggingface_hub.  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
-    ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"``): the decoder layers'
-    linear weights quantized once loaded (:func:`cbatch.layers.quantization.quantize_model`);
-    they run cbatch's kernel on the CPU and the Triton GEMMs on CUDA (w4a8: the CPU only;
-    :func:`_check_quantized_run`).
-    A checkpoint that is quantized already (a ``quantization_config`` in config.json: GPTQ,
+    ``quantization``: a name of :data:`cbatch.quantization.METHODS` or its record.  An online
+    method (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"``) quantizes the decoder layers'
+    linear weights once loaded (:func:`cbatch.layers.quantization.quantize_model`).  A
+    checkpoint that is quantized already (a ``quantization_config`` in config.json: GPTQ,
     AWQ, compressed-tensors) loads its own quantized layers
     (:mod:`cbatch.models.quantized_checkpoint`); ``quantization`` may then be None or that
-    method, as in vLLM, or ``"w4a8"`` / ``"w8a8"``: a choice of kernel for the checkpoint's
-    own weights (as vLLM's ``"gptq_marlin"`` is for a ``gptq`` checkpoint), their inputs
-    quantized to int8 at every call; the layers must hold what that kernel takes (int4 in
-    groups of a multiple of 32 k; symmetric int8, one scale per output channel), and
-    under w4a8 the lm_head becomes int8 as online w4a8 makes it
-    (:func:`cbatch.layers.quantization.quantize_head`).
+    method, as in vLLM, or a method that ``runs_checkpoints`` (``"w4a8"``, ``"w8a8"``): its
+    kernel runs the checkpoint's own weights, their inputs quantized to int8 at every call,
+    where the layers hold what that kernel takes, and its ``head`` scheme quantizes the
+    lm_head as the online method does.  Where each method runs: its record's ``check_run``.
     """
-    check_quantization(quantization)
-    if quantization in CHECKPOINT_QUANTIZATION and name_or_path.startswith("random:"):
-        raise ValueError(f"quantization={quantization!r} loads a {quantization} checkpoint, "
-                         f"not {name_or_path} (random weights quantize online: 'int8', 'int4')")
-    _check_quantized_run(quantization, device, dtype)
+    method = quant.get(quantization)  # the one check of the name; a record passes as it is
     what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
-        (f", {quantization})" if quantization else ")")
+        (f", {method.name})" if method else ")")
     if name_or_path.startswith("random:"):
+        if method is not None and not method.online:
+            raise ValueError(f"quantization={method.name!r} loads a {method.name} checkpoint, "
+                             f"not {name_or_path} (random weights quantize online: "
+                             f"{', '.join(map(repr, quant.ONLINE))})")
+        _check_run(method, device, dtype)
         logger.info("loading %s %s ...", name_or_path, what)
         name = name_or_path.removeprefix("random:")
         llama = random_llama_configs()
@@ -153,95 +149,77 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             _init_random(model, seed)
         else:
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
-        return _quantized(model.to(device=device, dtype=dtype).eval(), quantization)
+        return _quantized(model.to(device=device, dtype=dtype).eval(), method)
 
     path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
     logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json at {path / 'config.json'}")
-    raw = read_json_object(path / "config.json")
-    architecture = architecture_of(raw, path / "config.json")
-    method = quantized_checkpoint.quant_method(raw, path / "config.json")
-    if method is not None and quantization not in (None, method) + ACTIVATION_KERNELS:
-        raise ValueError(f"{path / 'config.json'}: the checkpoint is quantized by {method} "
-                         f"(its quantization_config), which quantization={quantization!r} "
-                         "contradicts; leave quantization unset to load it (or choose "
-                         f"{' or '.join(ACTIVATION_KERNELS)}: its weights, int8 activations)")
-    kernel = quantization if method is not None and quantization in ACTIVATION_KERNELS else None
-    if method is None and quantization in CHECKPOINT_QUANTIZATION:
-        raise ValueError(f"{path / 'config.json'} has no quantization_config: it is no "
-                         f"{quantization} checkpoint (quantization={quantization!r})")
-    _check_quantized_run(method, device, dtype)
+    where = path / "config.json"
+    raw = read_json_object(where)
+    architecture = architecture_of(raw, where)
+    found = quantized_checkpoint.quant_method(raw, where)
+    kernel = quant.for_checkpoint(method, found, str(where))
+    _check_run(method, device, dtype)
+    _check_run(quant.get(found), device, dtype)
     cls = model_class(architecture)
-    if method is not None and cls is GPT2LMHeadModel:
-        raise ValueError(f"{path / 'config.json'}: a quantized {architecture} checkpoint is "
-                         "not supported; cbatch loads quantized Llama-family checkpoints")
+    if found is not None and cls is GPT2LMHeadModel:
+        raise ValueError(f"{where}: a quantized {architecture} checkpoint is not supported; "
+                         "cbatch loads quantized Llama-family checkpoints")
     try:
         if cls is GPT2LMHeadModel:
             config = GPT2Config.from_hf(path)
         else:
             config = cls.config_class.from_hf(raw, **cls.config_switches)
     except KeyError as e:
-        raise ValueError(f"{path / 'config.json'}: field {e} is missing (a {architecture} "
-                         "config needs it)") from None
+        raise ValueError(f"{where}: field {e} is missing (a {architecture} config needs "
+                         "it)") from None
     except (TypeError, ValueError) as e:  # a field of the wrong type or value
         message = str(e)
         raise ValueError(message if message.startswith(str(path)) else
-                         f"{path / 'config.json'}: {message}") from None
+                         f"{where}: {message}") from None
     if cls is GPT2LMHeadModel:
         state = convert_hf_state_dict(load_state_dict(path, device), config)
         tied = ("lm_head.weight", "transformer.wte.weight")
     else:
         config = _with_generation_eos(config, path)
         raw_state = load_state_dict(path, device)
-        layers = {} if method is None else \
-            quantized_checkpoint.read_layers(raw, raw_state, path / "config.json")
-        state = cls.convert_hf_state_dict(raw_state, config)
+        layers = {} if found is None else \
+            quantized_checkpoint.read_layers(raw, raw_state, where)
+        try:
+            state = cls.convert_hf_state_dict(raw_state, config)
+        except ValueError as e:
+            raise ValueError(f"{path / 'model.safetensors'}: {e}") from None
         tied = ("lm_head.weight", "model.embed_tokens.weight") \
             if config.tie_word_embeddings else None
     with torch.device("meta"):
         model = cls(config, attention_backend)
-    if method is not None:
-        count = quantized_checkpoint.install(model, layers, state, path / "config.json",
-                                             device, dtype, kernel)
-        logger.info("loaded %d quantized linear layers (%s%s)", count, method,
-                    f", run as {kernel}" if kernel else "")
+    if found is not None:
+        count = quantized_checkpoint.install(model, layers, state, where, device, dtype,
+                                             kernel)
+        logger.info("loaded %d quantized linear layers (%s%s)", count, found,
+                    f", run as {kernel.name}" if kernel else "")
         if kernel is None and torch.device(device).type == "cpu" and (
                 hint := quantized_checkpoint.suggested_kernel(layers)):
             logger.info("quantization=%r would run these weights with int8 activations, "
                         "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", hint)
     _assign(model, state, path, tied, device, dtype)
-    if method is not None:
-        if kernel and quantize_head(model, kernel):
-            logger.info("quantized the lm_head to int8 (%s)", kernel)
+    if found is not None:
+        if kernel and quantize_head(model, kernel.head):
+            logger.info("quantized the lm_head to int8 (%s)", kernel.name)
         return model.eval()
-    return _quantized(model.eval(), quantization)
+    return _quantized(model.eval(), method)
 
 
-def _check_quantized_run(method: str | None, device, dtype) -> None:
-    """Quantized layers run on the CPU (cbatch's kernel; float32 or bfloat16 activations) and
-    on CUDA (the Triton GEMMs of ``kernels/quant_matmul.py``; float16 too), but w4a8, which
-    has no CUDA kernel."""
-    if method is None:
-        return
-    device_type = torch.device(device).type
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"quantization={method!r} runs on the CPU and on CUDA (Triton), "
-                         f"not on {device}")
-    if method == "w4a8" and device_type == "cuda":
-        raise ValueError("quantization='w4a8' runs on the CPU only (there is no CUDA kernel "
-                         "for it); on CUDA choose int4 or w8a8")
-    if dtype not in (torch.float32, torch.bfloat16) + (
-            (torch.float16,) if device_type == "cuda" else ()):
-        raise ValueError(f"quantization={method!r} runs float32 or bfloat16 activations "
-                         f"(float16 too on CUDA), not {str(dtype).removeprefix('torch.')} on "
-                         f"{device_type}")
+def _check_run(method: quant.QuantizationMethod | None, device, dtype: torch.dtype) -> None:
+    if method is not None:
+        method.check_run(torch.device(device).type, str(dtype).removeprefix("torch."))
 
 
-def _quantized(model: nn.Module, quantization: str | None) -> nn.Module:
-    if quantization is not None:
-        count = quantize_model(model, quantization)
-        logger.info("quantized %d linear layers to %s", count, quantization)
+def _quantized(model: nn.Module, method: quant.QuantizationMethod | None) -> nn.Module:
+    if method is not None:
+        count = quantize_model(model, method)
+        logger.info("quantized %d linear layers to %s", count, method.name)
     return model
 
 

@@ -46,7 +46,7 @@ def model_class(architecture: str) -> type:
 
 def random_llama_configs() -> dict:
     """``random:<name>`` -> (architecture, LlamaConfig): seeded random weights in the shape of
-    a family (GPT-2's sizes are :data:`cbatch.config.MODEL_CONFIGS`).  Token ids 0-255 are
+    a family (GPT-2's sizes are :data:`cbatch.models.gpt2.MODEL_CONFIGS`).  Token ids 0-255 are
     the byte tokenizer's, so every vocabulary is at least 256."""
     from cbatch.models.llama import LlamaConfig
 

@@ -39,7 +39,6 @@ through it that a fast path ran), :func:`cpu_isa` which ISA the kernels use.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -159,62 +158,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if gelu is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], gelu)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@functools.cache
-def quantized_linear_available() -> bool:
-    """Whether cbatch's quantized CPU kernels (``cbatch::quantized_linear``, int8 and int4
-    weights, and ``cbatch::quantized_linear_w8a8``; :mod:`cbatch.layers.quantization`) run
-    here: x86 with AVX2 and FMA, or AVX-512; elsewhere quantized layers run the pure-torch
-    reference.  Asked once (every quantized layer asks on every call; no ISA cap changes the
-    answer)."""
-    return "cpu" in compiled.compiled_backends() and \
-        torch.ops.cbatch.quantized_linear_supported()
-
-
-def quantized_linear_isa(bits: int = 8, dtype: torch.dtype = torch.float32) -> str:
-    """The path cbatch's quantized CPU kernel (W8A16, W4A16) takes here now for ``bits``-bit
-    weights and an x of ``dtype`` (after ``$CBATCH_CPU_ISA``'s cap): ``"avx512bf16"`` (int4
-    on a bf16 x: ``vdpbf16ps``), ``"avx512"``, ``"avx2"``, or "" where it does not run."""
-    if not quantized_linear_available():
-        return ""
-    isa = cpu_isa().split()
-    if bits == 4 and dtype == torch.bfloat16 and "avx512bf16" in isa:
-        return "avx512bf16"
-    return "avx512" if "avx512" in isa else "avx2"
-
-
-def quantized_linear_w8a8_isa() -> str:
-    """The path cbatch's W8A8 CPU kernel (``cbatch::quantized_linear_w8a8``, which runs where
-    :func:`quantized_linear_available`) takes here now, after ``$CBATCH_CPU_ISA``'s cap:
-    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddwd``), or "".  Calls of 8 rows and
-    more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`)."""
-    if not quantized_linear_available():
-        return ""
-    return "avx512vnni" if "avx512vnni" in cpu_isa().split() else "avx2"
-
-
-def amx_int8_tiles() -> bool:
-    """Whether the W8A8 and W4A8 kernels run calls of 8 rows and more on AMX-INT8 tiles here
-    now (``tdpbsud``; K whole tiles of 64 k, W4A8's groups multiples of 64 k; the same
-    integers and output bits as the VNNI path): on a CPU with AMX-INT8 and AVX512-VNNI,
-    unless ``set_cpu_options`` turned AMX off."""
-    return quantized_linear_available() and "amx-int8" in cpu_isa().split()
-
-
-@functools.cache
-def quantized_linear_w4a8_available() -> bool:
-    """Whether cbatch's W4A8 CPU kernel (``cbatch::quantized_linear_w4a8``) runs here: x86
-    with AVX2 and FMA; elsewhere W4A8 layers run the pure-torch reference."""
-    return quantized_linear_available() and "avx2" in cpu_isa().split()
-
-
-def quantized_linear_w4a8_isa() -> str:
-    """The path cbatch's W4A8 CPU kernel takes here now, after ``$CBATCH_CPU_ISA``'s cap:
-    ``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddubsw``), or "" where it does not run
-    (W8A8's rule, on a CPU with AVX2; calls of 8 rows and more may take AMX-INT8 tiles,
-    :func:`amx_int8_tiles`)."""
-    return quantized_linear_w8a8_isa() if quantized_linear_w4a8_available() else ""
 
 
 @dataclass(frozen=True)
@@ -360,24 +303,6 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
     @torch.library.register_fake("cbatch::linear")
     def _(x, packed, out_features, bias, residual, activation, amx=False):
         check_no_meta_mix("cbatch::linear", x=x, packed=packed, bias=bias, residual=residual)
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("cbatch::quantized_linear")
-    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
-        check_no_meta_mix("cbatch::quantized_linear", x=x, qweight=qweight, scales=scales,
-                          zeros=zeros, bias=bias)
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("cbatch::quantized_linear_w8a8")
-    def _(x, qweight, scales, out_features, bias):
-        check_no_meta_mix("cbatch::quantized_linear_w8a8", x=x, qweight=qweight,
-                          scales=scales, bias=bias)
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("cbatch::quantized_linear_w4a8")
-    def _(x, qweight, scales, group_size, out_features, bias, zeros=None):
-        check_no_meta_mix("cbatch::quantized_linear_w4a8", x=x, qweight=qweight,
-                          scales=scales, bias=bias, zeros=zeros)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::greedy_head")

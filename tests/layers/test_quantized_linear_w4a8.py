@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from cbatch.layers.quantization import QuantizedLinear, pack, quantize
-from cbatch.layers.quantization import linear as quantized_linear
 from cbatch.ops import cpu
+from cbatch.ops import quantized
+from cbatch.quantization import Scheme
 from tests.quant_utils import random_quantized, unpacked_weight
 
 U = 2.0 ** -24
@@ -38,14 +39,13 @@ def _float_oracle_check(x, w, bias, group_size, y):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_within_the_quantization_error_of_x(dtype, kernel, monkeypatch):
     if not kernel:
-        monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available",
-                            lambda: False)
+        monkeypatch.setattr(quantized, "available", lambda kind: kind != "w4a8")
     gen = torch.Generator().manual_seed(1)
     linear = nn.Linear(200, 21)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(21, 200, generator=gen))
         linear.bias.copy_(torch.randn(21, generator=gen))
-    layer = QuantizedLinear.from_linear(linear, 4, 64, act_bits=8)
+    layer = QuantizedLinear.from_linear(linear, Scheme(4, 64, 8))
     x = torch.randn(9, 200, generator=gen).to(dtype)
     x[4] = 0  # a zero row: scale 0, output the bias
     x[2, 64:128] = 0  # a zero group
@@ -61,20 +61,19 @@ def test_layer_with_zero_points_within_the_quantization_error_of_x(kernel, monke
     """Zero points (AWQ's, asymmetric GPTQ's): the oracle's weight is s * (q - z) from the
     drawn integers (tests/quant_utils.py), not cbatch's dequantization."""
     if not kernel:
-        monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available",
-                            lambda: False)
+        monkeypatch.setattr(quantized, "available", lambda kind: kind != "w4a8")
     gen = torch.Generator().manual_seed(2)
     qw, (q, s, z) = random_quantized(21, 200, 4, 64, True, gen)
     bias = torch.randn(21, generator=gen)
     layer = QuantizedLinear(qw, bias, act_bits=8)
     x = torch.randn(9, 200, generator=gen)
     x[3, 70] = 100.0
-    before = cpu.kernel_paths().get(f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
+    before = cpu.kernel_paths().get(f"quantized_linear.w4a8.{quantized.isa('w4a8')}",
                                     0)
     y = layer(x)
-    after = cpu.kernel_paths().get(f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}",
+    after = cpu.kernel_paths().get(f"quantized_linear.w4a8.{quantized.isa('w4a8')}",
                                    0)
-    assert after == before + (kernel and cpu.quantized_linear_w4a8_available())
+    assert after == before + (kernel and quantized.available("w4a8"))
     _float_oracle_check(x, unpacked_weight(q, s, z, 4, 64), bias, 64, y)
 
 
@@ -87,8 +86,8 @@ def test_interface():
     assert torch.equal(layer.weight.dequantize(), qw.dequantize())
     assert torch.equal(layer.weight.qweight, qw.qweight)
     for bad in (quantize(w, 4, 10), quantize(w, 4, 48)):
-        with pytest.raises(ValueError, match="or int4 in groups of a multiple of 32 "
-                                             "\\(W4A8\\)"):
+        with pytest.raises(ValueError, match="or int4 in groups of a multiple of 32 k, "
+                                             "with zero points or without \\(W4A8\\)"):
             QuantizedLinear(bad, act_bits=8)
     zeros = pack(torch.zeros(20, 70), torch.ones(3, 20), torch.full((3, 20), 3), 4, 32)
     layer = QuantizedLinear(zeros, act_bits=8)  # zero points: W4A8 too, kept beside it

@@ -10,6 +10,7 @@ from torch import nn
 from cbatch.layers.quantization import QuantizedLinear, pack, quantize
 from cbatch.layers.quantization.weight import pack_w8a8, unpack_w8a8
 from cbatch.ops import reference
+from cbatch.quantization import Scheme
 
 U = 2.0 ** -24
 
@@ -66,7 +67,7 @@ def test_layer_within_the_quantization_error_of_x(dtype):
     with torch.no_grad():
         linear.weight.copy_(torch.randn(21, 37, generator=gen))
         linear.bias.copy_(torch.randn(21, generator=gen))
-    layer = QuantizedLinear.from_linear(linear, 8, None, act_bits=8)
+    layer = QuantizedLinear.from_linear(linear, Scheme(8, None, 8))
     x = torch.randn(9, 37, generator=gen).to(dtype)
     x[4] = 0  # a zero row: scale 0, output the bias
     y = layer(x)
@@ -82,10 +83,10 @@ def test_interface():
     assert "act_bits=8" in repr(layer) and "act_bits" not in repr(QuantizedLinear(qw))
     assert layer.act_bits == 8 and QuantizedLinear(qw).act_bits is None
     assert torch.equal(layer.weight.dequantize(), qw.dequantize())
-    with pytest.raises(ValueError, match="act_bits must be None or 8"):
+    with pytest.raises(ValueError, match="act_bits None or 8"):
         QuantizedLinear(qw, act_bits=4)
     for bad in (quantize(w, 4, 10), quantize(w, 8, 10),
                 pack(torch.zeros(20, 30), torch.ones(1, 20), torch.ones(1, 20), 8, 30)):
-        with pytest.raises(ValueError, match="act_bits=8 takes symmetric int8 weights with "
-                                             "one group per output channel \\(W8A8\\)"):
+        with pytest.raises(ValueError, match="act_bits=8 takes symmetric int8 with one scale "
+                                             "per output channel \\(W8A8\\)"):
             QuantizedLinear(bad, act_bits=8)

@@ -10,9 +10,11 @@ import torch
 from cbatch import Engine, SamplingParams, load_model
 from cbatch.entrypoints.llm import generate
 from cbatch.layers.quantization import quantize_model
+from cbatch.quantization import METHODS
 from cbatch.models import cpu_layers
 from cbatch.models.llama import LlamaConfig, LlamaForCausalLM
 from cbatch.ops import cpu, layer_ops
+from cbatch.ops import quantized
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -42,7 +44,7 @@ def tiny_llama(quantization: str | None, dtype: torch.dtype, extras: bool) -> Ll
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)  # not 0 and 1
     model = model.to(dtype).eval()
     if quantization:
-        quantize_model(model, quantization)
+        quantize_model(model, METHODS[quantization])
     return model
 
 
@@ -69,9 +71,9 @@ def run(monkeypatch, flag: str, make, **engine_args) -> tuple[list, int, str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8", "w4a8"])
 def test_one_call_gives_the_loops_tokens_and_logprobs(monkeypatch, quantization, dtype, extras):
-    if quantization and not cpu.quantized_linear_available():
+    if quantization and not quantized.available("w8a16"):
         pytest.skip("cbatch's quantized CPU kernels do not run here")
-    if quantization == "w4a8" and not cpu.quantized_linear_w4a8_available():
+    if quantization == "w4a8" and not quantized.available("w4a8"):
         pytest.skip("the W4A8 kernel needs AVX2")
     if quantization is None and cpu.cpu_linear_route(dtype) != "cbatch":
         pytest.skip(f"cbatch's packed linear does not run {dtype} here")
@@ -98,7 +100,7 @@ def test_batch_invariant_engines_bind_too(monkeypatch):
 def test_what_cannot_bind_says_why(monkeypatch):
     """A GPTQ desc_act permutation (an index_select the C++ call does not make), and GPT-2
     (no one-call path) keep the loop, and say so; rebinding after set_batch_invariant."""
-    if not cpu.quantized_linear_available():
+    if not quantized.available("w8a16"):
         pytest.skip("cbatch's quantized CPU kernels do not run here")
     model = tiny_llama("int4", torch.float32, False)
     assert isinstance(cpu_layers.bind(model), cpu_layers.BoundLayers)

@@ -17,6 +17,7 @@ from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.ops import cpu
+from cbatch.ops import quantized
 from tests.helpers import int8_kernel_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -184,10 +185,10 @@ def check_against_oracle(quantized_dir, dense_dir, bits):
     assert len(replaced) == 4 * SHAPE["num_hidden_layers"]
     assert all(m.bits == bits for m in replaced)
     assert isinstance(model.lm_head, Linear)
-    path = f"quantized_linear.w{bits}.{cpu.quantized_linear_isa()}"
+    path = f"quantized_linear.w{bits}.{quantized.isa('w8a16')}"
     before = cpu.kernel_paths().get(path, 0)
     got = torch.cat(prefill_logits(model, PROMPTS))
-    if cpu.quantized_linear_available():
+    if quantized.available("w8a16"):
         assert cpu.kernel_paths()[path] > before
     torch.testing.assert_close(got, torch.cat(prefill_logits(oracle, PROMPTS)),
                                atol=1e-4, rtol=1e-4)
@@ -310,11 +311,11 @@ def test_compressed_tensors_w8a8(tmp_path, tied):
     top = x.abs().amax(1, keepdim=True).double()
     xq = torch.where(top > 0, (x.double() * 127 / top).round(), 0)
     expected = (xq @ w.t()) * (top / 127) * s.t()
-    path = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+    path = f"quantized_linear.w8a8.{quantized.isa('w8a8')}"
     before = cpu.kernel_paths().get(path, 0)
     with torch.no_grad():
         got = model.model.layers[1].mlp.down_proj(x)
-    if cpu.quantized_linear_available():  # cbatch's W8A8 kernel ran, not the reference
+    if quantized.available("w8a16"):  # cbatch's W8A8 kernel ran, not the reference
         assert cpu.kernel_paths()[path] == before + 1
     torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
     got, want = (torch.cat(prefill_logits(m, PROMPTS)) for m in (model, oracle))
@@ -347,8 +348,9 @@ def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
         load_model(dense, quantization="gptq")
     with pytest.raises(ValueError, match="loads a gptq checkpoint, not random:llama-tiny"):
         load_model("random:llama-tiny", quantization="gptq")
-    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations \\(float16 too "
-                                         "on CUDA\\), not float16 on cpu"):
+    with pytest.raises(ValueError, match="runs activations of float32, bfloat16 on cpu; "
+                                         "float32, bfloat16, float16 on cuda: not float16 on "
+                                         "cpu"):
         load_model(q, dtype=torch.float16)
 
 
@@ -404,10 +406,9 @@ def test_an_int4_checkpoint_runs_w4a8(tmp_path, fmt, gs, sym, desc_act, tied, mo
     torch.testing.assert_close(got.double(), own_w4a8(x, w, group), atol=1e-5, rtol=1e-5)
     ours = torch.cat(prefill_logits(model, PROMPTS))
     moved = [int8_kernel_calls(op) - b for op, b in zip(("w4a8", "w8a8"), before)]
-    assert moved[0] >= 1 + len(layers) or not cpu.quantized_linear_w4a8_available()
-    assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
-    monkeypatch.setattr(cpu, "quantized_linear_w4a8_available", lambda: False)
-    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    assert moved[0] >= 1 + len(layers) or not quantized.available("w4a8")
+    assert moved[1] >= 1 or not quantized.available("w8a16")  # the lm_head
+    monkeypatch.setattr(quantized, "available", lambda kind: False)
     torch.testing.assert_close(ours, torch.cat(prefill_logits(model, PROMPTS)),
                                atol=1e-5, rtol=1e-5)
     want = torch.cat(prefill_logits(oracle, PROMPTS))
@@ -425,7 +426,7 @@ def test_an_int8_per_channel_checkpoint_runs_w8a8(tmp_path):
     assert isinstance(model.lm_head, Linear)
     before = int8_kernel_calls("w8a8")
     got = torch.cat(prefill_logits(model, PROMPTS))
-    assert int8_kernel_calls("w8a8") > before or not cpu.quantized_linear_available()
+    assert int8_kernel_calls("w8a8") > before or not quantized.available("w8a16")
     want = torch.cat(prefill_logits(load_model(dense), PROMPTS))
     assert (got - want).abs().max() < 0.02 * want.abs().max()
 
@@ -466,7 +467,7 @@ def test_engine_runs_an_int4_checkpoint_as_w4a8_in_one_layers_call(tmp_path, mon
     """An engine on a GPTQ or AWQ checkpoint under quantization="w4a8" says so, binds its
     layers for the one C++ call (csrc/cpu/decoder_layers.cpp, zero points and all), and gives
     the Python loop's tokens and log-probabilities to the last bit."""
-    if not cpu.quantized_linear_w4a8_available() or not hasattr(torch.ops.cbatch,
+    if not quantized.available("w4a8") or not hasattr(torch.ops.cbatch,
                                                                 "decoder_layers"):
         pytest.skip("the W4A8 kernel or the one-call layers do not run here")
     from tests.models.test_cpu_layers import run

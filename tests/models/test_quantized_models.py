@@ -14,8 +14,8 @@ from cbatch import LLM, SamplingParams, load_model
 from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
-from cbatch.layers.quantization import linear as quantized_linear
 from cbatch.ops import compiled, cpu
+from cbatch.ops import quantized as quantized_ops
 from tests.helpers import int8_kernel_calls, triton_device, triton_skip_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -86,8 +86,8 @@ def test_w8a8_logits_are_the_references(name, monkeypatch):
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 9, 33)]
     before = int8_kernel_calls("w8a8")
     ours = torch.cat(prefill_logits(model, prompts))
-    assert int8_kernel_calls("w8a8") > before or not cpu.quantized_linear_available()
-    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_available", lambda: False)
+    assert int8_kernel_calls("w8a8") > before or not quantized_ops.available("w8a16")
+    monkeypatch.setattr(quantized_ops, "available", lambda kind: False)
     reference = torch.cat(prefill_logits(model, prompts))
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
     int8 = torch.cat(prefill_logits(load_model(name, quantization="int8", seed=3), prompts))
@@ -113,10 +113,9 @@ def test_w4a8_logits_are_the_references_and_near_int4s(name, monkeypatch):
     before = [int8_kernel_calls("w4a8"), int8_kernel_calls("w8a8")]
     ours = torch.cat(prefill_logits(model, prompts))
     moved = [int8_kernel_calls(op) - b for op, b in zip(("w4a8", "w8a8"), before)]
-    assert moved[0] >= len(layers) or not cpu.quantized_linear_w4a8_available()
-    assert moved[1] >= 1 or not cpu.quantized_linear_available()  # the lm_head
-    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_w4a8_available", lambda: False)
-    monkeypatch.setattr(quantized_linear.cpu, "quantized_linear_available", lambda: False)
+    assert moved[0] >= len(layers) or not quantized_ops.available("w4a8")
+    assert moved[1] >= 1 or not quantized_ops.available("w8a16")  # the lm_head
+    monkeypatch.setattr(quantized_ops, "available", lambda kind: False)
     torch.testing.assert_close(ours, torch.cat(prefill_logits(model, prompts)),
                                atol=1e-5, rtol=1e-5)
     int4 = torch.cat(prefill_logits(load_model(name, quantization="int4", seed=3), prompts))
@@ -154,20 +153,21 @@ def test_w4a8_tied_embedding_reads_the_int8_lm_head(name, dtype):
 
 def test_w4a8_is_refused_on_cuda():
     with pytest.raises(ValueError, match="quantization='w4a8' runs on the CPU only \\(there is "
-                                         "no CUDA kernel for it\\); on CUDA choose int4 or w8a8"):
+                                         "no CUDA kernel for it\\); on CUDA choose int8, int4 "
+                                         "or w8a8"):
         load_model("random:llama-tiny", device="cuda", quantization="w4a8")
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
 def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
-    if not cpu.quantized_linear_available():
+    if not quantized_ops.available("w8a16"):
         pytest.skip("cbatch's quantized CPU kernel does not run here")
     dtype = torch.bfloat16 if cpu.screen_available(torch.bfloat16) else torch.float32
     llm = LLM("random:llama-tiny", dtype=dtype, quantization=method, max_num_seqs=4)
-    path = {"int8": f"quantized_linear.w8.{cpu.quantized_linear_isa(8, dtype)}",
-            "int4": f"quantized_linear.w4.{cpu.quantized_linear_isa(4, dtype)}",
-            "w8a8": f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}",
-            "w4a8": f"quantized_linear.w4a8.{cpu.quantized_linear_w4a8_isa()}"}[method]
+    path = {"int8": f"quantized_linear.w8.{quantized_ops.isa('w8a16', dtype)}",
+            "int4": f"quantized_linear.w4.{quantized_ops.isa('w4a16', dtype)}",
+            "w8a8": f"quantized_linear.w8a8.{quantized_ops.isa('w8a8')}",
+            "w4a8": f"quantized_linear.w4a8.{quantized_ops.isa('w4a8')}"}[method]
     before = cpu.kernel_paths()
     outs = llm.generate([[5, 6, 7], [9] * 20], SamplingParams(max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
@@ -184,7 +184,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
         assert llm.engine.runner.greedy_screen is None
         assert described["greedy screen"] == "none (the lm_head is quantized)"
         assert described["linear"] == "none (every linear layer is quantized)"
-        head = f"quantized_linear.w8a8.{cpu.quantized_linear_w8a8_isa()}"
+        head = f"quantized_linear.w8a8.{quantized_ops.isa('w8a8')}"
         assert after[head] - before.get(head, 0) >= 6  # one call per step at least
     else:  # the lm_head stays float, screened wherever the screen runs
         assert (llm.engine.runner.greedy_screen is not None) == cpu.screen_available(dtype)
@@ -192,7 +192,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
         assert (sum(after[k] - before[k] for k in screened) > 0) == cpu.screen_available(dtype)
 
 
-@pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")
+@pytest.mark.skipif(quantized_ops.isa("w8a8") != "avx512vnni", reason="no AVX512-VNNI")
 @pytest.mark.parametrize("method", ["w8a8", "w4a8"])
 def test_engine_on_amx_tiles_is_the_vnni_engine(method):
     """A W8A8 or W4A8 engine whose prefills run on AMX-INT8 tiles (the CPU's where it has
@@ -225,8 +225,9 @@ def test_quantization_methods_are_refused_by_name():
         LLM("random:llama-tiny", quantization="fp8")
     with pytest.raises(ValueError, match="runs on the CPU and on CUDA \\(Triton\\), not on mps"):
         load_model("random:llama-tiny", device="mps", quantization="int8")
-    with pytest.raises(ValueError, match="runs float32 or bfloat16 activations \\(float16 too "
-                                         "on CUDA\\), not float16 on cpu"):
+    with pytest.raises(ValueError, match="runs activations of float32, bfloat16 on cpu; "
+                                         "float32, bfloat16, float16 on cuda: not float16 on "
+                                         "cpu"):
         load_model("random:llama-tiny", dtype=torch.float16, quantization="int4")
     with pytest.raises(ValueError, match="quantization comes from the model given"):
         LLM(load_model("random:tiny"), quantization="int8")
@@ -256,7 +257,7 @@ def test_quantized_model_on_the_cuda_path_is_the_dequantized_model(monkeypatch, 
         pytest.skip(triton_skip_reason())
     calls = _spy_triton(monkeypatch)
     if device == "cpu":
-        monkeypatch.setattr(quantized_linear, "on_triton", lambda x: True)
+        monkeypatch.setattr(quantized_ops, "on_triton", lambda x: True)
     quantized = load_model("random:llama-tiny", device=device, quantization=method, seed=3)
     dense = load_model("random:llama-tiny", device=device, seed=3)
     layers = dict(quantized.named_modules())

@@ -10,6 +10,7 @@ import torch
 
 from cbatch import ops
 from cbatch.ops import compiled, cpu
+from cbatch.ops import quantized
 from tests.helpers import CPU_FLAGS as FLAGS, needs_cpu_ext
 
 pytestmark = needs_cpu_ext
@@ -60,12 +61,12 @@ def test_quantized_kernels_run_wherever_their_isa_is():
     """The quantized linears' tests skip where the kernels do not run; here a CPU with AVX2
     and FMA that reports them unavailable fails instead, and each names its widest path."""
     if not {"avx2", "fma"} <= FLAGS:
-        assert not cpu.quantized_linear_available()
+        assert not quantized.available("w8a16")
         return
-    assert cpu.quantized_linear_available() and cpu.quantized_linear_w4a8_available()
+    assert quantized.available("w8a16") and quantized.available("w4a8")
     int8_isa = "avx512vnni" if HAS_AVX512 and "avx512_vnni" in FLAGS else "avx2"
-    assert cpu.quantized_linear_isa(8) == ("avx512" if HAS_AVX512 else "avx2")
-    assert cpu.quantized_linear_w8a8_isa() == cpu.quantized_linear_w4a8_isa() == int8_isa
+    assert quantized.isa("w8a16") == ("avx512" if HAS_AVX512 else "avx2")
+    assert quantized.isa("w8a8") == quantized.isa("w4a8") == int8_isa
 
 
 def test_path_names_and_counts():

@@ -20,10 +20,11 @@ import torch
 
 from cbatch.layers.quantization import pack, quantize
 from cbatch.ops import compiled, cpu, reference
+from cbatch.ops import quantized
 from tests.helpers import CPU_FLAGS as FLAGS
 from tests.quant_utils import random_quantized, unpacked_weight
 
-pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
+pytestmark = pytest.mark.skipif(not quantized.available("w8a16"),
                                 reason="cbatch's quantized CPU kernel does not run here")
 
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS

@@ -21,10 +21,11 @@ import torch
 from cbatch.layers.quantization import QuantizedLinear, pack
 from cbatch.layers.quantization.weight import pack_w4a8, quantize, unpack_w4a8
 from cbatch.ops import cpu, reference
+from cbatch.ops import quantized
 from tests.quant_utils import random_quantized
 
 U = 2.0 ** -24
-needs_kernel = pytest.mark.skipif(not cpu.quantized_linear_w4a8_available(),
+needs_kernel = pytest.mark.skipif(not quantized.available("w4a8"),
                                   reason="cbatch's W4A8 CPU kernel (AVX2) does not run here")
 # where this CPU runs AMX-INT8 itself, the tiles' tests run on it rather than on the model
 HARDWARE_AMX = "amx-int8" in cpu.cpu_isa()
@@ -37,7 +38,7 @@ def isa(request):
     runs: the CPU's tiles, or their model)."""
     from cbatch.ops import compiled
 
-    native = cpu.quantized_linear_w4a8_isa()
+    native = quantized.isa("w4a8")
     if request.param == "avx2" and native in ("avx2", ""):
         pytest.skip("the native path here is already AVX2's")
     if request.param == "amx" and native != "avx512vnni":
@@ -56,7 +57,7 @@ def path(M: int = 1, K: int = 1, group_size: int = 32) -> str:
     from 8 rows where they run, groups a multiple of 64 k and K's quads whole tiles."""
     tiles = "amx-int8" in cpu.cpu_isa() and M >= 8 and group_size % 64 == 0 and \
         -(-K // 32) * 8 % 16 == 0
-    return f"quantized_linear.w4a8.{'amx' if tiles else cpu.quantized_linear_w4a8_isa()}"
+    return f"quantized_linear.w4a8.{'amx' if tiles else quantized.isa('w4a8')}"
 
 
 def _random_w4a8(N, K, group_size, gen):

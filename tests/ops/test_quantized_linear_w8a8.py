@@ -22,9 +22,10 @@ import torch
 from cbatch.layers.quantization import QuantizedLinear, pack
 from cbatch.layers.quantization.weight import pack_w8a8
 from cbatch.ops import compiled, cpu, reference
+from cbatch.ops import quantized
 from tests.helpers import CPU_FLAGS as FLAGS
 
-pytestmark = pytest.mark.skipif(not cpu.quantized_linear_available(),
+pytestmark = pytest.mark.skipif(not quantized.available("w8a16"),
                                 reason="cbatch's quantized CPU kernels do not run here")
 
 HAS_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= FLAGS
@@ -42,7 +43,7 @@ def isa(request):
     options = {"amx": ("", "", "" if HARDWARE_AMX else "model"),
                "avx512vnni": ("", "", "off"), "avx2": ("avx2", "", "")}[request.param]
     torch.ops.cbatch.set_cpu_options(*options)
-    assert cpu.quantized_linear_w8a8_isa() == ("avx512vnni" if request.param == "amx"
+    assert quantized.isa("w8a8") == ("avx512vnni" if request.param == "amx"
                                                else request.param)
     assert ("amx-int8" in cpu.cpu_isa()) == (request.param == "amx")
     yield request.param

@@ -23,8 +23,9 @@ import torch
 
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.quantization.weight import pack_w8a8
-from cbatch.layers.quantization import linear as qlinear
 from cbatch.ops import reference
+from cbatch.ops import quantized
+from cbatch.quantization import Scheme
 from tests.helpers import triton_device, triton_skip_reason
 from tests.quant_utils import random_quantized, unpacked_weight
 
@@ -240,10 +241,10 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernel(device, monkeypatch, b
     for name in ("wna16_linear", "scaled_int8_quant", "w8a8_linear"):
         spy(name)
     if device == "cpu":
-        monkeypatch.setattr(qlinear, "on_triton", lambda x: True)
+        monkeypatch.setattr(quantized, "on_triton", lambda x: True)
     gen = torch.Generator().manual_seed(bits)
     dense = torch.nn.Linear(130, 37).to(dtype=torch.bfloat16)
-    layer = QuantizedLinear.from_linear(dense, bits, 32 if bits == 4 else None).to(device)
+    layer = QuantizedLinear.from_linear(dense, Scheme(bits, 32 if bits == 4 else None)).to(device)
     x = torch.randn(2, 3, 130, generator=gen).to(torch.bfloat16)
     y = layer(x.to(device))
     assert calls == ["wna16_linear"] and y.shape == (2, 3, 37) and y.dtype == torch.bfloat16
@@ -251,7 +252,7 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernel(device, monkeypatch, b
     _check(x.view(6, 130), w, dense.bias, y.view(6, 37).cpu())
     if bits == 8:
         calls.clear()
-        w8a8 = QuantizedLinear.from_linear(dense, 8, None, act_bits=8).to(device)
+        w8a8 = QuantizedLinear.from_linear(dense, Scheme(8, None, 8)).to(device)
         y8 = w8a8(x.to(device))
         assert calls == ["scaled_int8_quant", "w8a8_linear"] and y8.shape == (2, 3, 37)
         want = reference.quantized_linear_w8a8(x.view(6, 130), w8a8.qweight.cpu(),

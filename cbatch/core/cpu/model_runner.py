@@ -22,6 +22,8 @@ ran.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
 from cbatch.layers.step_batch import StepBatch
-from cbatch.ops import cpu
+from cbatch.ops import cpu, quantized
 
 
 class CPUModelRunner(ModelRunner):
@@ -86,21 +88,16 @@ class CPUModelRunner(ModelRunner):
         return dict(self.threads.steps_by_threads)
 
     def _quantized_phrase(self) -> str:
-        """The quantized layers' bits (``zp``: with zero points) and where they run (cbatch's
-        kernel or the reference)."""
+        """The quantized layers' schemes (``zp``: with zero points) and where they run
+        (cbatch's kernel and its ISA, or the reference)."""
         layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if not layers:
             return "none"
-        kinds = sorted({(f"w{m.bits}a8" if m.act_bits else f"int{m.bits}")
-                        + (f" g{m.group_size}" if m.bits == 4 else "")
-                        + (" zp" if m.zeros is not None else "") for m in layers})
-        if all(m.act_bits and m.bits == 4 for m in layers):  # W4A8's kernel's ISA
-            isa = cpu.quantized_linear_w4a8_isa()
-        elif all(m.act_bits for m in layers):  # W8A8's kernel's ISA (VNNI where present)
-            isa = cpu.quantized_linear_w8a8_isa()
-        else:  # W8A16 / W4A16 (int4 on a bf16 x takes vdpbf16ps where present)
-            bits = 4 if all(m.bits == 4 for m in layers) else 8
-            isa = cpu.quantized_linear_isa(bits, self.model.dtype)
+        kinds = sorted({m.scheme.describe(m.in_features) + (" zp" if m.zeros is not None
+                                                            else "") for m in layers})
+        # the kernel of the most layers says where they run (W4A16 on bf16 x: vdpbf16ps)
+        kind = collections.Counter(m.kind for m in layers).most_common(1)[0][0]
+        isa = quantized.isa(kind, self.model.dtype)
         where = f"cbatch {isa}" if isa else "the pure-torch reference"
         return f"{', '.join(kinds)}, {len(layers)} layers ({where})"
 

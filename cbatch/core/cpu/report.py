@@ -13,7 +13,7 @@ from cbatch import envs
 from cbatch.core.cpu.memory import huge_pages_available
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.models import cpu_layers
-from cbatch.ops import cpu
+from cbatch.ops import cpu, quantized
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -78,16 +78,16 @@ def cpu_paths() -> dict[str, str]:
 def quantized_phrase() -> str:
     """Where int8 and int4 weights (W8A16, W4A16), W8A8 and W4A8 run: cbatch's kernels and
     their ISA, or the reference."""
-    isa = cpu.quantized_linear_isa()
+    isa = quantized.isa("w8a16")
     if isa:
-        tiles = "; AMX-INT8 tiles from 8 rows" if cpu.amx_int8_tiles() else ""
-        w4a8_isa = cpu.quantized_linear_w4a8_isa()
+        tiles = "; AMX-INT8 tiles from 8 rows" if quantized.amx_int8_tiles() else ""
+        w4a8_isa = quantized.isa("w4a8")
         w4a8 = (f"cbatch's kernel ({w4a8_isa}{tiles}), int8 dot products" if w4a8_isa
                 else "the pure-torch reference")
-        bf16 = cpu.quantized_linear_isa(4, torch.bfloat16)
+        bf16 = quantized.isa("w4a16", torch.bfloat16)
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
                 + (f" (int4 on bf16: {bf16})" if bf16 != isa else "") + "; w8a8: "
-                f"cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}{tiles}), int8 dot products; "
+                f"cbatch's kernel ({quantized.isa('w8a8')}{tiles}), int8 dot products; "
                 f"w4a8: {w4a8}")
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 

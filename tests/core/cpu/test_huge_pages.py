@@ -129,7 +129,7 @@ def test_touch_faults_in_the_pool_and_a_server_touches_at_start_up():
     AsyncEngine (every server's engine) touches its pool before it serves."""
     from cbatch.core.async_engine import AsyncEngine
     from cbatch.layers.kv_cache import KVCache
-    from cbatch.config import GPT2Config
+    from cbatch.models.gpt2 import GPT2Config
 
     def resident_kb(t):
         return int(_mapping_of(t).get("Rss", "0"))

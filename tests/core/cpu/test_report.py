@@ -13,6 +13,7 @@ from cbatch.core.cpu.report import cpu_paths
 from cbatch.core.worker import model_runner_class
 from cbatch.core.model_runner import ModelRunner
 from cbatch.ops import backends, compiled, cpu
+from cbatch.ops import quantized
 from tests.helpers import needs_cpu_ext
 
 
@@ -31,19 +32,19 @@ def test_version_lists_the_cpu_fast_paths():
     assert names == ["isa", "attention", "linear", "greedy screen", "quantized linear",
                      "decoder layers", "huge pages", "threads"]
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
-    quantized = section[names.index("quantized linear")]
-    tiles = "; AMX-INT8 tiles from 8 rows" if cpu.amx_int8_tiles() else ""
-    if cpu.quantized_linear_available():  # each quantized kernel, by name and path
-        assert f"int8, int4: cbatch's kernel ({cpu.quantized_linear_isa()})" in quantized
-        assert f"w8a8: cbatch's kernel ({cpu.quantized_linear_w8a8_isa()}{tiles})" in quantized
-        assert f"w4a8: cbatch's kernel ({cpu.quantized_linear_w4a8_isa()}{tiles})" in quantized
+    line = section[names.index("quantized linear")]
+    tiles = "; AMX-INT8 tiles from 8 rows" if quantized.amx_int8_tiles() else ""
+    if quantized.available("w8a16"):  # each quantized kernel, by name and path
+        assert f"int8, int4: cbatch's kernel ({quantized.isa('w8a16')})" in line
+        assert f"w8a8: cbatch's kernel ({quantized.isa('w8a8')}{tiles})" in line
+        assert f"w4a8: cbatch's kernel ({quantized.isa('w4a8')}{tiles})" in line
     else:
-        assert "int8, int4, w8a8, w4a8: the pure-torch reference" in quantized
+        assert "int8, int4, w8a8, w4a8: the pure-torch reference" in line
     if backends.triton_available():  # the Triton row names its quantized GEMMs
         assert "quantized GEMMs (W8A16, W4A16, W8A8) on CUDA" in out.stdout
 
 
-@pytest.mark.skipif(cpu.quantized_linear_w8a8_isa() != "avx512vnni", reason="no AVX512-VNNI")
+@pytest.mark.skipif(quantized.isa("w8a8") != "avx512vnni", reason="no AVX512-VNNI")
 def test_the_report_says_where_the_int8_kernels_take_amx_tiles():
     """The quantized linears' line names AMX-INT8 tiles while they run (here on their model)
     and not once set_cpu_options turns them off."""
