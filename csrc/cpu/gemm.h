@@ -132,13 +132,6 @@ namespace {
 
 constexpr int kRows = kPackedRows;  // rows of x per register tile
 
-CBATCH_AVX512 CBATCH_INLINE void store(float* p, __m512 v, __mmask16 m) {
-  _mm512_mask_storeu_ps(p, m, v);
-}
-CBATCH_AVX512_DOT CBATCH_INLINE void store(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // GELU, tanh approximation: 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3), with
 // 1 + tanh(u) = 2 - 2 / (1 + e^(2u)).
 CBATCH_AVX512 CBATCH_INLINE __m512 gelu_tanh(__m512 v) {
