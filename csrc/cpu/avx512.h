@@ -1,9 +1,9 @@
 // The 16-lane fp32 helpers of the CPU kernels' AVX-512 paths (attention_step.h, gemm.h,
-// greedy_head.cpp, argmax.cpp), in namespace avx512: avx2.h has their 8-lane twins under the
-// same names, so that avx512::exp and avx2::exp do the same job, and code written once for
-// both ISAs (attention_step.h) reads Vec, kLanes and the helpers of the namespace it is
-// included in.  Each is compiled for AVX-512 whatever the extension's baseline; callers reach
-// them only after cpu_has_avx512().
+// amx_bf16_linear.h, greedy_head.cpp, argmax.cpp), in namespace avx512: avx2.h has their
+// 8-lane twins under the same names, so that avx512::exp and avx2::exp do the same job, and
+// code written once for both ISAs (attention_step.h) reads Vec, kLanes and the helpers of the
+// namespace it is included in.  Each is compiled for AVX-512 whatever the extension's
+// baseline; callers reach them only after cpu_has_avx512().
 #pragma once
 
 #include "x86.h"

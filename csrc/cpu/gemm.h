@@ -6,7 +6,7 @@
 // fp32, bf16 with AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2:
 // fp32, bf16 widened to fp32 in registers, out in bf16 or, for the screens, fp32, and int8 for
 // the screens), and the row and column loop they share (run_gemm); the bf16 GEMM of many rows
-// on AMX tiles is amx.h's.
+// on AMX tiles is amx_bf16_linear.h's.
 //
 // The weight is packed once (cbatch/ops/cpu.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16 and int8
