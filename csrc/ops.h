@@ -62,8 +62,8 @@ bool cpu_linear_supported(at::ScalarType dtype);
 // act(x @ W^T + bias) + residual.  x: [M, K] (dense rows); packed: W [N, K] packed into
 // [ceil(N / 16), K, 16] (bf16: pairs of k side by side); bias: [N]; residual: [M, N];
 // activation: "none" or "gelu_tanh".  amx: a bf16 x of many rows may run on AMX tiles
-// (cpu/amx.h), whose sums run in another order (not for batch-invariant engines).  Returns a
-// new dense [M, N].
+// (cpu/amx_bf16_linear.h), whose sums run in another order (not for batch-invariant
+// engines).  Returns a new dense [M, N].
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual, const std::string& activation,
@@ -185,7 +185,7 @@ at::Tensor argmax_rows_cpu(const at::Tensor& logits);
 // has) or "avx2" (the paths of a CPU without AVX-512); attention "" (the widest step) or
 // "generic" (the portable step); amx "" (AMX tiles where the CPU has them), "off", or "model"
 // (the AMX paths, int8 and bf16, on a software model of the tiles, for their tests:
-// cpu/amx_tiles.h).
+// cpu/amx_tile_ops.h).
 // Any other value is an error that names it.
 void set_cpu_options(const std::string& isa, const std::string& attention,
                      const std::string& amx);

@@ -1,6 +1,8 @@
 // The one place where cbatch's ops get their schemas and per-device kernels
 // (vLLM's csrc/torch_bindings.cpp pattern).  Their fake (meta) implementations are registered
-// in Python: cbatch/ops/backends.py (attention, cache) and cbatch/ops/cpu.py (the CPU ops).
+// in Python, beside the ops' wrappers in cbatch/ops/: backends.py (attention, the KV cache
+// write), layer_ops.py (the Llama layers' small ops), sampling.py (argmax, sample, penalties,
+// bitmask) and cpu.py (the linears, quantized ones too, and the greedy head).
 #include <torch/library.h>
 
 #include "ops.h"

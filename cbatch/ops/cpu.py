@@ -144,8 +144,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     ``[M, N]`` or None (not with ``gelu``) → a new ``[M, N]``.  On the ``"cbatch"`` layout a
     row's result never depends on the other rows (the kernel sums each output in k order),
     unless ``amx``: then a bf16 x of many rows runs on AMX tiles where the CPU has them
-    (``csrc/cpu/amx.h``; several times faster, the sums in another order), so a row's last
-    bits follow the number of rows (not for batch-invariant engines).
+    (``csrc/cpu/amx_bf16_linear.h``; several times faster, the sums in another order), so a
+    row's last bits follow the number of rows (not for batch-invariant engines).
     """
     if not packed.is_mkldnn:
         fused = gelu in (None, "tanh")
@@ -262,7 +262,7 @@ def has_amx() -> bool:
 def may_use_amx(batch_invariant: bool) -> bool:
     """The one rule for cbatch's kernels and AMX tiles: a batch-invariant model never takes
     them (tdpbf16ps sums a row in another order than the AVX-512 path, and which path runs
-    depends on how many rows share the call; csrc/cpu/amx.h)."""
+    depends on how many rows share the call; csrc/cpu/amx_bf16_linear.h)."""
     return not batch_invariant
 
 

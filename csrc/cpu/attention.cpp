@@ -6,7 +6,8 @@
 // item that reads it while it is in cache.  fp16/bf16 blocks are widened to fp32 once per
 // block (not once per query row), and every row keeps an online softmax in fp32 (no buffer
 // grows with the context).  A decode token is a tile of one row.  Items are handed out
-// longest first to whichever thread is free.
+// longest first to whichever thread is free.  The step comes in four forms: attention_step.h's
+// one body on 16 lanes (AVX-512) and on 8 (AVX2), AVX512-BF16's, and the portable one (below).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -21,8 +22,8 @@
 #include "../checks.h"
 #include "../ops.h"
 #include "cpu_options.h"  // step_for reads the options; the path counters
-#include "avx2.h"    // the AVX2 step's helpers
-#include "avx512.h"  // the AVX-512 step's helpers (x86.h: CBATCH_X86, the feature checks)
+#include "avx2.h"    // the helpers of attention_step.h's AVX2 step
+#include "avx512.h"  // and of its AVX-512 one (x86.h: CBATCH_X86, the feature checks)
 
 namespace cbatch {
 namespace {
@@ -153,78 +154,13 @@ inline void online_softmax_step(const float* q, const float* k, const float* v,
 }  // namespace
 
 #ifdef CBATCH_X86
-// ---- AVX-512 ---------------------------------------------------------------------------------
-// The same online-softmax step written with 16-lane intrinsics, compiled for AVX-512 whatever
-// the extension's baseline and chosen at run time (step_for).  It reads fp16/bf16 K/V in
-// place, widening 16 elements per load (bf16: shift into the top half of an fp32), so no block
-// is copied; scores of up to 16 keys go through one vector exp.  Needs D % 16 == 0.
-
+// ---- AVX-512 and AVX2: attention_step.h's step on 16 and on 8 lanes ------------------------
 namespace avx512 {
 namespace {
 
-// The 16 sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a transposing tree of
-// 15 adds instead of 16 separate horizontal reductions.
-CBATCH_AVX512 CBATCH_INLINE __m512 sum_each(const __m512 (&v)[16]) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of 4 keys
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // add the four 128-bit lanes: keys 0-3, 4-7, 8-11, 12-15 land in lanes 0, 1, 2, 3
-  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
-                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
-                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
-
-// acc[0, 16 * kRegs) = acc * correction + sum over i < n of p[i] * v[i * stride, ...): the
-// kRegs registers of acc are independent chains of FMAs over the keys (one register's chain of
-// n dependent FMAs would wait on the FMA latency at every key).  Each element adds its keys in
-// the same order whatever kRegs is.
-template <int kRegs, typename T>
-CBATCH_AVX512 CBATCH_INLINE void accumulate(const float* p, const T* v, int64_t stride,
-                                            int64_t n, float correction, float* acc) {
-  __m512 a[kRegs];
-#pragma GCC unroll 8
-  for (int j = 0; j < kRegs; ++j) {
-    a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(correction));
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const __m512 p_i = _mm512_set1_ps(p[i]);
-#pragma GCC unroll 8
-    for (int j = 0; j < kRegs; ++j) {
-      a[j] = _mm512_fmadd_ps(p_i, load(v + i * stride + 16 * j), a[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < kRegs; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
-}
-
-// accumulate over all D columns: 128 at a time, then the last D % 128 in one call of as many
-// registers (avx2::accumulate_columns with 16 lanes).
-template <typename T>
-CBATCH_AVX512 CBATCH_INLINE void accumulate_columns(const float* p, const T* v, int64_t stride,
-                                                    int64_t n, int64_t D, float correction,
-                                                    float* acc) {
-  int64_t d = 0;
-  for (; d + 128 <= D; d += 128) accumulate<8>(p, v + d, stride, n, correction, acc + d);
-  switch ((D - d) / 16) {
-    case 7: return accumulate<7>(p, v + d, stride, n, correction, acc + d);
-    case 6: return accumulate<6>(p, v + d, stride, n, correction, acc + d);
-    case 5: return accumulate<5>(p, v + d, stride, n, correction, acc + d);
-    case 4: return accumulate<4>(p, v + d, stride, n, correction, acc + d);
-    case 3: return accumulate<3>(p, v + d, stride, n, correction, acc + d);
-    case 2: return accumulate<2>(p, v + d, stride, n, correction, acc + d);
-    case 1: return accumulate<1>(p, v + d, stride, n, correction, acc + d);
-    default: return;
-  }
-}
+#define CBATCH_STEP_TARGET CBATCH_AVX512
+#include "attention_step.h"
+#undef CBATCH_STEP_TARGET
 
 // accumulate for bf16 values, kChunks chunks of 32 columns in the pair layout: a 32-column
 // load holds columns 2j and 2j + 1 in the low and high halves of lane j, so a 16-bit shift
@@ -278,60 +214,6 @@ CBATCH_AVX512 CBATCH_INLINE void accumulate_pairs(const float* p, const c10::BFl
   if (d < D) accumulate<1>(p, v + d, stride, n, correction, acc + d);
 }
 
-// The rest of a step once it has the scores of its (up to 16) keys: the running max m and sum
-// l updated, acc rescaled and the keys' values added with their weights (kPairs: bf16 values in
-// the pair layout).
-template <bool kPairs, typename T>
-CBATCH_AVX512 CBATCH_INLINE void add_keys(__m512 scores, int64_t count, const T* v,
-                                          int64_t stride, int64_t D, float& m, float& l,
-                                          float* acc) {
-  alignas(64) float p[16];
-  const __mmask16 valid = first_lanes(count);
-  scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                              scores);
-  const float new_m = std::max(m, _mm512_reduce_max_ps(scores));
-  const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
-  const __m512 e = _mm512_maskz_mov_ps(valid, exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
-  l = l * correction + _mm512_reduce_add_ps(e);
-  _mm512_store_ps(p, e);
-  if constexpr (kPairs) {
-    accumulate_pairs(p, v, stride, count, D, correction, acc);
-  } else {
-    accumulate_columns(p, v, stride, count, D, correction, acc);
-  }
-  m = new_m;
-}
-
-// The 16 keys of a block (the last one repeated past its count, masked out of the scores).
-template <typename T>
-CBATCH_AVX512 CBATCH_INLINE void key_rows(const T* k, int64_t stride, int64_t count,
-                                          const T* (&keys)[16]) {
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) keys[i] = k + std::min<int64_t>(i, count - 1) * stride;
-}
-
-// The online-softmax step for keys k[i * stride] and values v[i * stride] of type T, i < n,
-// 16 keys at a time: their dot products accumulate in 16 registers, 16 columns of q (scaled,
-// fp32) at a time.
-template <typename T>
-CBATCH_AVX512 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
-                                       int64_t n, int64_t D, float& m, float& l, float* acc) {
-  for (int64_t i0 = 0; i0 < n; i0 += 16, k += 16 * stride, v += 16 * stride) {
-    const int64_t count = std::min<int64_t>(16, n - i0);
-    const T* keys[16];
-    key_rows(k, stride, count, keys);
-    __m512 dots[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qd = _mm512_loadu_ps(q + d);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, load(keys[i] + d), dots[i]);
-    }
-    add_keys<false>(sum_each(dots), count, v, stride, D, m, l, acc);
-  }
-}
-
 // The same step for bf16 q, K and V on AVX512-BF16: q K^T on vdpbf16ps, 32 columns of the
 // query row as it is (bf16, unscaled) and of each key, read in place, at a time (no widening:
 // a third of the instructions of the fp32 dot products); the sums scaled after.  The values
@@ -358,101 +240,20 @@ CBATCH_AVX512_DOT void online_softmax_step_bf16(const c10::BFloat16* q, const c1
                                    (__m512bh)_mm512_maskz_loadu_epi16(lanes, keys[i] + d));
       }
     }
-    add_keys<true>(_mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)), count, v, stride, D, m,
-                   l, acc);
+    add_keys<accumulate_pairs>(_mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)), count, v,
+                               stride, D, m, l, acc);
   }
 }
 
 }  // namespace
 }  // namespace avx512
 
-// ---- AVX2 -----------------------------------------------------------------------------------
-// avx512::online_softmax_step on 8 lanes, for CPUs without AVX-512: 8 keys at a time (their
-// dot products in 8 of the 16 ymm registers).  Needs D % 8 == 0.
 namespace avx2 {
 namespace {
 
-// The 8 sums of v[0..7] as one vector (lane i = sum of v[i]'s lanes).
-CBATCH_AVX2 CBATCH_INLINE __m256 sum_each(const __m256 (&v)[8]) {
-  // hadd of pairs, then of pairs of pairs: lane j of each 128-bit half holds key j's (or
-  // j + 4's) partial sum over that half's lanes; the halves are then added
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// acc[0, 8 * kRegs) = acc * correction + sum over i < n of p[i] * v[i * stride, ...): the
-// kRegs registers of acc are independent chains of FMAs over the keys (one register's chain of
-// n dependent FMAs would wait on the FMA latency at every key).  Each element adds its keys in
-// the same order whatever kRegs is.
-template <int kRegs, typename T>
-CBATCH_AVX2 CBATCH_INLINE void accumulate(const float* p, const T* v, int64_t stride, int64_t n,
-                                          float correction, float* acc) {
-  __m256 a[kRegs];
-#pragma GCC unroll 8
-  for (int j = 0; j < kRegs; ++j) {
-    a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * j), _mm256_set1_ps(correction));
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 p_i = _mm256_set1_ps(p[i]);
-#pragma GCC unroll 8
-    for (int j = 0; j < kRegs; ++j) {
-      a[j] = _mm256_fmadd_ps(p_i, load(v + i * stride + 8 * j), a[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < kRegs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
-}
-
-// accumulate over all D columns: 64 at a time, then the last D % 64 in one call of as many
-// registers (D % 8 == 0).
-template <typename T>
-CBATCH_AVX2 CBATCH_INLINE void accumulate_columns(const float* p, const T* v, int64_t stride,
-                                                  int64_t n, int64_t D, float correction,
-                                                  float* acc) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) accumulate<8>(p, v + d, stride, n, correction, acc + d);
-  switch ((D - d) / 8) {
-    case 7: return accumulate<7>(p, v + d, stride, n, correction, acc + d);
-    case 6: return accumulate<6>(p, v + d, stride, n, correction, acc + d);
-    case 5: return accumulate<5>(p, v + d, stride, n, correction, acc + d);
-    case 4: return accumulate<4>(p, v + d, stride, n, correction, acc + d);
-    case 3: return accumulate<3>(p, v + d, stride, n, correction, acc + d);
-    case 2: return accumulate<2>(p, v + d, stride, n, correction, acc + d);
-    case 1: return accumulate<1>(p, v + d, stride, n, correction, acc + d);
-    default: return;
-  }
-}
-
-template <typename T>
-CBATCH_AVX2 void online_softmax_step(const float* q, const T* k, const T* v, int64_t stride,
-                                     int64_t n, int64_t D, float& m, float& l, float* acc) {
-  alignas(32) float p[8];
-  for (int64_t i0 = 0; i0 < n; i0 += 8, k += 8 * stride, v += 8 * stride) {
-    const int64_t count = std::min<int64_t>(8, n - i0);
-    const T* keys[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) keys[i] = k + std::min<int64_t>(i, count - 1) * stride;
-    __m256 dots[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load(keys[i] + d), dots[i]);
-    }
-    const __m256 valid = _mm256_castsi256_ps(first_lanes(count));
-    const __m256 scores = _mm256_blendv_ps(
-        _mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum_each(dots), valid);
-    const float new_m = std::max(m, reduce_max(scores));
-    const float correction = std::exp(m - new_m);  // 0 on the first block (m = -inf)
-    const __m256 e = _mm256_and_ps(valid, exp(_mm256_sub_ps(scores, _mm256_set1_ps(new_m))));
-    l = l * correction + reduce_add(e);
-    _mm256_store_ps(p, e);
-    accumulate_columns(p, v, stride, count, D, correction, acc);
-    m = new_m;
-  }
-}
+#define CBATCH_STEP_TARGET CBATCH_AVX2
+#include "attention_step.h"
+#undef CBATCH_STEP_TARGET
 
 }  // namespace
 }  // namespace avx2

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "../ops.h"
-#include "amx_tiles.h"
+#include "amx_tile_ops.h"
 #include "x86.h"
 
 namespace cbatch {

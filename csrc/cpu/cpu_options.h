@@ -16,7 +16,7 @@ extern std::atomic<bool> g_cpu_isa_avx2;
 extern std::atomic<bool> g_cpu_attention_generic;
 
 // "": AMX tiles where the CPU has them; "off": never; "model": the AMX paths (W8A8's and W4A8's
-// where AVX512-VNNI runs, the bf16 linear's where AVX512-BF16 does) on amx_tiles.h's software
+// where AVX512-VNNI runs, the bf16 linear's where AVX512-BF16 does) on amx_tile_ops.h's software
 // model of the tile instructions (for their tests).
 enum class AmxOption : int { kCpu = 0, kOff = 1, kModel = 2 };
 extern std::atomic<int> g_cpu_amx;

@@ -1,7 +1,8 @@
 // What the Llama layers' small CPU ops share (layernorm.cpp, activation.cpp,
 // pos_encoding.cpp): a tensor seen as rows of its last dimension, scalar conversions that round
 // as torch's elementwise ops round (compute in fp32, round to nearest even into the tensor's
-// dtype), and 8-lane AVX2 loads and stores of fp32, bf16 and fp16 with a tail of any length.
+// dtype), and 8-lane AVX2 stores of bf16 and fp16 (avx2.h has the loads and fp32's store) and
+// loads and stores with a tail of any length.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,7 +49,6 @@ inline T from_float(float v) { return static_cast<T>(v); }  // c10: round to nea
 #ifdef CBATCH_X86
 namespace avx2 {
 
-CBATCH_AVX2 CBATCH_INLINE void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // fp32 -> bf16 as c10::BFloat16 rounds: to nearest even, any NaN as 0x7fc0.
 CBATCH_AVX2 CBATCH_INLINE void store(c10::BFloat16* p, __m256 v) {
   __m256i u = _mm256_castps_si256(v);

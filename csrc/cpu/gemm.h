@@ -1,10 +1,12 @@
-// The packed GEMM of the CPU linear layers and of the greedy head's screens: out = act(x @ W^T
-// + bias) + residual for the few-row GEMMs of decode steps, which stream every weight once and
-// so run at memory bandwidth.  Tiles for AVX-512 (namespace avx512: fp32, bf16 with
-// AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2: fp32, bf16 widened
-// to fp32 in registers, out in bf16 or, for the screens, fp32, and int8 for the screens), and
-// the row and column loop they share (run_gemm); the bf16 GEMM of many rows on AMX tiles is
-// amx.h's.
+// The packed GEMM of the CPU linear op (linear.cpp) and of the greedy head's screens
+// (greedy_head.cpp), for any number of rows: out = x @ W^T + bias, then GELU (tanh) if asked,
+// plus a residual (the linear op), or the int8 screen's int32 sums times its column scales.  A
+// decode step's few rows stream every weight once, at memory bandwidth; many rows are packed
+// and go through in chunks that stay in L2 (below).  Tiles for AVX-512 (namespace avx512:
+// fp32, bf16 with AVX512-BF16, int8 with AVX512-VNNI) and for AVX2 + FMA (namespace avx2:
+// fp32, bf16 widened to fp32 in registers, out in bf16 or, for the screens, fp32, and int8 for
+// the screens), and the row and column loop they share (run_gemm); the bf16 GEMM of many rows
+// on AMX tiles is amx_bf16_linear.h's.
 //
 // The weight is packed once (cbatch/ops/cpu.py, pack) into blocks of 16 output
 // columns, each block a run of K "rows" of 16 columns: fp32 [N/16, K, 16]; bf16 and int8
@@ -131,13 +133,6 @@ namespace avx512 {
 namespace {
 
 constexpr int kRows = kPackedRows;  // rows of x per register tile
-
-CBATCH_AVX512 CBATCH_INLINE void store(float* p, __m512 v, __mmask16 m) {
-  _mm512_mask_storeu_ps(p, m, v);
-}
-CBATCH_AVX512_DOT CBATCH_INLINE void store(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // GELU, tanh approximation: 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3), with
 // 1 + tanh(u) = 2 - 2 / (1 + e^(2u)).

@@ -6,7 +6,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
-#include "amx.h"
+#include "amx_bf16_linear.h"
 #include "gemm.h"
 
 namespace cbatch {
@@ -26,7 +26,7 @@ bool cpu_linear_supported(at::ScalarType dtype) {
 
 namespace {
 
-// From this many rows a bf16 linear may run on AMX tiles (amx.h; below it the weights'
+// From this many rows a bf16 linear may run on AMX tiles (amx_bf16_linear.h; below it the weights'
 // bytes, not the multiplies, bound the time, and the AVX-512 tiles read them as fast).
 constexpr int64_t kAmxFromRows = 8;
 

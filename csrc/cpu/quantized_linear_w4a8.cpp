@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "../ops.h"
-#include "amx_tiles.h"
+#include "amx_tile_ops.h"
 #include "avx2.h"
 #include "quantized_operands.h"
 
@@ -287,7 +287,7 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
 // rows past M), and a group's sums stay in the C tiles over its 64-k steps (group_size a
 // multiple of 64).  They are the VNNI tile's exact integers, and add_group and store_tile its
 // epilogue on them, so the output is the same bits on every path and however many rows share
-// the call.  Templated on the tile instructions: the hardware's, or amx_tiles.h's model.
+// the call.  Templated on the tile instructions: the hardware's, or amx_tile_ops.h's model.
 using amx::kInt8FromRows, amx::kInt8StepQuads, amx::kInt8StepRows;
 
 // Block `block`'s nibbles as B tiles' rows: [Q][64] bytes at out.

@@ -34,7 +34,7 @@
 #include <cstring>
 
 #include "../ops.h"
-#include "amx_tiles.h"
+#include "amx_tile_ops.h"
 #include "avx2.h"
 #include "avx512.h"
 #include "quantized_operands.h"
@@ -266,7 +266,7 @@ void item_vnni(const W8A8Args& a, int64_t block, int64_t end, int64_t m0, int64_
 // 64 bytes apart); x's rows are A tiles, zero rows past M.  The sums are the same exact
 // integers and `finish` the VNNI tiles' epilogue, so a row's output is the same bits whichever
 // path ran and however many rows share the call (batch-invariant engines take it too).
-// Templated on the tile instructions: the hardware's, or amx_tiles.h's model of them.
+// Templated on the tile instructions: the hardware's, or amx_tile_ops.h's model of them.
 using amx::kInt8FromRows, amx::kInt8StepQuads, amx::kInt8StepRows;
 
 // Rows [m, m + 32) of x times the NB column blocks from `block`: sums [32][32] int32.

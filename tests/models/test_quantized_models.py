@@ -196,7 +196,7 @@ def test_engine_runs_the_quantized_kernel_and_keeps_the_greedy_screen(method):
 @pytest.mark.parametrize("method", ["w8a8", "w4a8"])
 def test_engine_on_amx_tiles_is_the_vnni_engine(method):
     """A W8A8 or W4A8 engine whose prefills run on AMX-INT8 tiles (the CPU's where it has
-    them, else amx_tiles.h's model of them) gives the VNNI engine's tokens and logprobs to the
+    them, else amx_tile_ops.h's model of them) gives the VNNI engine's tokens and logprobs to the
     bit, prompt logprobs too: the tiles' integers and epilogue are the VNNI tiles'."""
     prompts = [[5, 6, 7] * 7, [9] * 20, [11, 12]]
     params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)

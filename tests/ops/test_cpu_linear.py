@@ -64,7 +64,7 @@ def test_packed_linear_matches_f_linear(route, dtype, M, N, K, bias):
     assert (ours.double() - truth).abs().max().item() <= allowed
 
 
-# The AMX tests run on the CPU's tiles where it has them, else on amx_tiles.h's software model
+# The AMX tests run on the CPU's tiles where it has them, else on amx_tile_ops.h's software model
 # of the tile instructions (set_cpu_options(amx="model")), which checks the kernel's
 # addressing, tile shapes and epilogue, not the silicon; either needs AVX512-BF16 (the
 # epilogue) and cbatch's bf16 route.
@@ -86,12 +86,12 @@ def _amx_runs() -> int:
 
 
 @AMX
-# (200 rows of K = 3072 are two of amx.h's chunks of rows: 160 and 40)
+# (200 rows of K = 3072 are two of amx_bf16_linear.h's chunks of rows: 160 and 40)
 @pytest.mark.parametrize("M", [8, 9, 16, 31, 33, 64, 100, 200])
 @pytest.mark.parametrize("N,K", [(40, 64), (33, 96), (40, 3072), (768, 3072), (2304, 768)])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
 def test_amx_tiles_match_the_float64_product(M, N, K, epilogue, amx_tiles):
-    """bf16 rows from 8 on AMX tiles (csrc/cpu/amx.h), the packed layout read as it is:
+    """bf16 rows from 8 on AMX tiles (csrc/cpu/amx_bf16_linear.h), the packed layout read as it is:
     within the error the AVX-512 tiles make (another order of the same pairs), bias, GELU and
     residual included; rows and columns that do not fill a tile; the path counted.  (The
     model, a scalar loop, takes the shapes up to 40 x 3072.)"""

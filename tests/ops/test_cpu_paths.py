@@ -106,7 +106,7 @@ def test_set_cpu_options_rejects_other_values(isa, attention, amx):
 
 @pytest.mark.skipif(not HAS_AVX512 or "avx512_vnni" not in FLAGS, reason="no AVX512-VNNI")
 def test_set_cpu_options_amx_turns_w8a8s_tiles_on_the_model_and_off():
-    """amx="model": W8A8 calls of 8 rows take the tiles (amx_tiles.h's model of them here),
+    """amx="model": W8A8 calls of 8 rows take the tiles (amx_tile_ops.h's model of them here),
     cpu_isa says amx-int8; "off": VNNI; the ISA cap turns them off too (no AVX512-VNNI)."""
     from cbatch.layers.quantization.weight import pack, pack_w8a8
     q = pack(torch.randint(-128, 128, (16, 64)), torch.ones(1, 16), None, 8, 64)

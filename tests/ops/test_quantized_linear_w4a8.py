@@ -10,7 +10,7 @@ gamma_{G+3} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S
 exact in fp32; two multiplies per term, G adds, the bias's); bf16 outputs add 2^-8 |y|.
 The kernel has three paths, AVX512-VNNI (where present), AVX2, and from 8 rows, with groups of
 a multiple of 64 k, AMX-INT8 tiles: every test runs on each (the AVX2 one also under
-set_cpu_options' avx2 cap; the tiles on the CPU's where it has them, else on amx_tiles.h's
+set_cpu_options' avx2 cap; the tiles on the CPU's where it has them, else on amx_tile_ops.h's
 software model of the tile instructions, which checks the kernel's addressing, tile shapes
 and epilogue, not the silicon), and each call asserts its path ran.
 """

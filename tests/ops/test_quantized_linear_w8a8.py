@@ -11,7 +11,7 @@ rounding of acc to fp32, two multiplies, the add); bf16 outputs add 2^-8 |y|.
 Every path runs every case where the CPU has it (set_cpu_options("avx2") caps the kernel at
 its AVX2 path; the AVX512-VNNI cases skip on a CPU without VNNI), and each call asserts the
 path of its ISA ran.  "amx" runs AMX-INT8 tiles from 8 rows where K is whole tiles of 64 k:
-the CPU's where it has them, else amx_tiles.h's software model of the tile instructions
+the CPU's where it has them, else amx_tile_ops.h's software model of the tile instructions
 (set_cpu_options(amx="model")), which checks the kernel's addressing, tile shapes and
 epilogue, not the silicon; "avx512vnni" turns the tiles off.
 """

@@ -1,11 +1,13 @@
-// What the AMX paths share (amx.h's bf16 linear; the int8 ones of quantized_linear_w8a8.cpp
-// and quantized_linear_w4a8.cpp): the tile configuration, whether Linux gave this process the
-// tile state, and the tile instructions the kernels use, twice: on the hardware
-// (HardwareTiles), and as a software model of them (ModelTiles), instruction by instruction as
-// Intel's SDM defines them, so that the kernels' addressing, their tiles' shapes and their
-// epilogues are tested on a CPU without AMX (set_cpu_options(..., amx="model")).  The model
-// checks the kernels against the manual's semantics, not the silicon: benchmarks/NOTES.md
-// says where the AMX paths have run on hardware.
+// The AMX tile operations every AMX path runs on (amx_bf16_linear.h's bf16 linear; the int8
+// ones of quantized_linear_w8a8.cpp and quantized_linear_w4a8.cpp): whether a path may take
+// the tiles (the CPU's AMX features, whether Linux gave this process the tile state, the
+// options), the tile configuration, and the tile instructions the kernels use, twice: on the
+// hardware (HardwareTiles), and as a software model of them (ModelTiles), instruction by
+// instruction as Intel's SDM defines them, so that the kernels' addressing, their tiles'
+// shapes and their epilogues are tested on a CPU without AMX (set_cpu_options(...,
+// amx="model")); then the int8 kernels' step and walk on either.  The model checks the kernels
+// against the manual's semantics, not the silicon: benchmarks/NOTES.md says where the AMX
+// paths have run on hardware.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -87,7 +89,7 @@ inline TileConfig full_tiles() {
 #define CBATCH_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 
 // Each instruction with the one extension it needs, so that it inlines into the int8 kernels
-// (CBATCH_AMX_INT8) and amx.h's bf16 one (CBATCH_AMX) alike.
+// (CBATCH_AMX_INT8) and amx_bf16_linear.h's bf16 one (CBATCH_AMX) alike.
 #define CBATCH_AMX_TILE __attribute__((target("amx-tile")))
 struct HardwareTiles {
   CBATCH_AMX_TILE static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
@@ -215,8 +217,8 @@ inline int64_t int8_chunk_rows(int64_t ldx) {
 
 // The int8 kernels' step (W8A8's, W4A8's), on Tiles: 32 rows of x against NB blocks of 16
 // columns, tiles 0-3 the 2 x NB sums (int32), 4-5 the A tiles (x's rows, ldx bytes apart: rows
-// 0-15 and 16-31), 6-7 the B tiles (a block's quads of k, 64 bytes each), as amx.h's bf16
-// kernel has them.  Each tile is loaded just before its first product.
+// 0-15 and 16-31), 6-7 the B tiles (a block's quads of k, 64 bytes each), as
+// amx_bf16_linear.h's bf16 kernel has them.  Each tile is loaded just before its first product.
 template <class Tiles>
 CBATCH_AMX_INT8 void zero_sums() {
   Tiles::template zero<0>();

@@ -5,7 +5,7 @@
 // AMX B tiles (16 rows of 16 column pairs, 64 bytes apart).  The sums run in another order than
 // vdpbf16ps' (each pair's products added even first), so a row's result depends on whether
 // this path ran: batch-invariant engines never take it (cbatch/ops/cpu.py).  The tile
-// instructions come from amx_tiles.h, on the hardware or (for tests) on its model.
+// instructions come from amx_tile_ops.h, on the hardware or (for tests) on its model.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,7 +16,7 @@
 #include "gemm.h"
 
 #ifdef CBATCH_X86
-#include "amx_tiles.h"
+#include "amx_tile_ops.h"
 
 #define CBATCH_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16," \
@@ -29,14 +29,14 @@ namespace {
 constexpr int64_t kTileRows = 16, kTileK = 32;
 
 // Whether the bf16 linear may run on AMX tiles now: AVX512-BF16 below the ISA cap (the
-// epilogue), and the CPU's AMX-BF16 with the tile state (amx_tiles.h) unless set_cpu_options
+// epilogue), and the CPU's AMX-BF16 with the tile state (amx_tile_ops.h) unless set_cpu_options
 // turned AMX off, or the tiles' model.
 inline bool available() { return tiles_allowed(22, cpu_has_avx512bf16()); }
 
 // Rows [m, m + 32) of x (padded to whole tiles) times the NB column blocks from `block`, into
 // sums [32][NB * 16] (fp32, 128 bytes a row).  Tiles 0-3: the sums of 2 x 2 tiles (32 rows x 32
 // columns); 4-5: two row tiles of x; 6-7: two column blocks of W; every tile 16 rows of 64
-// bytes.  On Tiles: the hardware's instructions, or amx_tiles.h's model of them.
+// bytes.  On Tiles: the hardware's instructions, or amx_tile_ops.h's model of them.
 template <class Tiles, int NB>
 CBATCH_AMX void tile_sums(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t m,
                           int64_t block, float* sums) {
