@@ -9,7 +9,7 @@ tokens/s, and the served/offline ratio.  The client is this script's own (httpx,
 per request, the requests vLLM's ``--dataset-name random --ignore-eos`` sends), or with
 ``--client vllm`` vLLM's own (``vllm bench serve``'s random dataset, from vLLM's venv, as
 issue 42 measured; cbatch's served/offline ratio was 0.87 under this script's client and
-0.91-0.93 under vLLM's: NOTES, "The first burst").  ``client_cores``
+0.91-0.93 under vLLM's: NOTES, "Serving a burst beside vllm serve").  ``client_cores``
 is the CPU the client took over the burst's duration, in cores (vLLM's client: its whole
 process, start-up and dataset included).
 

@@ -79,7 +79,7 @@ class AsyncEngine:
         # The engine is built on the thread that steps it, and every torch call of the engine
         # runs there: OpenMP gives each thread that opens a parallel region a team of its own,
         # and with two teams on two cores its workers stop spinning between regions, which
-        # slowed every step (benchmarks/NOTES.md, "The first burst").
+        # slowed every step (benchmarks/NOTES.md, "Thread policy on a busy CPU").
         self.engine: Engine  # set by the engine thread before `ready`
         failed: list[BaseException] = []
         ready = threading.Event()

@@ -85,7 +85,7 @@ class KVCache:
         again).  A pool from lazily zeroed pages (the CPU engine's) otherwise takes each page
         from the OS inside the step that first writes it, which under a burst of new requests
         is a cost of its own, largest in a VM whose host backs guest memory on first use
-        (benchmarks/NOTES.md, "The first burst").  A server calls this at start-up, as
+        (benchmarks/NOTES.md, "CPU memory").  A server calls this at start-up, as
         vLLM allocates its whole cache then."""
         self.data.zero_()
 

@@ -3,7 +3,7 @@
 ``nn.Module.__call__`` looks for hooks (global and the module's own; forward, pre-forward and
 backward) before and after it calls ``forward``, and a GPT-2 step calls over a hundred
 modules: with small widths that bookkeeping is a visible share of a step (benchmarks/NOTES.md,
-"Python between the kernels").
+"Host side of a step").
 
 cbatch's layers inherit :class:`DirectCall`, so ``layer(x)`` is ``layer.forward(x)``; an
 instance's own ``forward`` attribute is honoured (wrap it to time or trace a layer).  Hooks

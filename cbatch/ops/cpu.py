@@ -180,8 +180,8 @@ class GreedyScreen:
 def int8_screens() -> bool:
     """Whether an fp32 lm_head's screen is int8 here: wherever it has one (x86 with AVX2 and
     FMA, or AVX-512: ``vpdpwssd`` with AVX512-VNNI and AVX512-BF16, else AVX2's ``vpmaddwd``),
-    as it reads half the bf16 screen's bytes (benchmarks/NOTES.md, "The int8 screen on
-    AVX2").  A bf16 lm_head's screen, where it has one, is int8 (:func:`screen_available`)."""
+    as it reads half the bf16 screen's bytes (benchmarks/NOTES.md, "The lm_head's greedy
+    screen").  A bf16 lm_head's screen, where it has one, is int8 (:func:`screen_available`)."""
     return "cpu" in compiled.compiled_backends() and \
         torch.ops.cbatch.greedy_head_supported(torch.float32)
 

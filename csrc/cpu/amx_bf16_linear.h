@@ -1,6 +1,6 @@
 // The bf16 linear on AMX tiles (Intel Sapphire Rapids and later): for many rows a linear layer
 // is compute-bound, and one tdpbf16ps multiplies 16 x 32 by 32 x 16 where vdpbf16ps does
-// 16 pairs (benchmarks/NOTES.md, "Serving at the engine's speed").  It reads the weight in
+// 16 pairs (benchmarks/NOTES.md, "AMX tiles").  It reads the weight in
 // cbatch's packed bf16 layout as it is: a block of 16 columns, [K / 2][16][2], is a stack of
 // AMX B tiles (16 rows of 16 column pairs, 64 bytes apart).  The sums run in another order than
 // vdpbf16ps' (each pair's products added even first), so a row's result depends on whether
@@ -92,7 +92,7 @@ CBATCH_AMX void epilogue(const Args<c10::BFloat16>& a, const float* sums, int64_
 // How many rows of x a thread runs against its column blocks before moving on: as many whole
 // tiles as fit in about 1 MB (half of an L2), so that for a long prefill chunk x comes from L2
 // once per column pair rather than from memory (2048 x 768 bf16 is 3 MB, read 36 times a
-// layer before; NOTES, "The first burst").
+// layer before; NOTES, "AMX tiles").
 inline int64_t chunk_rows(int64_t K) {
   constexpr int64_t kBytes = 1 << 20;
   return std::max<int64_t>(1, kBytes / (K * 2) / (2 * kTileRows)) * (2 * kTileRows);

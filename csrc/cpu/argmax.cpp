@@ -1,8 +1,8 @@
 // Row argmax of [S, V] logits on the CPU: the greedy sampler's one reduction over the
 // vocabulary.  torch's CPU argmax walks the row one element at a time; this one keeps 16
 // running maxima and their indices in registers on CPUs with AVX-512, and falls back to a
-// plain loop elsewhere (benchmarks/NOTES.md, "The lm_head on oneDNN, and a vectorised greedy
-// argmax").  Same answer as torch.argmax: the first
+// plain loop elsewhere (benchmarks/NOTES.md, "The lm_head's greedy screen").  Same answer as
+// torch.argmax: the first
 // index of the maximum, and the first NaN if a row has one.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

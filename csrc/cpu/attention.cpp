@@ -433,7 +433,7 @@ CacheView view_of(const at::Tensor& key_cache) {
 // rows rather than on arithmetic: items of part of a group read their KV head once each (a
 // batch-1 decode of 15 heads over 5 read 11 KV heads' rows for 5, 12-13% slower from DRAM),
 // while tiles of several rows keep the finer cut, which balances their arithmetic better
-// across threads (6-8% at 5-9 rows; benchmarks/NOTES.md, "GPTQ as W4A8").
+// across threads (6-8% at 5-9 rows; benchmarks/NOTES.md, "CPU attention kernels").
 std::vector<Item> make_items(const std::vector<Tile>& tiles, int64_t num_heads,
                              int64_t kv_group) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());

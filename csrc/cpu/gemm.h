@@ -58,7 +58,7 @@ constexpr int64_t kPrefetchBytes = 3072;
 // - Few rows (one pass of tiles): the first pass, so the next item is fetched from DRAM a
 //   whole item ahead of its loads.  kPrefetchBytes ahead alone hides DRAM's latency only
 //   while the loop waits on memory; where the multiply-adds keep pace with the stream the two
-//   add up instead of overlapping (benchmarks/NOTES.md, "One item ahead").
+//   add up instead of overlapping (benchmarks/NOTES.md, "Software prefetch in the linear kernel").
 // - More rows: the passes after the first, which read the item from L2 while DRAM would
 //   otherwise idle ("Software prefetch in the linear kernel").
 // Baseline x86-64 (prefetch is SSE): the AVX-512 and the AVX2 tiles share it.

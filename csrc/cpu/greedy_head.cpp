@@ -44,8 +44,8 @@
 //
 // A bf16 lm_head's int8 screen runs below kPackFrom rows (16).  From there the bf16 lm_head
 // is compute-bound, and the screen's multiply-adds are as many as the kernel's, so the kernel
-// alone is as fast or faster (benchmarks/NOTES.md, "An int8 screen for the lm_head"; on AVX2,
-// where the kernel also widens bf16, "The int8 screen on AVX2").
+// alone is as fast or faster (benchmarks/NOTES.md, "The lm_head's greedy screen", on AVX-512
+// and on AVX2, where the kernel also widens bf16).
 // An fp32 lm_head's screens (their multiply-adds cost half the kernel's) run at every row
 // count.
 #include <ATen/Parallel.h>

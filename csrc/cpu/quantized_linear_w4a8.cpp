@@ -157,7 +157,7 @@ CBATCH_AVX2 CBATCH_INLINE void store_tile(const W4A8Args& a, int64_t m, int64_t 
 
 // A run's 4 cache lines (8 quads of 32 bytes), prefetched 2 KiB ahead: an 8-row tile takes
 // ~300 cycles over 1 KiB, too little to hide DRAM's latency (1 KiB ahead, its 128 linears took
-// 5% longer at 8 rows; benchmarks/NOTES.md, "W4A8 in tiles of 8 rows").
+// 5% longer at 8 rows; benchmarks/NOTES.md, "W4A8: int4 weights against int8 activations").
 CBATCH_AVX2 CBATCH_INLINE void prefetch_run(const uint8_t* run) {
 #pragma GCC unroll 4
   for (int l = 0; l < 4; ++l) {
@@ -200,7 +200,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       for (int r = 0; r < R; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
       prefetch_run(w + i0 * 32);
       // Unrolled: the loop's own counting and branching cost as much as its multiply-adds
-      // (benchmarks/NOTES.md, "Quantized SmolLM2-360M, fifth session").  The empty asm after
+      // (benchmarks/NOTES.md, "W4A8: int4 weights against int8 activations").  The empty asm after
       // each add keeps the adds in order; without it GCC reassociates them into a tree of all
       // 8 quads' products and spills them.
 #pragma GCC unroll 8

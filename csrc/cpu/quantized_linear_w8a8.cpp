@@ -82,7 +82,7 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t
 // so that their multiplies run while the stream goes on.  One pass over all of K ran the first
 // tile's loads, then the others' multiplies, the two times added: SmolLM2-360M's 128 linears
 // at 8 rows took 14.5-14.9 ms on VNNI, in these passes 11.8-12.5 (1 row: 10.5-11.6;
-// benchmarks/NOTES.md, "Batch 8 streams again", issue 50, twelfth session).  A tile's sums
+// benchmarks/NOTES.md, "W8A8: int8 weights against int8 activations").  A tile's sums
 // wait between passes in its caller's array; the integers are exact, so the bits do not move.
 constexpr int64_t kPassQuads = 16;
 

@@ -148,7 +148,8 @@ def test_shutdown_with_time_lets_running_requests_finish():
 
 def test_the_engine_is_built_and_stepped_on_its_own_thread(monkeypatch):
     """Every torch call of a served engine runs on the engine thread, construction included
-    (OpenMP would give a second thread a team of its own; NOTES, "The first burst"), and an
+    (OpenMP would give a second thread a team of its own; NOTES, "Thread policy on a busy
+    CPU"), and an
     engine that cannot be built raises from AsyncEngine() itself."""
     import threading
 

@@ -79,23 +79,3 @@ def test_readme_demo_timings_name_their_machine():
     assert re.search(r"one run on", demo, flags=re.I) and "faster" in demo
     assert not re.search(r"takes about \d+ ?s", demo)
 
-
-def test_the_notes_index_lists_every_section_with_its_anchor():
-    """benchmarks/NOTES.md's index: one line per section, each linking to GitHub's anchor of
-    its heading (code comments cite sections by name; a reader finds them from the index)."""
-    notes = (ROOT / "benchmarks" / "NOTES.md").read_text()
-    headings = re.findall(r"^## (.*)$", notes, re.M)
-    links = dict(re.findall(r"^- \[(.*?)\]\(#(.*?)\)$", notes, re.M))
-
-    def anchor(heading: str) -> str:  # GitHub's: lower case, punctuation dropped, - for space
-        return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-
-    assert sorted(links) == sorted(headings)
-    assert all(links[h] == anchor(h) for h in headings), [
-        (h, links[h], anchor(h)) for h in headings if links[h] != anchor(h)]
-    # and every section a comment in the code cites by name is there
-    cited = {m.group(1) for folder in ("cbatch", "csrc", "kernels")
-             for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".cpp", ".h", ".cu")
-             for m in re.finditer(r'NOTES\.md, "([^"\n]+)', path.read_text())}
-    assert cited and all(any(h.startswith(c.rstrip()) for h in headings) for c in cited), [
-        c for c in cited if not any(h.startswith(c.rstrip()) for h in headings)]

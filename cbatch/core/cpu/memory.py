@@ -3,8 +3,8 @@
 A long prefill step allocates activations of tens of MB (``[2048, 3072]`` fp32 is 25 MB) and
 frees them at its end.  glibc's malloc serves such blocks with ``mmap`` or returns the top of
 its heap to the OS once more than its trim threshold is free, so the next step faults every
-page back in, zeroed by the kernel (benchmarks/NOTES.md, "Long prefill chunks on cbatch's
-kernel", counts the page faults with and without the settings below).  A caching
+page back in, zeroed by the kernel (benchmarks/NOTES.md, "CPU memory", counts the page
+faults with and without the settings below).  A caching
 allocator (the CUDA one, or tcmalloc and jemalloc, which vLLM's and IPEX's CPU backends
 preload) keeps such memory; :func:`keep_freed_memory` makes glibc's malloc do the same: blocks
 up to its largest mmap threshold (32 MB) come from the heap, and the heap is not trimmed
@@ -20,7 +20,7 @@ a decode step walks hundreds of MB, tens of thousands of 4 KB pages and as many 
 where 2 MB pages need a few hundred.  torch's own allocations stay on malloc (torch's
 ``THP_MEM_ALLOC_ENABLE`` would move every allocation of 2 MB or more, and is read once, before
 an engine exists).  ``$CBATCH_HUGE_PAGES=0`` keeps them on malloc too (benchmarks/NOTES.md,
-"Huge pages for the streamed bytes").
+"CPU memory").
 
 The KV pool is then zeroed by the kernel a page at a time as blocks are first written, not
 at start-up (an engine starts sooner and holds only the pages it used); the price is

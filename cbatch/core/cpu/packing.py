@@ -54,7 +54,7 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
     holders = weight_holders(model)
     # The lm_head gets a greedy screen (cpu.GreedyScreen) where cbatch's kernel runs it: the
     # screen is exact for the logits of cbatch's kernel alone (benchmarks/NOTES.md, "The
-    # lm_head's greedy screen", "An int8 screen for the lm_head").
+    # lm_head's greedy screen").
     head = getattr(model, "lm_head", None)
     screened = route == "cbatch" and isinstance(head, Linear) and head.bias is None \
         and head.in_features % 2 == 0 and cpu.screen_available(dtype)

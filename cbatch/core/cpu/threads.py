@@ -30,13 +30,13 @@ import torch
 SAMPLE_S = 0.25  # how often the load is read: long enough for jiffies, short enough to react
 # a core runs a thread of ours when others leave it at least this idle: two threads beat one
 # while a competitor takes less than about half of the second core, one wins above, and a
-# stricter share dropped a thread for a streaming client (benchmarks/NOTES.md, "Serving at the
-# engine's speed")
+# stricter share dropped a thread for a streaming client (benchmarks/NOTES.md, "Thread policy
+# on a busy CPU")
 FREE_SHARE = 0.55
 # after the engine sat idle this long, what others did meanwhile says little of what they do
 # beside its next steps: a benchmark client busy making the burst it is
 # about to send held a core until it sent it, and the burst's first 2048-token prefill then ran
-# on one thread at about half the speed (benchmarks/NOTES.md, "The first burst").  After
+# on one thread at about half the speed (benchmarks/NOTES.md, "Thread policy").  After
 # such a pause the policy starts again from every core and measures afresh.
 STALE_S = 1.0
 

@@ -103,7 +103,7 @@ class QuantizedLinear(Module):
         # The tensors are read from nn.Module's own dicts: its __getattr__, which finds
         # buffers and parameters, costs about 2 µs a name, and a batch-1 decode step of a
         # 32-layer model makes 129 of these calls
-        # (benchmarks/NOTES.md, "Quantized SmolLM2-360M, fifth session").
+        # (benchmarks/NOTES.md, "Host side of a step").
         # A bias set to None is a plain attribute, in neither dict.
         buffers = self._buffers
         perm = buffers["perm"]
