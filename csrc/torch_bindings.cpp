@@ -2,7 +2,7 @@
 // (vLLM's csrc/torch_bindings.cpp pattern).  Their fake (meta) implementations are registered
 // in Python, beside the ops' wrappers in cbatch/ops/: backends.py (attention, the KV cache
 // write), layer_ops.py (the Llama layers' small ops), sampling.py (argmax, sample, penalties,
-// bitmask) and cpu.py (the linears, quantized ones too, and the greedy head).
+// bitmask), cpu.py (the linears and the greedy head) and quantized.py (the quantized linears).
 #include <torch/library.h>
 
 #include "ops.h"
