@@ -23,7 +23,7 @@ from torch import nn
 
 from cbatch.logger import init_logger
 from cbatch.config import CHECKPOINT_QUANTIZATION, MODEL_CONFIGS, GPT2Config
-from cbatch.hub import resolve_checkpoint_dir
+from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
 from cbatch.layers.quantization import check_quantization, quantize_head, quantize_model
 from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import GPT2LMHeadModel
@@ -115,8 +115,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
 
     ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
     seeded random weights), a local directory with Hugging Face files (config.json naming a
-    supported architecture, plus weights: see :func:`load_state_dict`), or a hub id fetched
-    through huggingface_hub.  Real weights are loaded with one copy: the model is built on
+    supported architecture, plus weights: see :func:`load_state_dict`), a hub id fetched
+    through huggingface_hub, or a GGUF file (a ``.gguf`` path, or a directory holding one:
+    :mod:`cbatch.models.gguf`).  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
     ``quantization`` (``"int8"``, ``"int4"``, ``"w8a8"``, ``"w4a8"``): the decoder layers'
@@ -155,6 +156,11 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
         return _quantized(model.to(device=device, dtype=dtype).eval(), quantization)
 
+    if (gguf_file := find_gguf_file(name_or_path)) is not None:  # llama.cpp's format
+        from cbatch.models.gguf.loader import load_gguf_model
+
+        logger.info("loading %s %s ...", gguf_file, what)
+        return load_gguf_model(gguf_file, device, dtype, attention_backend, quantization)
     path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
     logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():

@@ -169,4 +169,6 @@ def _value(field):
 
 def _scalar(part: np.ndarray):
     value = part[0]
+    if part.dtype == np.float32:  # the shortest decimal that is this float32 (1e-06, not
+        return float(str(value))  # 9.99999997e-07): what a config.json said, to the bit
     return bool(value) if part.dtype == np.bool_ else value.item()
