@@ -1,7 +1,9 @@
 """A GGUF file served on 127.0.0.1: a tiny Qwen2 in mixed quantized types whose tokenizer and
 ChatML chat template come from the file's metadata.  The chat reply is transformers' on the
 same file (its GGUF tokenizer renders the file's template, its GGUF model generates greedily);
-``cbatch serve model.gguf`` serves it from its own process."""
+``cbatch serve model.gguf`` serves it from its own process, ``cbatch generate --model
+model.gguf`` (with its tokenizer, or ``--tokenizer`` a directory's) continues a prompt as
+transformers does."""
 
 import signal
 import subprocess
@@ -36,13 +38,16 @@ def chat_file(tmp_path_factory):
         tie_word_embeddings=True, initializer_range=0.2)  # (0.02: a reply of one repeated token)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    path = tmp_path_factory.mktemp("qwen2-gguf") / "chat-Q4_K_M.gguf"
+    path = tmp_path_factory.mktemp("qwen2-gguf") / "model" / "chat-Q4_K_M.gguf"
+    path.parent.mkdir()
     chosen: dict[str, str] = {}
+    vocab = bpe_vocab("qwen2")
     write_gguf(model, path, lambda name: chosen.setdefault(name, TYPES[len(chosen) % 4]),
-               bpe_vocab("qwen2"), chat_template=CHATML)
+               vocab, chat_template=CHATML)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    vocab.original.save(str(path.parent.parent / "tokenizer.json"))  # for --tokenizer
     return path, theirs, tok
 
 
@@ -97,3 +102,20 @@ def test_cbatch_serve_command_serves_the_file(chat_file):
         out, _ = proc.communicate(timeout=60)
     assert "this version dequantizes them to float32 at load" in out.decode(), \
         out.decode()[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_tokenizer", [True, False])
+def test_cbatch_generate_continues_a_prompt_as_transformers(chat_file, capsys, own_tokenizer):
+    from cbatch.entrypoints.cli.main import main
+
+    path, theirs, tok = chat_file
+    ids = tok("Hello, world!")["input_ids"]
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    flags = [] if own_tokenizer else ["--tokenizer", str(path.parent.parent)]
+    main(["generate", "--model", str(path), "--prompt", "Hello, world!", "--max-tokens", "5",
+          "--temperature", "0", "--ignore-eos", "--dtype", "float32", *flags])
+    assert capsys.readouterr().out.startswith("Hello, world!" + want)
