@@ -116,11 +116,23 @@ class HFTokenizer:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer = cls.__new__(cls)
         tokenizer._setup(hf.backend_tokenizer, eos_token_id)
+        # what the server needs of the file besides: read here once (opening a GGUF file
+        # again parses its whole vocabulary)
+        tokenizer.gguf_file = path
+        template = hf.chat_template
+        tokenizer.chat_template = template if isinstance(template, str) else None
+        tokenizer.special_tokens = {"bos_token": hf.bos_token or "",
+                                    "eos_token": hf.eos_token or ""}
         return tokenizer
 
     def _setup(self, tok, eos_token_id: int) -> None:
         self._tok = tok
         self.eos_token_id = eos_token_id
+        # a GGUF file's tokenizer (from_gguf): the file, its chat template and the spellings
+        # of its BOS and EOS
+        self.gguf_file: Path | None = None
+        self.chat_template: str | None = None
+        self.special_tokens: dict[str, str] | None = None
         # added tokens (chat markers, EOS, ...): id -> text
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._literal = None  # a copy that reads special tokens' spellings as text (lazy)

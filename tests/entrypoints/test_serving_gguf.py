@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cbatch.entrypoints.openai.chat_utils import load_gguf_chat_template
+from cbatch.tokenizer import load_tokenizer
 from tests.models.gguf_files import write_gguf
 from tests.models.gguf_vocab import bpe_vocab
 from tests.serving_utils import free_port, running_server, wait_healthy
@@ -66,6 +67,10 @@ def test_the_template_and_special_tokens_come_from_the_file(chat_file):
     template, special = load_gguf_chat_template(path)
     assert template == CHATML
     assert special == {"bos_token": "", "eos_token": "<|endoftext|>"}  # (it names no BOS)
+    # the engine's tokenizer of the file read them already: the server takes them from it
+    tokenizer = load_tokenizer(str(path), None, 0)
+    assert load_gguf_chat_template(path, tokenizer) == (template, special)
+    assert tokenizer.chat_template == CHATML
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     gguf_file = None if is_random else find_gguf_file(config.model)
     checkpoint = None if is_random or gguf_file else resolve_checkpoint_dir(config.model)
     if gguf_file is not None:  # the file's own template and special tokens
-        own_template, special_tokens = load_gguf_chat_template(gguf_file)
+        own_template, special_tokens = load_gguf_chat_template(gguf_file, engine.tokenizer)
     else:  # the checkpoint's own, or a chat-capable random model's
         own_template = (load_chat_template(checkpoint) if checkpoint is not None
                         else random_chat_template(config.model))

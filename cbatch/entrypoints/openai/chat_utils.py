@@ -35,10 +35,13 @@ def load_special_tokens(checkpoint_dir: Path | None) -> dict[str, str]:
     return tokens
 
 
-def load_gguf_chat_template(path: Path) -> tuple[str | None, dict[str, str]]:
+def load_gguf_chat_template(path: Path, tokenizer=None) -> tuple[str | None, dict[str, str]]:
     """The chat template a GGUF file carries (``tokenizer.chat_template``, else None), and the
     spellings of its BOS and EOS tokens ("" when it names none), as :func:`load_chat_template`
-    and :func:`load_special_tokens` read a checkpoint's."""
+    and :func:`load_special_tokens` read a checkpoint's.  Taken from ``tokenizer`` when it was
+    built from the same file (the engine's): the file is not parsed again."""
+    if tokenizer is not None and getattr(tokenizer, "gguf_file", None) == Path(path):
+        return tokenizer.chat_template, dict(tokenizer.special_tokens)
     from cbatch.models.gguf.reader import GGUFFile
 
     with GGUFFile(path) as f:
