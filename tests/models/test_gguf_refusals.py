@@ -30,8 +30,9 @@ def llama_file(tmp_path_factory):
     return path
 
 
-def write(path, arch: str = "llama", tensors: dict | None = None, kv: dict | None = None):
-    writer = gguf.GGUFWriter(str(path), arch)
+def write(path, arch: str = "llama", tensors: dict | None = None, kv: dict | None = None,
+          **options):
+    writer = gguf.GGUFWriter(str(path), arch, **options)
     for key, value in (kv or {}).items():
         writer.add_uint32(key, value)
     for name, (data, qtype) in (tensors or {}).items():
@@ -108,6 +109,14 @@ def test_a_file_that_is_no_gguf_is_named(tmp_path):
         load_model(str(path))
     with pytest.raises(FileNotFoundError, match="no GGUF file at .*missing.gguf"):
         load_model(str(tmp_path / "missing.gguf"))
+
+
+def test_a_big_endian_file_is_named(tmp_path):
+    path = write(tmp_path / "be.gguf", tensors={
+        "token_embd.weight": (np.zeros((4, 8), np.float32), "F32")},
+        endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ValueError, match=f"{path} is a GGUF file of the other byte order"):
+        load_model(str(path))
 
 
 def test_a_directory_with_two_gguf_files_names_them(tmp_path, llama_file):

@@ -39,6 +39,9 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._reader = _open(self.path)
+        if self._reader.byte_order != "I":  # its tensors' bytes would need swapping
+            raise ValueError(f"{self.path} is a GGUF file of the other byte order (big-endian); "
+                             "cbatch reads little-endian ones")
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.tensor_names = list(self._tensors)
         arch = self.get("general.architecture", None)
