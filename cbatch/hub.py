@@ -1,6 +1,7 @@
 """Where a model's files are: a local directory as it is, or a Hugging Face hub id's files
-fetched (or found in the cache) by huggingface_hub.  The loader, the tokenizer and the server
-all find a checkpoint through :func:`resolve_checkpoint_dir`; it imports no torch."""
+fetched (or found in the cache) by huggingface_hub; or a local GGUF file.  The loader, the
+tokenizer and the server all find a checkpoint through :func:`resolve_checkpoint_dir`, and a
+GGUF file through :func:`find_gguf_file`; it imports no torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
                     "pytorch_model.bin", "generation_config.json")
+# a directory holding any of these is a Hugging Face checkpoint, whatever .gguf it holds too
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "chat_template.jinja")
 
@@ -29,6 +32,26 @@ def resolve_checkpoint_dir(name_or_path: str,
         return Path(snapshot_download(name_or_path, allow_patterns=list(allow_patterns)))
     except Exception as e:  # offline, unknown repo, gated repo, not a repo id
         raise FileNotFoundError(f"could not load {name_or_path!r}: {_why(e)}") from e
+
+
+def find_gguf_file(name_or_path: str) -> Path | None:
+    """The GGUF file a model name stands for: a path ending in ``.gguf``, or a local directory
+    holding one ``.gguf`` and no Hugging Face weights; None for any other name.  A ``.gguf``
+    path that is not a file, or a directory holding several ``.gguf`` files, is an error that
+    names them."""
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return path
+    if not path.is_dir() or any((path / name).is_file() for name in HF_WEIGHT_FILES):
+        return None
+    files = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files)
+        raise ValueError(f"{path} holds {len(files)} GGUF files ({names}); name the one to "
+                         "load (its path)")
+    return files[0] if files else None
 
 
 def _why(error: Exception) -> str:

@@ -1,5 +1,5 @@
-"""Tokenizers: the checkpoint's own (Hugging Face ``tokenizers`` files), one named by
-``EngineConfig.tokenizer``, or a byte-level one.
+"""Tokenizers: the checkpoint's own (Hugging Face ``tokenizers`` files, or the vocabulary a
+GGUF file carries), one named by ``EngineConfig.tokenizer``, or a byte-level one.
 
 A ``random:`` model has no vocabulary of its own, so it gets :class:`ByteTokenizer`: token
 id b < 256 is byte b, and every other id decodes as ``<|id|>``.
@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Protocol
 
-from cbatch.hub import TOKENIZER_FILES, resolve_checkpoint_dir
+from cbatch.hub import TOKENIZER_FILES, find_gguf_file, resolve_checkpoint_dir
 
 
 class Tokenizer(Protocol):
@@ -92,12 +92,47 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         if (path / "tokenizer.json").is_file():
-            self._tok = _Tokenizer.from_file(str(path / "tokenizer.json"))
+            tok = _Tokenizer.from_file(str(path / "tokenizer.json"))
         else:
             from tokenizers.implementations import ByteLevelBPETokenizer
 
-            self._tok = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+            tok = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+        self._setup(tok, eos_token_id)
+
+    @classmethod
+    def from_gguf(cls, path: Path, eos_token_id: int) -> HFTokenizer:
+        """The tokenizer a GGUF file describes (its vocabulary with merges or scores, its
+        special tokens, whether it adds BOS), built by transformers as
+        ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` builds it: byte-level BPE
+        (``tokenizer.ggml.model`` gpt2: GPT-2, Qwen2, Llama 3) with the split its ``pre``
+        names, or SentencePiece's (llama: Llama 2, TinyLlama) with byte fallback."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ModuleNotFoundError(
+                f"the tokenizer of {path} is built by transformers: pip install "
+                "'cbatch[hf]', or pass tokenizer=<a Hugging Face tokenizer directory or hub "
+                "id> (cbatch --tokenizer)", name="transformers") from e
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = cls.__new__(cls)
+        tokenizer._setup(hf.backend_tokenizer, eos_token_id)
+        # what the server needs of the file besides: read here once (opening a GGUF file
+        # again parses its whole vocabulary)
+        tokenizer.gguf_file = path
+        template = hf.chat_template
+        tokenizer.chat_template = template if isinstance(template, str) else None
+        tokenizer.special_tokens = {"bos_token": hf.bos_token or "",
+                                    "eos_token": hf.eos_token or ""}
+        return tokenizer
+
+    def _setup(self, tok, eos_token_id: int) -> None:
+        self._tok = tok
         self.eos_token_id = eos_token_id
+        # a GGUF file's tokenizer (from_gguf): the file, its chat template and the spellings
+        # of its BOS and EOS
+        self.gguf_file: Path | None = None
+        self.chat_template: str | None = None
+        self.special_tokens: dict[str, str] | None = None
         # added tokens (chat markers, EOS, ...): id -> text
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._literal = None  # a copy that reads special tokens' spellings as text (lazy)
@@ -244,9 +279,9 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
     """The tokenizer for ``model`` (``EngineConfig.model``).
 
     ``tokenizer`` (a directory or hub id) wins when given; otherwise a checkpoint's own files,
-    and a ``random:`` model's byte-level tokenizer.  A checkpoint without tokenizer files falls
-    back to the byte-level tokenizer with a warning that names the missing files: its text
-    would otherwise be silently wrong.
+    a GGUF file's vocabulary, and a ``random:`` model's byte-level tokenizer.  A checkpoint
+    without tokenizer files falls back to the byte-level tokenizer with a warning that names
+    the missing files: its text would otherwise be silently wrong.
     """
     if tokenizer is not None:
         path = resolve_checkpoint_dir(tokenizer, TOKENIZER_FILES)
@@ -258,6 +293,8 @@ def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Toke
         return HFTokenizer(path, eos_token_id)
     if model.startswith("random:"):
         return ByteTokenizer(eos_token_id)
+    if (gguf_file := find_gguf_file(model)) is not None:
+        return HFTokenizer.from_gguf(gguf_file, eos_token_id)
     path = resolve_checkpoint_dir(model)
     missing = missing_tokenizer_files(path)
     if missing:

@@ -7,7 +7,10 @@ transformers 5) or one ``rope_parameters`` dict holding both (transformers 5);
 :func:`rope_parameters` reads either.  Types: ``default``, ``linear`` (positions divided by
 ``factor``), ``dynamic`` (NTK-aware base, fixed for the longest context the model serves, as
 vLLM does: Hugging Face's version rescales per batch, so a token's rotation would depend on
-its batch-mates' lengths), ``llama3`` (per-frequency smoothing of Llama 3.1).
+its batch-mates' lengths), ``llama3`` (per-frequency smoothing of Llama 3.1).  A GGUF file
+states Llama 3.1's scaling as one divisor per rotated pair instead (llama.cpp's ``rope_freqs``
+tensor): ``freq_factors``, a list of ``head_dim / 2`` numbers, divides the frequencies as
+llama.cpp divides them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: in
         inv_freq = inv_freq / params["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3(inv_freq, params)
+    if "freq_factors" in params:
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq
 
 

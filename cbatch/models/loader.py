@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cbatch import quantization as quant
-from cbatch.hub import resolve_checkpoint_dir
+from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
 from cbatch.layers.quantization import quantize_head, quantize_model
 from cbatch.logger import init_logger
 from cbatch.models import quantized_checkpoint
@@ -113,8 +113,9 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
 
     ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
     seeded random weights), a local directory with Hugging Face files (config.json naming a
-    supported architecture, plus weights: see :func:`load_state_dict`), or a hub id fetched
-    through huggingface_hub.  Real weights are loaded with one copy: the model is built on
+    supported architecture, plus weights: see :func:`load_state_dict`), a hub id fetched
+    through huggingface_hub, or a GGUF file (a ``.gguf`` path, or a directory holding one:
+    :mod:`cbatch.models.gguf`).  Real weights are loaded with one copy: the model is built on
     the meta device and the checkpoint tensors are assigned to it.
 
     ``quantization``: a name of :data:`cbatch.quantization.METHODS` or its record.  An online
@@ -151,6 +152,11 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
         return _quantized(model.to(device=device, dtype=dtype).eval(), method)
 
+    if (gguf_file := find_gguf_file(name_or_path)) is not None:  # llama.cpp's format
+        from cbatch.models.gguf.loader import load_gguf_model
+
+        logger.info("loading %s %s ...", gguf_file, what)
+        return load_gguf_model(gguf_file, device, dtype, attention_backend, method)
     path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
     logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():

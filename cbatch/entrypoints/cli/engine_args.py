@@ -13,8 +13,8 @@ def model_parser() -> argparse.ArgumentParser:
     """The model flags, as a parent parser of the commands that load a model."""
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", default=None,  # None: not given (serve's MODEL may be)
-                       help="random:<size>, a local HF checkpoint dir, or a hub id (default: "
-                            f"{DEFAULT_MODEL})")
+                       help="random:<size>, a local HF checkpoint dir, a hub id, or a .gguf "
+                            f"file (default: {DEFAULT_MODEL})")
     model.add_argument("--tokenizer", default=None,
                        help="a tokenizer dir or hub id (default: the model's own)")
     model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "

@@ -51,13 +51,14 @@ from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 ModelList, TokenizeChatRequest,
                                                 TokenizeCompletionRequest, TokenizeResponse,
                                                 VersionResponse, ignored_fields)
-from cbatch.entrypoints.openai.chat_utils import load_chat_template, load_special_tokens
+from cbatch.entrypoints.openai.chat_utils import (load_chat_template, load_gguf_chat_template,
+                                                 load_special_tokens)
 from cbatch.entrypoints.openai.serving_chat import OpenAIServingChat
 from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from cbatch.entrypoints.openai.protocol_responses import ResponsesRequest
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
 from cbatch.entrypoints.openai.serving_responses import OpenAIServingResponses
-from cbatch.hub import resolve_checkpoint_dir
+from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
 from cbatch.models.registry import random_chat_template
 from cbatch.tokenizer import check_text_fits, token_text
 
@@ -94,15 +95,18 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     ``reasoning_parsers.REASONING_PARSERS``) splits replies' thinking off."""
     config = engine.config
     max_model_len = engine.max_model_len
-    checkpoint = None if config.model.startswith("random:") else resolve_checkpoint_dir(
-        config.model)
-    template = chat_template
-    if template is None:  # the checkpoint's own, or a chat-capable random model's
-        template = (load_chat_template(checkpoint) if checkpoint is not None
-                    else random_chat_template(config.model))
+    is_random = config.model.startswith("random:")
+    gguf_file = None if is_random else find_gguf_file(config.model)
+    checkpoint = None if is_random or gguf_file else resolve_checkpoint_dir(config.model)
+    if gguf_file is not None:  # the file's own template and special tokens
+        own_template, special_tokens = load_gguf_chat_template(gguf_file, engine.tokenizer)
+    else:  # the checkpoint's own, or a chat-capable random model's
+        own_template = (load_chat_template(checkpoint) if checkpoint is not None
+                        else random_chat_template(config.model))
+        special_tokens = load_special_tokens(checkpoint)
+    template = own_template if chat_template is None else chat_template
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, template,
-                             load_special_tokens(checkpoint),
+    chat = OpenAIServingChat(engine, served_model_name, template, special_tokens,
                              architecture=engine.architecture,
                              tool_call_parser=tool_call_parser,
                              special_tokens_in_content=special_tokens_in_content,

@@ -1,6 +1,7 @@
 """Chat templates (vLLM's ``chat_utils``): found in a checkpoint (``chat_template.jinja`` or
-``tokenizer_config.json``) with its special tokens, read from ``--chat-template`` and checked
-before any model loads, and compiled in a sandbox, as transformers renders them."""
+``tokenizer_config.json``; a GGUF file's ``tokenizer.chat_template``) with its special tokens,
+read from ``--chat-template`` and checked before any model loads, and compiled in a sandbox,
+as transformers renders them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def load_special_tokens(checkpoint_dir: Path | None) -> dict[str, str]:
         value = raw.get(name) or ""
         tokens[name] = value.get("content", "") if isinstance(value, dict) else value
     return tokens
+
+
+def load_gguf_chat_template(path: Path, tokenizer=None) -> tuple[str | None, dict[str, str]]:
+    """The chat template a GGUF file carries (``tokenizer.chat_template``, else None), and the
+    spellings of its BOS and EOS tokens ("" when it names none), as :func:`load_chat_template`
+    and :func:`load_special_tokens` read a checkpoint's.  Taken from ``tokenizer`` when it was
+    built from the same file (the engine's): the file is not parsed again."""
+    if tokenizer is not None and getattr(tokenizer, "gguf_file", None) == Path(path):
+        return tokenizer.chat_template, dict(tokenizer.special_tokens)
+    from cbatch.models.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as f:
+        template = f.get("tokenizer.chat_template", None)
+        tokens = {name: f.token(f.get(f"tokenizer.ggml.{name}_id", None)) or ""
+                  for name in ("bos_token", "eos_token")}
+    return template, tokens
 
 
 def read_chat_template(value: str) -> str:
