@@ -1,7 +1,7 @@
 """A GGUF file's model config: its metadata (llama.cpp's key names) as the config dict a Hugging
 Face checkpoint would carry, read by the same ``from_hf`` as ``config.json`` is
 (:class:`cbatch.models.llama.LlamaConfig` with its Qwen2/Qwen3 switches), or as a
-:class:`cbatch.config.GPT2Config`.
+:class:`cbatch.models.gpt2.GPT2Config`.
 
 What the metadata leaves out comes from the tensors, as llama.cpp decides it: the vocabulary is
 the embedding's rows, the embeddings are tied when there is no ``output.weight``, the
@@ -12,7 +12,7 @@ End of sequence is any of the file's EOS, EOT and EOM ids (llama.cpp stops at ea
 
 from __future__ import annotations
 
-from cbatch.config import GPT2Config
+from cbatch.models.gpt2 import GPT2Config
 from cbatch.models.gguf.blocks import dequantize_tensor
 from cbatch.models.gguf.reader import ARCHITECTURES, GGUFFile
 from cbatch.models.registry import model_class

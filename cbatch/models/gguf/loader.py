@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cbatch.quantization import QuantizationMethod
 from cbatch.logger import init_logger
 from cbatch.models.gguf.blocks import dequantize_tensor
 from cbatch.models.gguf.config import model_config
@@ -27,7 +28,7 @@ logger = init_logger(__name__)
 
 def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
-                    quantization: str | None = None) -> nn.Module:
+                    quantization: QuantizationMethod | None = None) -> nn.Module:
     """The model in GGUF file ``path``, its weights dequantized to ``dtype`` on ``device``.
 
     ``quantization`` must be None: the file's own types are what it runs (dequantized in this
@@ -37,7 +38,7 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
 
     path = Path(path)
     if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} does not apply to {path}: a GGUF "
+        raise ValueError(f"quantization={quantization.name!r} does not apply to {path}: a GGUF "
                          "file's tensors are quantized by the file itself; leave "
                          "quantization unset")
     with GGUFFile(path) as f:
