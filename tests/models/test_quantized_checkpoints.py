@@ -16,6 +16,7 @@ from cbatch import LLM, SamplingParams, load_model
 from cbatch.core.input_batch import prefill_logits
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
+from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.ops import cpu
 from cbatch.ops import quantized
 from tests.helpers import int8_kernel_calls
@@ -493,12 +494,18 @@ def _rewrite(path, name, fn):
 
 
 def test_desc_act_orders_that_cbatch_cannot_run_are_refused(tmp_path):
+    """Shards of one projection in different orders of k run side by side (StackedLinear,
+    each its own permutation); groups that are not all group_size long are refused."""
     q, _ = make_checkpoint(tmp_path, "gptq", gs=32, desc_act=True)
     path = tmp_path / "gptq"
+    x = torch.randn(3, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(5))
+    before = load_model(q).model.layers[0].self_attn.qkv_proj
     _rewrite(path, "model.layers.0.self_attn.k_proj.g_idx", lambda g: g.flip(0))
-    with pytest.raises(ValueError, match="shards of model.layers.0.self_attn.qkv_proj have "
-                                         "different g_idx"):
-        load_model(q)
+    stacked = load_model(q).model.layers[0].self_attn.qkv_proj
+    assert isinstance(stacked, StackedLinear) and len(stacked.parts) == 3
+    q_rows = SHAPE["hidden_size"]
+    with torch.no_grad():  # q and v as before: the same weights, each its own order of k
+        torch.testing.assert_close(stacked(x)[:, :q_rows], before(x)[:, :q_rows])
     _rewrite(path, "model.layers.0.self_attn.k_proj.g_idx", lambda g: g.flip(0))
     ragged = lambda g: torch.where(g == 0, 1, g)  # noqa: E731  group 1 twice as long, 0 empty
     _rewrite(path, "model.layers.0.mlp.down_proj.g_idx", ragged)

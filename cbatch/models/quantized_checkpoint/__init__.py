@@ -27,6 +27,7 @@ from torch import nn
 
 from cbatch import quantization as quant
 from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.models.llama import fuse_shards
 from cbatch.models.quantized_checkpoint.awq import read_awq
 from cbatch.models.quantized_checkpoint.compressed_tensors import read_compressed_tensors
@@ -77,23 +78,30 @@ def read_layers(raw_config: dict, state: dict[str, torch.Tensor], where: Path
     return layers
 
 
-def _fuse(name: str, shards: list[Layer], where: Path) -> Layer:
-    """The shards of one fused projection (q/k/v, gate/up) as one layer, stacked along N."""
+def _runs(shards: list[Layer]) -> list[list[Layer]]:
+    """``shards`` cut into runs of consecutive shards of one :attr:`Layer.form`."""
+    runs = [[shards[0]]]
+    for shard in shards[1:]:
+        if shard.form == runs[-1][-1].form:
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    return runs
+
+
+def _fuse(shards: list[Layer]) -> Layer:
+    """Shards of one form (:func:`_runs`) as one layer, stacked along N."""
     first = shards[0]
-    if any(s.scheme != first.scheme for s in shards):
-        raise ValueError(f"{where}: the shards of {name} differ in bits, group size or "
-                         "activation bits")
-    if any((s.g_idx is None) != (first.g_idx is None)
-           or (s.g_idx is not None and not torch.equal(s.g_idx, first.g_idx)) for s in shards):
-        raise ValueError(f"{where}: the shards of {name} have different g_idx (desc_act "
-                         "orders); cbatch fuses them into one matmul over one order of k")
+    if len(shards) == 1:
+        return first
     zeros = None
     if any(s.zeros is not None for s in shards):
         default = 8 if first.bits == 4 else 0
         zeros = torch.cat([s.zeros if s.zeros is not None
                            else torch.full_like(s.scales, default, dtype=torch.int32)
                            for s in shards], dim=1)
-    return replace(first, q=torch.cat([s.q for s in shards]), zeros=zeros,
+    mins = None if first.mins is None else torch.cat([s.mins for s in shards], dim=1)
+    return replace(first, q=torch.cat([s.q for s in shards]), zeros=zeros, mins=mins,
                    scales=torch.cat([s.scales for s in shards], dim=1))
 
 
@@ -110,8 +118,10 @@ def _module(layer: Layer, name: str, bias: torch.Tensor | None, where: Path
             perm = None
         else:
             q = q[:, perm]
-    return QuantizedLinear(pack(q, layer.scales, layer.zeros, layer.bits, layer.group_size),
-                           bias, layer.act_bits, perm)
+    weight = pack(q, layer.scales, layer.zeros, layer.bits, layer.group_size) \
+        if layer.mins is None else \
+        pack(q, layer.scales, None, layer.bits, layer.group_size, mins=layer.mins)
+    return QuantizedLinear(weight, bias, layer.act_bits, perm)
 
 
 def _int8_kernel(layer: Layer) -> quant.QuantizationMethod | None:
@@ -155,24 +165,28 @@ def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.T
         raise ValueError(f"{where}: quantized {e}; cbatch fuses the shards of a projection "
                          "into one layer of one kind") from None
     for target, found in fused.items():
-        layer = _fuse(target, found, where) if isinstance(found, list) else found
+        runs = _runs(found) if isinstance(found, list) else [[found]]
+        layers = [_fuse(run) for run in runs]
         if kernel is not None:
-            layer = with_int8_activations(layer, target, kernel, where)
+            layers = [with_int8_activations(one, target, kernel, where) for one in layers]
         try:
             linear = model.get_submodule(target)
         except AttributeError:
             raise ValueError(f"{where}: the checkpoint quantizes {target}, which "
                              f"{type(model).__name__} does not have") from None
-        if tuple(layer.q.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"{where}: quantized {target} is {tuple(layer.q.shape)}, the "
-                             f"config expects {(linear.out_features, linear.in_features)}")
+        N = sum(one.q.shape[0] for one in layers)
+        if (N, layers[0].q.shape[1]) != (linear.out_features, linear.in_features):
+            raise ValueError(f"{where}: quantized {target} is {(N, layers[0].q.shape[1])}, "
+                             f"the config expects {(linear.out_features, linear.in_features)}")
         bias = state.pop(f"{target}.bias", None)
         if (bias is None) != (linear.bias is None):
             raise ValueError(f"{where}: {target}'s bias is "
                              f"{'missing' if bias is None else 'unexpected'} (the config "
                              f"{'has' if bias is None else 'has no'} one)")
-        if bias is not None:
-            bias = bias.to(device=device, dtype=dtype)
+        biases = [None] * len(layers) if bias is None else \
+            bias.to(device=device, dtype=dtype).split([one.q.shape[0] for one in layers])
+        modules = [_module(one, target, b, where) for one, b in zip(layers, biases)]
         parent, _, child = target.rpartition(".")
-        setattr(model.get_submodule(parent), child, _module(layer, target, bias, where))
+        setattr(model.get_submodule(parent), child,
+                modules[0] if len(modules) == 1 else StackedLinear(modules))
     return len(fused)

@@ -14,19 +14,28 @@ from cbatch.quantization import Scheme
 @dataclass(frozen=True)
 class Layer:
     """One quantized layer unpacked: ``W[n, k] = scales[g_idx[k], n] * (q[n, k] -
-    zeros[g_idx[k], n])`` (zeros None: 0 for bits 8, 8 for bits 4)."""
+    zeros[g_idx[k], n])`` (zeros None: 0 for bits 8, 8 for bits 4), or, with ``mins``,
+    ``W[n, k] = scales[g, n] * q[n, k] - mins[g, n]`` (no zero point; GGUF's K-quants)."""
 
-    q: torch.Tensor  # [N, K] int32: bits 8 -128..127, bits 4 0..15
+    q: torch.Tensor  # [N, K] integers: bits 8 -128..127, bits 4 0..15
     scales: torch.Tensor  # [G, N] fp32
-    zeros: torch.Tensor | None  # [G, N] int32
+    zeros: torch.Tensor | None  # [G, N] integers
     bits: int
     group_size: int
     g_idx: torch.Tensor | None = None  # [K] int64; None: k // group_size
     act_bits: int | None = None  # 8: x quantized per token too (W8A8)
+    mins: torch.Tensor | None = None  # [G, N] fp32; only with zeros None
 
     @property
     def scheme(self) -> Scheme:
         return Scheme(self.bits, self.group_size, self.act_bits)
+
+    @property
+    def form(self) -> tuple:
+        """What shards must share to be fused into one weight: the scheme, mins or none, the
+        order of k."""
+        return (self.scheme, self.mins is not None,
+                None if self.g_idx is None else tuple(self.g_idx.tolist()))
 
 
 def is_int(value) -> bool:
