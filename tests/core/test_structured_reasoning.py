@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from cbatch import LLM, SamplingParams
-from cbatch.core.grammar_matcher import SequenceGrammar
-from cbatch.core.structured_output import StructuredOutputs
+from cbatch.core.structured_output import SequenceGrammar, StructuredOutputs
 from cbatch.sampling_params import StructuredOutputsParams
 from tests.structured_utils import PERSON, script_outputs
 

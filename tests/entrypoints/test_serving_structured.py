@@ -209,13 +209,13 @@ def test_a_streamed_constraint_nothing_can_follow_ends_with_an_error_chunk(serve
 def test_the_servers_process_parses_no_constraint(server, monkeypatch):
     """Schemas and grammars are parsed in the compile workers' processes: neither on the event
     loop nor on the thread pool that tokenizes prompts."""
-    from cbatch.core import grammar_worker, structured_output
+    from cbatch.core.structured_output import grammar, manager
 
     def refuse(*args, **kwargs):
         raise AssertionError("a constraint was parsed in the server's process")
 
-    monkeypatch.setattr(grammar_worker, "parse_grammar", refuse)
-    monkeypatch.setattr(structured_output, "parse_grammar", refuse)
+    monkeypatch.setattr(grammar, "parse_grammar", refuse)
+    monkeypatch.setattr(manager, "parse_grammar", refuse)
     schema = {"type": "object", "properties": {"parsed_elsewhere": {"type": "boolean"}},
               "required": ["parsed_elsewhere"], "additionalProperties": False}
     r = httpx.post(f"{server[0]}/v1/completions", timeout=60, json={

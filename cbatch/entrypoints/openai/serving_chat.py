@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
-from cbatch.core.grammar_worker import Refused
+from cbatch.core.structured_output import Refused
 from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.chat_utils import compile_chat_template
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,

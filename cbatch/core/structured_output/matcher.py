@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbatch.core.grammar_worker import _xgrammar
+from cbatch.core.structured_output.grammar import xgrammar
 from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class SequenceGrammar:
     def __init__(self, constraint: CompiledConstraint, vocab_size: int,
                  stop_token_ids: list[int], field: str,
                  reasoning_end: list[int] | None = None):
-        xgr = _xgrammar()
+        xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(constraint.grammar)
         self.field = field  # the constraint's name, for errors
         # the ids that end the reasoning while it goes on (None: constrained), and the

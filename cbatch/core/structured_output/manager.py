@@ -1,47 +1,7 @@
-"""Structured outputs: a request's constraint enforced token by token with xgrammar.
-
-A :class:`~cbatch.sampling_params.StructuredOutputsParams` (a JSON schema, any JSON object, a
-regex, a choice of strings, an EBNF grammar) goes through three stages:
-
-1. **parsed** into an xgrammar ``Grammar`` and 2. **compiled** against the engine's vocabulary
-   (the token masks of the grammar's states), both in a worker process
-   (:mod:`~cbatch.core.grammar_worker`, :mod:`~cbatch.core.grammar_pool`): a bounded pool
-   whose compiles can be stopped.  Each compile has a time budget
-   (``grammar_compile_timeout``) and a size budget (``max_grammar_bytes``); past either, or
-   when the constraint does not parse or can match no output at all (``root ::= root``), the
-   request is refused with a :class:`ConstraintError` naming the field.  A compile whose
-   requests are all aborted is stopped (its worker killed).  :class:`StructuredOutputs`
-   keeps compiled grammars by their text, least recently used dropped first, within
-   ``grammar_cache_bytes``.  ``Engine.validate_request`` parses a new constraint in the
-   caller's thread (an invalid one is a ValueError before anything is queued); the
-   server's :class:`~cbatch.core.async_engine.AsyncEngine` awaits the compile before it
-   admits a request, so that a refusal is a 400 and the engine's thread never parses.  A
-   request whose grammar is still compiling waits outside the scheduler: no step waits for
-   it.
-3. **matched**: each sequence has its own ``GrammarMatcher`` (:class:`SequenceGrammar`),
-   advanced by every token the engine reads (``Engine._resolve``).  Each step, the rows of
-   the sequences with a grammar get the matcher's token bitmask (:func:`bitmask`, filled by
-   ``ModelRunner.execute`` into ``SamplingBatch.bitmask``), and the sampler sets every token
-   the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it
-   samples.  A constraint with ``reasoning_end`` (a reasoning model's ``</think>``, which
-   the server gives with ``--reasoning-parser``) waits for it: until the output has written
-   those ids, its row gets no bitmask and its matcher is not advanced (vLLM's rule).
-
-The matcher sees only sampled tokens, so its state follows a sequence through preemption
-(recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
-sequence ends with reason "stop" as soon as its grammar is complete and nothing but an end
-token may follow (no end token is sampled then), or when it samples an end token (EOS).
-Where the grammar allows no token at all, or the request's other rules (allowed_token_ids,
-bad_words, ...) forbid every token it allows, the request ends alone with reason "error"
-and a :class:`ConstraintError`; one whose first token is already ruled out by
-allowed_token_ids is refused when it is checked.
-
-JSON is generated compact (``", "`` and ``": "`` between items, no other whitespace): every
-output is still a JSON document that ``json.loads`` reads, and a model cannot run away in
-whitespace, which a grammar allowing any whitespace lets random or weak models do.
-
-xgrammar is imported on first use: an engine that never sees a constraint never loads it.
-"""
+"""An engine's grammars (the compiled stage of :mod:`cbatch.core.structured_output`):
+:class:`StructuredOutputs` checks a request's constraint, has it compiled by the process's
+pool of grammar workers, keeps compiled grammars by their text within
+``grammar_cache_bytes``, and holds the requests whose grammar is still compiling."""
 
 from __future__ import annotations
 
@@ -52,11 +12,10 @@ import json
 import threading
 from typing import TYPE_CHECKING
 
-
-from cbatch.core.grammar_matcher import (CompiledConstraint, ConstraintError, SequenceGrammar,
-                                         check_request, field_of)
-from cbatch.core.grammar_pool import CompileJob, Vocab, shared_pool
-from cbatch.core.grammar_worker import Refused, _xgrammar, parse_grammar
+from cbatch.core.structured_output.grammar import Refused, parse_grammar, xgrammar
+from cbatch.core.structured_output.matcher import (CompiledConstraint, ConstraintError,
+                                                  SequenceGrammar, check_request, field_of)
+from cbatch.core.structured_output.pool import CompileJob, Vocab, shared_pool
 
 from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -87,7 +46,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     allowed, but the stop tokens at the grammar's end)."""
     from cbatch.tokenizer import ByteTokenizer
 
-    xgr = _xgrammar()
+    xgr = xgrammar()
     if isinstance(tokenizer, ByteTokenizer):
         vocab = [bytes([b]) for b in range(256)] + [b""] * (vocab_size - 256)
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
@@ -121,7 +80,7 @@ class Ticket:
 
 class StructuredOutputs:
     """An engine's grammars: checks constraints, has them compiled by the process's
-    :class:`~cbatch.core.grammar_pool.CompilePool` (cached by their text, within
+    :class:`~cbatch.core.structured_output.pool.CompilePool` (cached by their text, within
     ``config.grammar_cache_bytes``), and holds the requests whose grammar is still
     compiling.
 
@@ -223,7 +182,7 @@ class StructuredOutputs:
                       ) -> concurrent.futures.Future:
         """Parse ``constraints`` in a grammar worker (none is compiled): the future's
         result is None when all of them parse, else it fails with the
-        :class:`~cbatch.core.grammar_worker.Refused` of the first that does not, whose
+        :class:`~cbatch.core.structured_output.grammar.Refused` of the first that does not, whose
         ``index`` says which."""
         job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
                          None, self.timeout)
@@ -251,8 +210,8 @@ class StructuredOutputs:
             return _end(entry.future, error=error)
         grammar = job_future.result()
         try:
-            first = _xgrammar().allocate_token_bitmask(1, self.vocab_size)
-            _xgrammar().GrammarMatcher(grammar).fill_next_token_bitmask(first)
+            first = xgrammar().allocate_token_bitmask(1, self.vocab_size)
+            xgrammar().GrammarMatcher(grammar).fill_next_token_bitmask(first)
         except Exception as exc:
             return _end(entry.future, error=exc)
         result = CompiledConstraint(grammar, grammar.memory_size_bytes + first.numel() * 4,

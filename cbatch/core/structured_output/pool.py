@@ -1,7 +1,7 @@
 """A bounded pool of grammar-compile worker processes, whose jobs can be stopped.
 
-Each worker (:mod:`cbatch.core.grammar_worker`) runs one job at a time: a compile against a
-vocabulary, or a parse.  One dispatcher thread per process hands queued jobs to idle workers,
+Each worker (:mod:`~cbatch.core.structured_output.worker`) runs one job at a time: a compile
+against a vocabulary, or a parse.  One dispatcher thread per process hands queued jobs to idle workers,
 starting workers as jobs wait, up to ``max_workers``; it reads their replies and turns a
 compiled grammar's JSON back into a ``CompiledGrammar``.  A worker is killed, and a new one
 started when a job needs it, when its job runs past the job's time budget (the job fails),
@@ -26,7 +26,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from cbatch.core.grammar_worker import Refused
+from cbatch.core.structured_output.grammar import Refused, trim_memory, xgrammar
 from cbatch.logger import init_logger
 
 logger = init_logger(__name__)
@@ -80,11 +80,11 @@ class CompileJob:
 
 class _Worker:
     def __init__(self):
-        root = str(Path(__file__).resolve().parents[2])  # the directory that holds cbatch
+        root = str(Path(__file__).resolve().parents[3])  # the directory that holds cbatch
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         to_worker, from_worker = os.pipe(), os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "cbatch.core.grammar_worker"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cbatch.core.structured_output.worker"],
                                      stdin=to_worker[0], stdout=from_worker[1], env=env)
         os.close(to_worker[0])
         os.close(from_worker[1])
@@ -276,16 +276,14 @@ class CompilePool:
 
 def _load(job: CompileJob, grammar_json: str) -> None:
     """End ``job`` with the ``CompiledGrammar`` of its worker's JSON."""
-    from cbatch.core.grammar_worker import _trim, _xgrammar
-
     try:  # (xgrammar lets go of the GIL here, as in compiles)
-        job._end(_xgrammar().CompiledGrammar.deserialize_json(grammar_json, job.vocab.info))
+        job._end(xgrammar().CompiledGrammar.deserialize_json(grammar_json, job.vocab.info))
     except Exception as exc:
         job._end(error=exc)
     if len(grammar_json) > 1 << 20:
         # reading it back takes many times the grammar's size for a moment: give that back
         # to the system (glibc would keep it for this process)
-        _trim()
+        trim_memory()
 
 
 _shared: CompilePool | None = None
