@@ -291,8 +291,9 @@ class EngineConfig:
         2, "processes that compile structured-output grammars, one core each at most (one "
         "pool per process: the largest of its engines' settings)")
     grammar_compile_timeout: float = _knob(
-        10.0, "seconds a structured-output grammar may take to parse and compile; a request "
-        "whose grammar takes longer is refused (its compile is stopped)")
+        10.0, "seconds a structured-output grammar may take to parse and compile, its wait "
+        "for a worker included; a request whose grammar takes longer is refused (its compile "
+        "is stopped)")
     max_grammar_bytes: int = _knob(
         32 << 20, "the most memory a compiled structured-output grammar (its token masks) may "
         "take; a request whose grammar takes more is refused")

@@ -109,6 +109,14 @@ class AsyncEngine:
         """The fast paths this engine's runner takes (a CPU engine's; empty elsewhere)."""
         return self.engine.worker.describe()
 
+    def warm_up_grammars(self, timeout: float) -> bool:
+        """Start the grammar workers with this engine's vocabulary loaded in them
+        (``StructuredOutputs.warm_up``) and wait for them, at most ``timeout`` seconds:
+        whether they are ready (False without xgrammar)."""
+        structured = self.engine.structured
+        structured.warm_up()
+        return structured.pool.wait_warm(timeout)
+
     def first_invalid(self, constraints: list) -> concurrent.futures.Future:
         """Which of ``constraints`` does not parse (``StructuredOutputs.first_invalid``)."""
         return self.engine.structured.first_invalid(constraints)

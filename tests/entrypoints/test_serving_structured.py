@@ -478,3 +478,38 @@ def test_enable_auto_tool_choice_needs_a_parser():
     args = build_parser().parse_args(["serve", "random:tiny", "--tool-call-parser", "hermes",
                                       "--reasoning-parser", "qwen3"])
     assert tool_settings(args) == {"tool_call_parser": None, "reasoning_parser": "qwen3"}
+
+
+# ------------------------------------------ issue 74, finding 2: warm grammar workers
+
+
+def test_a_fresh_servers_first_constraint_starts_no_grammar_worker():
+    """The server starts its grammar workers before it serves, with its vocabulary loaded in
+    them: its first constraint forks and loads nothing."""
+    with running_server("random:tiny") as (url, engine):
+        pool = engine.engine.structured.pool
+        assert pool.is_warm()
+        forked = pool.num_forked
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8,
+            "structured_outputs": {"regex": "[xy]{3}z"}})
+        assert r.status_code == 200, r.text
+        assert re.fullmatch("[xy]{3}z", r.json()["choices"][0]["text"])
+        assert pool.num_forked == forked
+
+
+def test_a_constraint_that_got_no_worker_within_its_budget_is_a_503():
+    import asyncio
+
+    from cbatch.core.structured_output import WorkersBusy
+    from cbatch.entrypoints.openai.serving_engine import OpenAIError, open_streams
+    from cbatch.sampling_params import SamplingParams
+
+    class Busy:
+        async def add_requests(self, *args, **kwargs):
+            raise WorkersBusy("no grammar compile worker was free within this engine's limit")
+
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(open_streams(Busy(), ["x"], [SamplingParams()], stream=False))
+    assert caught.value.status == 503 and caught.value.type == "server_overloaded"
+    assert "no grammar compile worker was free" in caught.value.message

@@ -56,6 +56,8 @@ _EXPORTS = {
     "SequenceGrammar": "matcher",
     "bitmask": "matcher",
     "Refused": "grammar",
+    "WorkersBusy": "jobs",
+    "prestart": "pool",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import importlib.util
 import json
 import threading
 from typing import TYPE_CHECKING
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 from cbatch.core.structured_output.grammar import Refused, parse_grammar, xgrammar
 from cbatch.core.structured_output.matcher import (CompiledConstraint, ConstraintError,
                                                   SequenceGrammar, check_request, field_of)
-from cbatch.core.structured_output.pool import CompileJob, Vocab, shared_pool
+from cbatch.core.structured_output.jobs import CompileJob, Vocab
+from cbatch.core.structured_output.pool import shared_pool
 
 from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -25,18 +27,24 @@ if TYPE_CHECKING:
     from cbatch.tokenizer import Tokenizer
 
 
-def constraint_key(params: StructuredOutputsParams) -> str:
-    """What a constraint is cached by: a digest of its kind and its text (a schema dict as
-    sorted JSON, a choice as its JSON list)."""
-    kind = params.kind
-    value = getattr(params, kind)
-    if kind == "json_object":
-        return kind
+def constraint_text(params: StructuredOutputsParams) -> str:
+    """A constraint's text: its value as given, a schema dict as sorted JSON, a choice as its
+    JSON list ("" for json_object)."""
+    value = getattr(params, params.kind)
+    if params.kind == "json_object":
+        return ""
     try:
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     except RecursionError:
         raise ConstraintError(field_of(params), "is nested too deeply") from None
-    return hashlib.sha256(f"{kind}:{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def constraint_key(params: StructuredOutputsParams) -> str:
+    """What a constraint is cached by: a digest of its kind and its text."""
+    if params.kind == "json_object":
+        return params.kind
+    text = f"{params.kind}:{constraint_text(params)}"
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -109,6 +117,13 @@ class StructuredOutputs:
     @property
     def pool(self):
         return shared_pool(self.num_workers)
+
+    def warm_up(self) -> None:
+        """Start the process's grammar workers now, with this engine's vocabulary loaded in
+        them (a server's start-up: its first constraint then waits for no process to start
+        and no vocabulary to load); nothing without xgrammar."""
+        if importlib.util.find_spec("xgrammar") is not None:
+            self.pool.start(self._vocab)
 
     def check(self, params: SamplingParams) -> None:
         """Check a request's constraint: parse a new one here (:class:`ConstraintError` if it
@@ -185,14 +200,15 @@ class StructuredOutputs:
         :class:`~cbatch.core.structured_output.grammar.Refused` of the first that does not, whose
         ``index`` says which."""
         job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
-                         None, self.timeout)
+                         None, self.timeout, sum(len(constraint_text(c)) for c in constraints))
         self.pool.submit(job)
         return job.future
 
     def _start(self, key: str, constraint: StructuredOutputsParams) -> _Compile:
         """(Under the lock.)  Queue ``constraint``'s compile."""
         job = CompileJob("compile", (constraint.kind, getattr(constraint, constraint.kind),
-                                     self.max_bytes), self._vocab, self.timeout)
+                                     self.max_bytes), self._vocab, self.timeout,
+                         len(constraint_text(constraint)))
         entry = self._compiles[key] = _Compile(key, job)
         field = field_of(constraint)
         job.future.add_done_callback(lambda f: self._compiled(entry, f, field))

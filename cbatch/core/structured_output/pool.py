@@ -1,130 +1,102 @@
-"""A bounded pool of grammar-compile worker processes, whose jobs can be stopped.
+"""A bounded pool of grammar-compile worker processes: kept warm, their jobs stoppable, and
+ordered so that a small constraint does not wait behind heavy ones, whoever sent them.
 
-Each worker (:mod:`~cbatch.core.structured_output.worker`) runs one job at a time: a compile
-against a vocabulary, or a parse.  One dispatcher thread per process hands queued jobs to idle workers,
-starting workers as jobs wait, up to ``max_workers``; it reads their replies and turns a
-compiled grammar's JSON back into a ``CompiledGrammar``.  A worker is killed, and a new one
-started when a job needs it, when its job runs past the job's time budget (the job fails),
-when its job is cancelled (nobody waits for it any more), or when it dies.  So a compile takes
-one core at most and never outlives its budget or its last request, and a slow one holds up
-only its own worker: the others compile on.
+Processes.  Workers are forked from a template process (the zygote of
+:mod:`~cbatch.core.structured_output.worker`), which has imported xgrammar and built a
+compiler for each vocabulary: a new worker is ready in milliseconds, however long xgrammar
+takes to import.  From its start (:meth:`CompilePool.start`: a server's start-up, else the
+first job) the pool keeps ``max_workers`` workers alive, and forks a new one at once for
+each that is killed or dies.  A worker runs one job at a time: a compile against a
+vocabulary, or a parse; it takes one core at most.
 
-One pool serves every engine of a process (:func:`shared_pool`): a worker takes a moment to
-start (it loads xgrammar, and torch with it), and keeps the vocabularies it was sent.
+Budgets.  A job's time budget (``grammar_compile_timeout``) counts from its submission, its
+wait for a worker included: no request waits longer than that for its grammar.  A job still
+running at its deadline is stopped (its worker killed) and refused; a job still waiting fails
+with :class:`WorkersBusy` (the server's 503), or is refused if it had run before (below).  A
+job nobody waits for any more is stopped.
+
+Order.  A job is *fresh* until it has run :data:`QUICK_COMPILE_S` seconds; then it is
+*long*.  Fresh jobs go first, the shortest constraint text first; long ones in their order
+of arrival.  While a fresh job waits and every worker runs a long job, the long job that
+started last is stopped and queued again (it loses that much work, and runs again when no
+fresh job waits): one worker turns to fresh jobs within QUICK_COMPILE_S, so a 3-character
+regex never waits for a schema that takes seconds, from the same client or another.
+
+One dispatcher thread per process hands jobs to workers and reads their replies, turning a
+compiled grammar's JSON back into a ``CompiledGrammar`` (beside it, in a thread pool).  One
+pool serves every engine of a process (:func:`shared_pool`): its workers keep the
+vocabularies they were sent.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import hashlib
+import importlib.util
 import os
-import subprocess
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 
 from cbatch.core.structured_output.grammar import Refused, trim_memory, xgrammar
+from cbatch.core.structured_output.jobs import CompileJob, Vocab, WorkersBusy
+from cbatch.core.structured_output.worker import START_TIMEOUT_S, Worker, Zygote
 from cbatch.logger import init_logger
 
 logger = init_logger(__name__)
 
-# how long a worker may take to start (load xgrammar and torch) before it is given up on
-START_TIMEOUT_S = 120.0
-
-
-class Vocab:
-    """A vocabulary as workers get it: an xgrammar ``TokenizerInfo`` (``make_info()``'s, made
-    on the pool's thread when a job first needs it: it imports xgrammar and reads every
-    token), its JSON, and an id."""
-
-    def __init__(self, make_info):
-        self._make_info = make_info
-        self._lock = threading.Lock()
-        self.info = self.json = self.id = None
-
-    def load(self) -> Vocab:
-        with self._lock:
-            if self.info is None:
-                info = self._make_info()
-                self.json = info.serialize_json()
-                self.id = hashlib.sha256(self.json.encode()).hexdigest()
-                self.info = info
-        return self
-
-
-class CompileJob:
-    """One job: ``op`` "compile" (``args``: kind, value, max_bytes; the result a
-    ``CompiledGrammar``) or "parse" (``args``: a list of (kind, value); the result None, or
-    :class:`Refused` with ``index``, the first that does not parse).  ``future`` holds the
-    result or the error (:class:`Refused` for the constraint's own fault)."""
-
-    def __init__(self, op: str, args: tuple, vocab: Vocab | None, timeout: float):
-        self.op, self.args, self.vocab, self.timeout = op, args, vocab, timeout
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.future.set_running_or_notify_cancel()  # only the pool ends it
-        self.cancelled = False
-        self.started: float | None = None  # when a worker took it (time.monotonic)
-
-    def _end(self, result=None, error: BaseException | None = None) -> None:
-        try:  # (a cancel on another thread may have ended it first)
-            if error is None:
-                self.future.set_result(result)
-            else:
-                self.future.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
-
-
-class _Worker:
-    def __init__(self):
-        root = str(Path(__file__).resolve().parents[3])  # the directory that holds cbatch
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        to_worker, from_worker = os.pipe(), os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "cbatch.core.structured_output.worker"],
-                                     stdin=to_worker[0], stdout=from_worker[1], env=env)
-        os.close(to_worker[0])
-        os.close(from_worker[1])
-        self.send = Connection(to_worker[1], readable=False)
-        self.recv = Connection(from_worker[0], writable=False)
-        self.ready = False
-        self.vocabs: set[str] = set()
-        self.job: CompileJob | None = None
-        self.deadline: float | None = time.monotonic() + START_TIMEOUT_S
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.send.close()
-        self.recv.close()
-
-
+# how long a job runs before it may be stopped for a fresh one (a compile of an ordinary
+# schema takes well under this; one that takes more waits while smaller ones go first)
+QUICK_COMPILE_S = 1.0
 class CompilePool:
-    """Worker processes, at most ``max_workers``, started as jobs need them."""
+    """``max_workers`` worker processes, kept warm (see the module)."""
 
     def __init__(self, max_workers: int):
         self.max_workers = max_workers
         self._lock = threading.Lock()
-        self._queue: collections.deque[CompileJob] = collections.deque()
-        self._workers: list[_Worker] = []
+        self._queue: list[CompileJob] = []
+        self._workers: list[Worker] = []
+        self._zygote: Zygote | None = None
+        self._wanted = False  # whether the zygote should run (not after it failed to start)
+        self._vocabs: list[Vocab] = []  # loaded in every worker ahead of jobs (start())
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe wakes the dispatcher already
         self._thread: threading.Thread | None = None
         self._loader: concurrent.futures.ThreadPoolExecutor | None = None
         self.num_jobs = 0  # submitted
         self.num_killed = 0  # workers killed for a job past its budget or cancelled
+        self.num_stopped = 0  # long jobs stopped for fresh ones (and queued again)
+        self.num_forked = 0  # workers started
+
+    def start(self, vocab: Vocab | None = None) -> None:
+        """Start the workers now, not at the first job (a server calls it at start-up), with
+        ``vocab`` loaded in them ahead of the jobs that need it."""
+        with self._lock:
+            if vocab is not None and vocab not in self._vocabs:
+                self._vocabs.append(vocab)
+            self._run_dispatcher()
+        self._wake()
+
+    def is_warm(self) -> bool:
+        """Whether ``max_workers`` workers are up with every vocabulary of :meth:`start`."""
+        with self._lock:
+            wanted = {v.id for v in self._vocabs}
+            workers = [w for w in self._workers if w.ready and wanted <= w.vocabs]
+            return None not in wanted and len(workers) >= self.max_workers
+
+    def wait_warm(self, timeout: float) -> bool:
+        """Wait until :meth:`is_warm` (True), the workers fail to start, or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self.is_warm():
+            if not self._wanted or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def submit(self, job: CompileJob) -> None:
         with self._lock:
             self._queue.append(job)
             self.num_jobs += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cbatch-grammar",
-                                                daemon=True)
-                self._thread.start()
+            self._run_dispatcher()
         self._wake()
 
     def cancel(self, job: CompileJob) -> None:
@@ -139,7 +111,20 @@ class CompilePool:
     def busy_pids(self) -> list[int]:
         """The process ids of the workers running a job now."""
         with self._lock:
-            return [w.proc.pid for w in self._workers if w.job is not None]
+            return [w.pid for w in self._workers if w.job is not None and w.ready]
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the workers that are up."""
+        with self._lock:
+            return [w.pid for w in self._workers if w.ready]
+
+    def _run_dispatcher(self) -> None:
+        """(Under the lock.)"""
+        self._wanted = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cbatch-grammar",
+                                            daemon=True)
+            self._thread.start()
 
     def _wake(self) -> None:
         try:
@@ -158,35 +143,118 @@ class CompilePool:
                 time.sleep(0.1)
 
     def _turn(self) -> None:
+        now = time.monotonic()
         with self._lock:
+            self._expire(now)
             for w in [w for w in self._workers if w.job is not None and w.job.cancelled]:
                 self._drop(w)
+            self._stop_for_fresh(now)
+            self._keep_warm()
             assigned = self._assign()
+        self._load_vocabs()
         for w, job in assigned:
             self._send(w, job)
         with self._lock:
-            workers = {w.recv: w for w in self._workers}
-            deadlines = [w.deadline for w in self._workers if w.deadline is not None]
-        timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-        for conn in wait([*workers, self._wake_r], timeout):
+            conns = {w.recv: w for w in self._workers}
+            if self._zygote is not None:
+                conns[self._zygote.conn] = self._zygote
+            timeout = self._next_event(time.monotonic())
+        for conn in wait([*conns, self._wake_r], timeout):
             if conn == self._wake_r:
                 os.read(self._wake_r, 1 << 16)
+            elif isinstance(conns[conn], Zygote):
+                self._zygote_says(conns[conn])
             else:
-                self._receive(workers[conn])
-        now = time.monotonic()
-        with self._lock:
-            for w in [w for w in self._workers if w.deadline is not None and w.deadline < now]:
-                if w.job is None:
-                    self._fail_queue(RuntimeError(
-                        f"the grammar compile worker did not start within {START_TIMEOUT_S:g} s"))
-                else:
-                    w.job._end(error=Refused(
-                        f"takes longer than this engine's limit of {w.job.timeout:g} s to "
-                        "compile (grammar_compile_timeout); give a simpler constraint"))
-                self._drop(w)
+                self._receive(conns[conn])
+        self._past_deadlines(time.monotonic())
 
-    def _send(self, w: _Worker, job: CompileJob) -> None:
-        """Send ``job`` to ``w`` (and its vocabulary, the first time); its time starts then."""
+    def _next_event(self, now: float) -> float | None:
+        """(Under the lock.)  Seconds until the next deadline, or a long job to stop."""
+        times = [w.deadline for w in self._workers if w.deadline is not None]
+        times += [j.deadline for j in self._queue]
+        if self._zygote is not None and self._zygote.deadline is not None:
+            times.append(self._zygote.deadline)
+        if any(not j.long for j in self._queue):  # when a running job turns long
+            times += [t for w in self._workers if w.job is not None and not w.job.long
+                      and w.job.started is not None
+                      and (t := w.job.started + QUICK_COMPILE_S) > now]
+        return None if not times else max(0.0, min(times) - now)
+
+    def _expire(self, now: float) -> None:
+        """(Under the lock.)  Fail the queued jobs whose budget ran out."""
+        for job in [j for j in self._queue if j.deadline <= now]:
+            self._queue.remove(job)
+            if job.long:
+                job._end(error=Refused(
+                    f"takes longer than this engine's limit of {job.timeout:g} s to compile "
+                    "(grammar_compile_timeout; it was stopped once for smaller constraints, "
+                    "its wait counts); give a simpler constraint"))
+            else:
+                job._end(error=WorkersBusy(
+                    f"no grammar compile worker was free within this engine's limit of "
+                    f"{job.timeout:g} s (grammar_compile_timeout): the server is compiling "
+                    "other constraints; retry later"))
+
+    def _stop_for_fresh(self, now: float) -> None:
+        """(Under the lock.)  A fresh job waits and every worker runs a long job: stop the
+        one that started last, and queue it again as long."""
+        if not any(not j.long for j in self._queue) or len(self._workers) < self.max_workers:
+            return
+        running = [w for w in self._workers if w.job is not None and w.job.started is not None]
+        if len(running) < len(self._workers) or any(
+                not w.job.long and now - w.job.started < QUICK_COMPILE_S for w in running):
+            return  # a worker is free, starting, or running a job that may still end soon
+        w = max(running, key=lambda w: w.job.started)
+        job, w.job = w.job, None
+        job.long, job.started = True, None
+        self._queue.append(job)
+        self._drop(w)
+        self.num_stopped += 1
+
+    def _keep_warm(self) -> None:
+        """(Under the lock.)  Start the zygote; fork workers up to ``max_workers``."""
+        if self._zygote is None and self._wanted:
+            try:
+                self._zygote = Zygote()
+            except OSError as exc:
+                self._give_up(RuntimeError(f"cannot start a grammar compile worker: {exc}"))
+                return
+        if self._zygote is None or not self._zygote.ready:
+            return
+        while len(self._workers) < self.max_workers:
+            try:
+                self._workers.append(Worker(self._zygote))
+            except OSError as exc:  # the zygote is gone: its end is read next
+                logger.warning("could not fork a grammar compile worker: %s", exc)
+                return
+            self.num_forked += 1
+
+    def _load_vocabs(self) -> None:
+        """The vocabularies of :meth:`start`, made (slow: every token is read) and sent to
+        the zygote, for the workers forked from now on, and to the idle workers."""
+        zygote = self._zygote
+        if zygote is None or not zygote.ready:
+            return
+        for vocab in list(self._vocabs):
+            try:
+                vocab.load()
+                with self._lock:
+                    if vocab.id not in zygote.vocabs:
+                        zygote.add_vocab(vocab)
+                    idle = [w for w in self._workers
+                            if w.ready and w.job is None and vocab.id not in w.vocabs]
+                for w in idle:
+                    w.send.send(("vocab", vocab.id, vocab.json))
+                    w.vocabs.add(vocab.id)
+            except OSError:  # a process that died: its end is read next
+                pass
+            except Exception as exc:  # it cannot be made (no xgrammar?): jobs will say so
+                logger.warning("could not load a vocabulary into the grammar workers: %s", exc)
+                with self._lock:
+                    self._vocabs.remove(vocab)
+
+    def _send(self, w: Worker, job: CompileJob) -> None:
+        """Send ``job`` to ``w`` (and its vocabulary, the first time)."""
         try:
             if job.vocab is not None and job.vocab.load().id not in w.vocabs:
                 w.send.send(("vocab", job.vocab.id, job.vocab.json))
@@ -203,45 +271,54 @@ class CompilePool:
         with self._lock:
             if w.job is job:
                 job.started = time.monotonic()
-                w.deadline = job.started + job.timeout
+                w.deadline = job.deadline
 
-    def _assign(self) -> list[tuple[_Worker, CompileJob]]:
-        """Give queued jobs to idle workers, and start workers for the jobs left (under the
-        lock); the pairs to send."""
-        assigned = []
-        for w in self._workers:
-            if w.ready and w.job is None and self._queue:
-                w.job = self._queue.popleft()
-                assigned.append((w, w.job))
-        starting = sum(not w.ready for w in self._workers)
-        while len(self._queue) > starting and len(self._workers) < self.max_workers:
-            try:
-                self._workers.append(_Worker())
-            except OSError as exc:
-                self._fail_queue(RuntimeError(f"cannot start a grammar compile worker: {exc}"))
-                break
-            starting += 1
+    def _assign(self) -> list[tuple[Worker, CompileJob]]:
+        """(Under the lock.)  Give queued jobs to idle workers: fresh ones first, shortest
+        first, then long ones in order of arrival.  The pairs to send."""
+        idle = [w for w in self._workers if w.ready and w.job is None]
+        order = sorted(self._queue, key=lambda j: (j.long, 0 if j.long else j.size,
+                                                   j.submitted))
+        assigned = list(zip(idle, order))
+        for w, job in assigned:
+            self._queue.remove(job)
+            w.job = job
         return assigned
 
-    def _receive(self, w: _Worker) -> None:
+    def _zygote_says(self, zygote: Zygote) -> None:
+        try:
+            zygote.conn.recv()  # ("ready",)
+        except (EOFError, OSError):  # it died: its workers die with it
+            with self._lock:
+                if not zygote.ready:
+                    self._give_up(RuntimeError(
+                        "the grammar compile worker failed to start (exit status "
+                        f"{zygote.proc.wait()}); see the log"))
+                else:
+                    logger.warning("the grammar workers' zygote ended (exit status %s); "
+                                   "starting another", zygote.proc.wait())
+                    zygote.kill()
+                    self._zygote = None
+            return
+        with self._lock:
+            zygote.ready, zygote.deadline = True, None
+
+    def _receive(self, w: Worker) -> None:
         try:
             reply = w.recv.recv()
         except (EOFError, OSError):  # it died: a crash of xgrammar's, or killed from outside
             with self._lock:
                 job = w.job
-                if job is None and not w.ready:
-                    self._fail_queue(RuntimeError("the grammar compile worker failed to start "
-                                                  f"(exit status {w.proc.poll()}); see the log"))
-                self._drop(w, killed=False)
+                if w in self._workers:
+                    self._drop(w, killed=False)
             if job is not None and not job.cancelled:
-                logger.warning("the grammar compile worker died (exit status %s) on a %s",
-                               w.proc.returncode, job.op)
+                logger.warning("a grammar compile worker died on a %s", job.op)
                 job._end(error=Refused("made the grammar compiler fail (its process ended); "
                                        "give a simpler constraint"))
             return
         if reply[0] == "ready":
             with self._lock:
-                w.ready, w.deadline = True, None
+                w.pid, w.deadline = reply[1], None
             return
         with self._lock:
             job, w.job, w.deadline = w.job, None, None
@@ -263,15 +340,34 @@ class CompilePool:
         else:
             job._end(None)
 
-    def _drop(self, w: _Worker, killed: bool = True) -> None:
-        """Kill ``w`` and forget it (under the lock)."""
+    def _past_deadlines(self, now: float) -> None:
+        with self._lock:
+            zygote = self._zygote
+            if zygote is not None and zygote.deadline is not None and zygote.deadline < now:
+                zygote.kill()
+                self._zygote = None
+                self._give_up(RuntimeError(f"the grammar compile worker did not start within "
+                                           f"{START_TIMEOUT_S:g} s"))
+            for w in [w for w in self._workers if w.deadline is not None and w.deadline < now]:
+                if w.job is not None:
+                    w.job._end(error=Refused(
+                        f"takes longer than this engine's limit of {w.job.timeout:g} s to "
+                        "compile (grammar_compile_timeout); give a simpler constraint"))
+                self._drop(w)
+
+    def _drop(self, w: Worker, killed: bool = True) -> None:
+        """(Under the lock.)  Kill ``w`` and forget it; the next turn forks another."""
         w.kill()
         self._workers.remove(w)
         self.num_killed += killed and w.job is not None
 
-    def _fail_queue(self, error: Exception) -> None:
-        while self._queue:
-            self._queue.popleft()._end(error=error)
+    def _give_up(self, error: Exception) -> None:
+        """(Under the lock.)  The workers cannot start: fail the queue; start again only for
+        a new job."""
+        self._wanted = False
+        for job in self._queue:
+            job._end(error=error)
+        self._queue.clear()
 
 
 def _load(job: CompileJob, grammar_json: str) -> None:
@@ -286,12 +382,19 @@ def _load(job: CompileJob, grammar_json: str) -> None:
         trim_memory()
 
 
+def prestart(num_workers: int = 1) -> None:
+    """Start this process's grammar workers now, before any engine exists (a server, while
+    its model loads: the zygote imports xgrammar meanwhile); nothing without xgrammar."""
+    if importlib.util.find_spec("xgrammar") is not None:
+        shared_pool(num_workers).start()
+
+
 _shared: CompilePool | None = None
 _shared_lock = threading.Lock()
 
 
 def shared_pool(max_workers: int) -> CompilePool:
-    """This process's pool, with at least ``max_workers`` workers allowed."""
+    """This process's pool, with at least ``max_workers`` workers."""
     global _shared
     with _shared_lock:
         if _shared is None:

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.logger import init_logger
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
+from cbatch.core.structured_output import prestart as prestart_grammar_workers
 from cbatch.core.cpu.report import format_paths
 from cbatch.entrypoints.openai.cli_args import (DEFAULT_LIMIT_CONCURRENCY,
                                                 DEFAULT_MAX_QUEUED_REQUESTS,
@@ -63,14 +64,23 @@ from cbatch.tokenizer import check_text_fits, token_text
 
 logger = init_logger("cbatch.server")
 
+# how long a server's start-up waits for its grammar workers (xgrammar's import)
+GRAMMAR_START_TIMEOUT_S = 120.0
+
 
 def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | None = None,
                  on_dead=None, **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
-    """An AsyncEngine whose finished requests feed a fresh set of server metrics."""
+    """An AsyncEngine whose finished requests feed a fresh set of server metrics, its
+    grammar workers warm: started before the model loads (they import xgrammar meanwhile),
+    then given its vocabulary, so that no client's first constraint waits for them."""
+    prestart_grammar_workers()
     metrics = ServerMetrics(served_model_name or model)
     engine = AsyncEngine(model, max_waiting=max_waiting, on_finished=metrics.observe,
                          on_dead=on_dead, **engine_kwargs)
     metrics.attach(engine)
+    if engine.is_running and not engine.warm_up_grammars(GRAMMAR_START_TIMEOUT_S):
+        logger.warning("the grammar workers are not ready; structured outputs start them "
+                       "when a request needs them")
     return engine, metrics
 
 

@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from cbatch.core.structured_output import ConstraintError
+from cbatch.core.structured_output import ConstraintError, WorkersBusy
 from cbatch.entrypoints.openai.protocol import PromptLogprob, UsageInfo, _SamplingFields
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ async def open_streams(engine: AsyncEngine, prompts: list, params: list[Sampling
         if raw_request is None:
             return await admission
         streams = await unless_disconnected(raw_request, admission)
-    except QueueFullError as exc:
+    except (QueueFullError, WorkersBusy) as exc:
         raise OpenAIError(503, str(exc), "server_overloaded") from None
     except EngineDeadError:
         raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
