@@ -513,3 +513,46 @@ def test_a_constraint_that_got_no_worker_within_its_budget_is_a_503():
         asyncio.run(open_streams(Busy(), ["x"], [SamplingParams()], stream=False))
     assert caught.value.status == 503 and caught.value.type == "server_overloaded"
     assert "no grammar compile worker was free" in caught.value.message
+
+
+# ---------------------------------------------- issue 74, finding 5: deeply nested schemas
+
+
+def _nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"structured_outputs": {"json": _nested(300)}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep",
+                                                                 "schema": _nested(300)}}},
+     "response_format.json_schema.schema"),
+])
+def test_a_schema_nested_300_deep_is_a_400_naming_it(server, body, field):
+    """A schema nests 601 lists and objects here, past MAX_CONSTRAINT_DEPTH (512): refused
+    before anything walks it recursively (pickling it for a worker was a 500); 200 levels
+    (401) are served."""
+    r = httpx.post(f"{server[0]}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field
+    assert error["message"] == (f"{field} nests lists and objects 601 deep; this server takes "
+                                "at most 512")
+    r = httpx.post(f"{server[0]}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 4,
+        "structured_outputs": {"json": _nested(200)}})
+    assert r.status_code == 200, r.text
+
+
+def test_nesting_depth_walks_without_recursion():
+    from cbatch.core.structured_output.manager import nesting_depth
+
+    assert nesting_depth("x") == 0 and nesting_depth({}) == 1 and nesting_depth([[], {}]) == 2
+    deep: list = []
+    for _ in range(100_000):  # (recursion would stop near a thousand)
+        deep = [deep]
+    assert nesting_depth(deep) == 100_001

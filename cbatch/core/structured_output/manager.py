@@ -27,16 +27,47 @@ if TYPE_CHECKING:
     from cbatch.tokenizer import Tokenizer
 
 
+# How deep lists and objects may nest in a constraint given as data (a JSON schema as a dict,
+# a choice): deeper ones are refused before anything walks them recursively (their JSON
+# text, pickling: Python's recursion stops near a thousand levels); a schema's grammar grows
+# with the square of its depth
+MAX_CONSTRAINT_DEPTH = 512
+
+
+def nesting_depth(value) -> int:
+    """How deep lists and dicts nest in ``value`` (0: neither is), found without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth = max(depth, level)
+            stack.extend((child, level + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
 def constraint_text(params: StructuredOutputsParams) -> str:
     """A constraint's text: its value as given, a schema dict as sorted JSON, a choice as its
-    JSON list ("" for json_object)."""
+    JSON list ("" for json_object); a :class:`ConstraintError` for one nested deeper than
+    :data:`MAX_CONSTRAINT_DEPTH`."""
     value = getattr(params, params.kind)
     if params.kind == "json_object":
         return ""
+    if isinstance(value, str):
+        return value
+    depth = nesting_depth(value)
+    if depth > MAX_CONSTRAINT_DEPTH:
+        raise ConstraintError(field_of(params), f"nests lists and objects {depth} deep; this "
+                              f"server takes at most {MAX_CONSTRAINT_DEPTH}")
     try:
-        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    except RecursionError:
+        return json.dumps(value, sort_keys=True)
+    except RecursionError:  # (a caller deep in its own stack)
         raise ConstraintError(field_of(params), "is nested too deeply") from None
+
+
+def _job_value(params: StructuredOutputsParams):
+    """What a worker gets of a constraint: a JSON schema as its text (flat to pickle)."""
+    return constraint_text(params) if params.kind == "json" else getattr(params, params.kind)
 
 
 def constraint_key(params: StructuredOutputsParams) -> str:
@@ -199,16 +230,15 @@ class StructuredOutputs:
         result is None when all of them parse, else it fails with the
         :class:`~cbatch.core.structured_output.grammar.Refused` of the first that does not, whose
         ``index`` says which."""
-        job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
+        job = CompileJob("parse", ([(c.kind, _job_value(c)) for c in constraints],),
                          None, self.timeout, sum(len(constraint_text(c)) for c in constraints))
         self.pool.submit(job)
         return job.future
 
     def _start(self, key: str, constraint: StructuredOutputsParams) -> _Compile:
         """(Under the lock.)  Queue ``constraint``'s compile."""
-        job = CompileJob("compile", (constraint.kind, getattr(constraint, constraint.kind),
-                                     self.max_bytes), self._vocab, self.timeout,
-                         len(constraint_text(constraint)))
+        job = CompileJob("compile", (constraint.kind, _job_value(constraint), self.max_bytes),
+                         self._vocab, self.timeout, len(constraint_text(constraint)))
         entry = self._compiles[key] = _Compile(key, job)
         field = field_of(constraint)
         job.future.add_done_callback(lambda f: self._compiled(entry, f, field))
