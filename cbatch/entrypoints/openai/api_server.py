@@ -145,7 +145,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        where = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+        where = [".".join(str(p) for p in e["loc"] if p != "body" and not _union_member(p))
+                 for e in errors]
         messages = [e["msg"].removeprefix("Value error, ") for e in errors]
         if not where[0]:  # a check of the whole body: its message names the field
             fields = exc.body if isinstance(exc.body, dict) else ()
@@ -253,6 +254,14 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
         return VersionResponse(version=__version__)
 
     return app
+
+
+def _union_member(part) -> bool:
+    """Whether a part of a pydantic error's location names the member of a union a value
+    was tried as (``str``, ``list[int]``, ``NamedToolChoice``), not a field."""
+    return isinstance(part, str) and (part[:1].isupper() or any(c in part for c in "[(-,")
+                                      or part in ("str", "int", "float", "bool", "dict",
+                                                  "list", "none"))
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 0.0,
