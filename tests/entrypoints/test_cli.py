@@ -292,6 +292,14 @@ def test_every_flag_has_help_and_its_default_shown():
                 text.split()), (name, action.option_strings)
 
 
+def test_serve_help_lists_every_route():
+    """Issue 74, finding 9: /v1/responses was served and not listed."""
+    text = " ".join(_subparsers()["serve"].format_help().split())
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                  "/tokenize", "/detokenize", "/version", "/health", "/metrics"):
+        assert route in text, route
+
+
 def test_a_setting_has_one_flag_name_in_every_command():
     """The same setting is spelled the same way wherever it appears (vLLM's engine args)."""
     flags: dict[str, set] = {}

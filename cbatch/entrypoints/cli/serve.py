@@ -93,8 +93,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
 def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("serve", parents=parents, help="serve the OpenAI API over HTTP",
                             description="Serve MODEL (or --model) with the OpenAI API over "
-                            "HTTP: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
-                            "/detokenize, /version, /health, /metrics.")
+                            "HTTP: /v1/completions, /v1/chat/completions, /v1/responses, "
+                            "/v1/models, /tokenize, /detokenize, /version, /health, /metrics.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as --model (default: --model's)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
