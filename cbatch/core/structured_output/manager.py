@@ -46,10 +46,11 @@ def nesting_depth(value) -> int:
     return depth
 
 
-def constraint_text(params: StructuredOutputsParams) -> str:
-    """A constraint's text: its value as given, a schema dict as sorted JSON, a choice as its
-    JSON list ("" for json_object); a :class:`ConstraintError` for one nested deeper than
-    :data:`MAX_CONSTRAINT_DEPTH`."""
+def constraint_text(params: StructuredOutputsParams, sort_keys: bool = True) -> str:
+    """A constraint's text: its value as given, a schema dict as JSON (its keys sorted, for a
+    key; in their order, for a compile: a schema's properties are written in it), a choice
+    as its JSON list ("" for json_object); a :class:`ConstraintError` for one nested deeper
+    than :data:`MAX_CONSTRAINT_DEPTH`."""
     value = getattr(params, params.kind)
     if params.kind == "json_object":
         return ""
@@ -60,14 +61,16 @@ def constraint_text(params: StructuredOutputsParams) -> str:
         raise ConstraintError(field_of(params), f"nests lists and objects {depth} deep; this "
                               f"server takes at most {MAX_CONSTRAINT_DEPTH}")
     try:
-        return json.dumps(value, sort_keys=True)
+        return json.dumps(value, sort_keys=sort_keys)
     except RecursionError:  # (a caller deep in its own stack)
         raise ConstraintError(field_of(params), "is nested too deeply") from None
 
 
 def _job_value(params: StructuredOutputsParams):
     """What a worker gets of a constraint: a JSON schema as its text (flat to pickle)."""
-    return constraint_text(params) if params.kind == "json" else getattr(params, params.kind)
+    if params.kind == "json":
+        return constraint_text(params, sort_keys=False)
+    return getattr(params, params.kind)
 
 
 def constraint_key(params: StructuredOutputsParams) -> str:
