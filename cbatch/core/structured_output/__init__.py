@@ -25,8 +25,9 @@ regex, a choice of strings, an EBNF grammar) goes through three stages:
    ``SamplingBatch.bitmask``), and the sampler sets every token the grammar forbids to -inf
    (:func:`cbatch.ops.sampling.apply_bitmask`) before it samples.  A constraint with
    ``reasoning_end`` (a reasoning model's ``</think>``, which the server gives with
-   ``--reasoning-parser``) waits for it: until the output has written those ids, its row
-   gets no bitmask and its matcher is not advanced (vLLM's rule).
+   ``--reasoning-parser``) waits for it: until the output has written those ids, its
+   matcher is not advanced (vLLM's rule) and its row allows every token but the stop
+   tokens (its output cannot end before its constraint has begun).
 
 The matcher sees only sampled tokens, so its state follows a sequence through preemption
 (recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
