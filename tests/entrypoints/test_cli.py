@@ -347,7 +347,7 @@ def test_serve_takes_the_model_as_its_argument():
         assert args.model == "random:gpt2"  # the default
     args = parse(["serve", "random:gpt2", "--served-model-name", "gpt2", "--port", "8001"])
     resolve_model(args)
-    assert (args.model, args.served_model_name, args.port) == ("random:gpt2", "gpt2", 8001)
+    assert (args.model, args.served_model_name, args.port) == ("random:gpt2", ["gpt2"], 8001)
 
 
 def test_dtype_and_device_auto():

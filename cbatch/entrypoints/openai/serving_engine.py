@@ -233,7 +233,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = model_name  # the first of the names the server answers to
+
+    def model_of(self, req) -> str:
+        """The model a response names: as its request did (one of the served names), as
+        vLLM does, else the first served name."""
+        return req.model or self.model_name
 
     async def open(self, prompts: list, params: SamplingParams, n: int, stream: bool,
                    raw_request: Request | None, constraint_field: str | None = None

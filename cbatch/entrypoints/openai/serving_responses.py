@@ -232,7 +232,7 @@ class OpenAIServingResponses(OpenAIServing):
             exc = await self.chat.name_broken_tool(chat_req, exc)  # the one at fault
             field = _responses_field(exc.param, True)
             raise OpenAIError(400, exc.message.replace(exc.param, field), param=field) from None
-        response = ResponsesResponse.of(req, self.model_name)
+        response = ResponsesResponse.of(req, self.model_of(req))
         if req.stream:
             return StreamingResponse(self._stream(chat_req, streams, response, reasoning,
                                                   field), media_type="text/event-stream")
