@@ -257,11 +257,8 @@ class EngineConfig:
                                    "free memory of a GPU)")
     kv_cache_memory: int | float | None = _knob(
         None, "KV-cache bytes, or a fraction of free device memory", cli=False)
-    gpu_memory_utilization: float | None = _knob(
-        None, "vLLM's memory fraction, on a CPU as on a GPU: the fraction of the device's "
-        "memory (a GPU's; the machine's, or its cgroup limit, on a CPU) that the weights and "
-        "KV cache may take; the cache gets what the weights leave, at most what max_num_seqs "
-        "sequences of max_model_len need (default: see num_blocks)")
+    gpu_memory_utilization: float | None = _knob(None, "vLLM's: the fraction of the device's "
+        "memory (the machine's on a CPU) for weights and KV cache (default: see num-blocks)")
     max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "
                                       "the model's context length)")
     max_num_seqs: int = _knob(64, "most sequences in one step")
@@ -335,10 +332,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be a byte count or a fraction in (0, 1], "
                              f"got {mem}")
         util = self.gpu_memory_utilization
-        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float))
-                                 or not 0 < util <= 1):
-            raise ValueError("gpu_memory_utilization must be a fraction in (0, 1] of the "
-                             f"device's memory, got {util!r}")
+        if util is not None and not (type(util) in (int, float) and 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
                              f"{self.scheduling_policy!r}")

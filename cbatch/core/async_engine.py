@@ -112,10 +112,9 @@ class AsyncEngine:
     def warm_up_grammars(self, timeout: float) -> bool:
         """Start the grammar workers with this engine's vocabulary loaded in them
         (``StructuredOutputs.warm_up``) and wait for them, at most ``timeout`` seconds:
-        whether they are ready (False without xgrammar)."""
+        whether they are ready (True without xgrammar: there are none to start)."""
         structured = self.engine.structured
-        structured.warm_up()
-        return structured.pool.wait_warm(timeout)
+        return not structured.warm_up() or structured.pool.wait_warm(timeout)
 
     def first_invalid(self, constraints: list) -> concurrent.futures.Future:
         """Which of ``constraints`` does not parse (``StructuredOutputs.first_invalid``)."""

@@ -9,6 +9,8 @@ import hashlib
 import threading
 import time
 
+from cbatch.core.structured_output.grammar import trim_memory, xgrammar
+
 
 class WorkersBusy(RuntimeError):
     """No worker was free for a job within its budget: the workers were busy with other
@@ -53,7 +55,19 @@ class CompileJob:
         self.started: float | None = None  # when a worker took it (this run)
         self.long = False  # it ran QUICK_COMPILE_S once and was stopped for a fresh job
 
-    def _end(self, result=None, error: BaseException | None = None) -> None:
+    def end_with_json(self, grammar_json: str) -> None:
+        """End a compile with the ``CompiledGrammar`` of its worker's JSON."""
+        try:  # (xgrammar lets go of the GIL here, as in compiles)
+            self.end(xgrammar().CompiledGrammar.deserialize_json(grammar_json,
+                                                                  self.vocab.info))
+        except Exception as exc:
+            self.end(error=exc)
+        if len(grammar_json) > 1 << 20:
+            # reading it back takes many times the grammar's size for a moment: give that
+            # back to the system (glibc would keep it for this process)
+            trim_memory()
+
+    def end(self, result=None, error: BaseException | None = None) -> None:
         try:  # (a cancel on another thread may have ended it first)
             if error is None:
                 self.future.set_result(result)

@@ -152,12 +152,14 @@ class StructuredOutputs:
     def pool(self):
         return shared_pool(self.num_workers)
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Start the process's grammar workers now, with this engine's vocabulary loaded in
         them (a server's start-up: its first constraint then waits for no process to start
-        and no vocabulary to load); nothing without xgrammar."""
-        if importlib.util.find_spec("xgrammar") is not None:
-            self.pool.start(self._vocab)
+        and no vocabulary to load); whether it did (not without xgrammar)."""
+        if importlib.util.find_spec("xgrammar") is None:
+            return False
+        self.pool.start(self._vocab)
+        return True
 
     def check(self, params: SamplingParams) -> None:
         """Check a request's constraint: parse a new one here (:class:`ConstraintError` if it

@@ -37,7 +37,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from cbatch.core.structured_output.grammar import Refused, trim_memory, xgrammar
+from cbatch.core.structured_output.grammar import Refused
 from cbatch.core.structured_output.jobs import CompileJob, Vocab, WorkersBusy
 from cbatch.core.structured_output.worker import START_TIMEOUT_S, Worker, Zygote
 from cbatch.logger import init_logger
@@ -47,6 +47,8 @@ logger = init_logger(__name__)
 # how long a job runs before it may be stopped for a fresh one (a compile of an ordinary
 # schema takes well under this; one that takes more waits while smaller ones go first)
 QUICK_COMPILE_S = 1.0
+
+
 class CompilePool:
     """``max_workers`` worker processes, kept warm (see the module)."""
 
@@ -105,7 +107,7 @@ class CompilePool:
             job.cancelled = True
             if job in self._queue:
                 self._queue.remove(job)
-        job._end(error=concurrent.futures.CancelledError())
+        job.end(error=concurrent.futures.CancelledError())
         self._wake()
 
     def busy_pids(self) -> list[int]:
@@ -185,12 +187,12 @@ class CompilePool:
         for job in [j for j in self._queue if j.deadline <= now]:
             self._queue.remove(job)
             if job.long:
-                job._end(error=Refused(
+                job.end(error=Refused(
                     f"takes longer than this engine's limit of {job.timeout:g} s to compile "
                     "(grammar_compile_timeout; it was stopped once for smaller constraints, "
                     "its wait counts); give a simpler constraint"))
             else:
-                job._end(error=WorkersBusy(
+                job.end(error=WorkersBusy(
                     f"no grammar compile worker was free within this engine's limit of "
                     f"{job.timeout:g} s (grammar_compile_timeout): the server is compiling "
                     "other constraints; retry later"))
@@ -264,7 +266,7 @@ class CompilePool:
         except OSError:  # the worker died before it read the job: the next turn sees it
             pass
         except Exception as exc:  # the vocabulary could not be made (no xgrammar?)
-            job._end(error=exc)
+            job.end(error=exc)
             with self._lock:
                 w.job = None
             return
@@ -313,7 +315,7 @@ class CompilePool:
                     self._drop(w, killed=False)
             if job is not None and not job.cancelled:
                 logger.warning("a grammar compile worker died on a %s", job.op)
-                job._end(error=Refused("made the grammar compiler fail (its process ended); "
+                job.end(error=Refused("made the grammar compiler fail (its process ended); "
                                        "give a simpler constraint"))
             return
         if reply[0] == "ready":
@@ -329,16 +331,16 @@ class CompilePool:
             index, problem = value
             error = Refused(problem)
             error.index = index
-            job._end(error=error)
+            job.end(error=error)
         elif status == "error":
-            job._end(error=Refused(value))
+            job.end(error=Refused(value))
         elif job.op == "compile":  # read back beside this thread, which serves the others
             if self._loader is None:
                 self._loader = concurrent.futures.ThreadPoolExecutor(
                     self.max_workers, thread_name_prefix="cbatch-grammar-load")
-            self._loader.submit(_load, job, value)
+            self._loader.submit(job.end_with_json, value)
         else:
-            job._end(None)
+            job.end(None)
 
     def _past_deadlines(self, now: float) -> None:
         with self._lock:
@@ -350,7 +352,7 @@ class CompilePool:
                                            f"{START_TIMEOUT_S:g} s"))
             for w in [w for w in self._workers if w.deadline is not None and w.deadline < now]:
                 if w.job is not None:
-                    w.job._end(error=Refused(
+                    w.job.end(error=Refused(
                         f"takes longer than this engine's limit of {w.job.timeout:g} s to "
                         "compile (grammar_compile_timeout); give a simpler constraint"))
                 self._drop(w)
@@ -366,20 +368,8 @@ class CompilePool:
         a new job."""
         self._wanted = False
         for job in self._queue:
-            job._end(error=error)
+            job.end(error=error)
         self._queue.clear()
-
-
-def _load(job: CompileJob, grammar_json: str) -> None:
-    """End ``job`` with the ``CompiledGrammar`` of its worker's JSON."""
-    try:  # (xgrammar lets go of the GIL here, as in compiles)
-        job._end(xgrammar().CompiledGrammar.deserialize_json(grammar_json, job.vocab.info))
-    except Exception as exc:
-        job._end(error=exc)
-    if len(grammar_json) > 1 << 20:
-        # reading it back takes many times the grammar's size for a moment: give that back
-        # to the system (glibc would keep it for this process)
-        trim_memory()
 
 
 def prestart(num_workers: int = 1) -> None:
