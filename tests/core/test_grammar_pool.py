@@ -13,6 +13,7 @@ import pytest
 from cbatch import Engine, SamplingParams
 from cbatch.core.structured_output import WorkersBusy
 from cbatch.core.structured_output import pool as pool_module
+from cbatch.sampling_params import StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
 
@@ -94,22 +95,23 @@ def test_a_jobs_budget_counts_its_wait_for_a_worker():
     """Three heavy constraints, two workers, a 2 s budget: all three are answered within
     about 2 s of their submission, the one that waited included (a 503's WorkersBusy, or
     refused as too slow), not 2 s after a worker came free."""
-    engine = _warm_engine(grammar_compile_timeout=2.0)
-    submitted = {}
-    for k in range(3):  # (Engine.add_request parses each in this thread first)
-        rid = engine.add_request([1], SamplingParams(max_tokens=4, structured_outputs=heavy(k)))
-        submitted[rid] = time.monotonic()
-    answered, deadline = {}, time.monotonic() + 60
-    while len(answered) < 3:
-        assert time.monotonic() < deadline
-        answered.update({o.request_id: (o, time.monotonic()) for o in engine.step()
-                         if o.finished})
-    for rid, (out, at) in answered.items():
-        assert at - submitted[rid] < 2.0 + 1.5
-        assert out.finish_reason == "error"
+    structured = _warm_engine(grammar_compile_timeout=2.0).structured
+    answered = {}
+    tickets = []
+    for k in range(3):
+        ticket = structured.compile(StructuredOutputsParams(**heavy(k)))
+        submitted = time.monotonic()
+        ticket.future.add_done_callback(
+            lambda f, k=k, t=submitted: answered.setdefault(k, (f, time.monotonic() - t)))
+        tickets.append(ticket)
+    _wait_for(lambda: len(answered) == 3, timeout_s=60)
+    for future, waited in answered.values():
+        assert waited < 2.0 + 1.5
         assert re.search(r"takes longer than this engine's limit of 2 s to compile|no grammar "
                          r"compile worker was free within this engine's limit of 2 s",
-                         out.error), out.error
+                         str(future.exception())), future.exception()
+    for ticket in tickets:
+        structured.release(ticket)
 
 
 def test_a_job_that_never_got_a_worker_fails_as_workers_busy():
