@@ -22,10 +22,9 @@ started last is stopped and queued again (it loses that much work, and runs agai
 fresh job waits): one worker turns to fresh jobs within QUICK_COMPILE_S, so a 3-character
 regex never waits for a schema that takes seconds, from the same client or another.
 
-One dispatcher thread per process hands jobs to workers and reads their replies, turning a
-compiled grammar's JSON back into a ``CompiledGrammar`` (beside it, in a thread pool).  One
-pool serves every engine of a process (:func:`shared_pool`): its workers keep the
-vocabularies they were sent.
+One dispatcher thread hands jobs to workers and reads their replies (a compiled grammar's
+JSON is read back beside it, in a thread pool).  One pool serves every engine of a process
+(:func:`shared_pool`): its workers keep the vocabularies they were sent.
 """
 
 from __future__ import annotations
@@ -151,8 +150,9 @@ class CompilePool:
             for w in [w for w in self._workers if w.job is not None and w.job.cancelled]:
                 self._drop(w)
             self._stop_for_fresh(now)
-            self._keep_warm()
+            missing = self._keep_warm()
             assigned = self._assign()
+        self._fork(missing)
         self._load_vocabs()
         for w, job in assigned:
             self._send(w, job)
@@ -213,36 +213,43 @@ class CompilePool:
         self._drop(w)
         self.num_stopped += 1
 
-    def _keep_warm(self) -> None:
-        """(Under the lock.)  Start the zygote; fork workers up to ``max_workers``."""
+    def _keep_warm(self) -> int:
+        """(Under the lock.)  Start the zygote; how many workers to fork for ``max_workers``
+        (forked outside the lock: only this thread adds workers, and a zygote busy with a
+        vocabulary may be slow to read)."""
         if self._zygote is None and self._wanted:
             try:
                 self._zygote = Zygote()
             except OSError as exc:
                 self._give_up(RuntimeError(f"cannot start a grammar compile worker: {exc}"))
-                return
         if self._zygote is None or not self._zygote.ready:
-            return
-        while len(self._workers) < self.max_workers:
+            return 0
+        return max(0, self.max_workers - len(self._workers))
+
+    def _fork(self, count: int) -> None:
+        for _ in range(count):
             try:
-                self._workers.append(Worker(self._zygote))
+                worker = Worker(self._zygote)
             except OSError as exc:  # the zygote is gone: its end is read next
                 logger.warning("could not fork a grammar compile worker: %s", exc)
                 return
-            self.num_forked += 1
+            with self._lock:
+                self._workers.append(worker)
+                self.num_forked += 1
 
     def _load_vocabs(self) -> None:
         """The vocabularies of :meth:`start`, made (slow: every token is read) and sent to
-        the zygote, for the workers forked from now on, and to the idle workers."""
+        the zygote, for the workers forked from now on, and to the idle workers (outside
+        the lock: a vocabulary is megabytes)."""
         zygote = self._zygote
         if zygote is None or not zygote.ready:
             return
         for vocab in list(self._vocabs):
             try:
                 vocab.load()
+                if vocab.id not in zygote.vocabs:
+                    zygote.add_vocab(vocab)
                 with self._lock:
-                    if vocab.id not in zygote.vocabs:
-                        zygote.add_vocab(vocab)
                     idle = [w for w in self._workers
                             if w.ready and w.job is None and vocab.id not in w.vocabs]
                 for w in idle:
