@@ -151,6 +151,8 @@ class EngineConfig:
                                    "free memory of a GPU)")
     kv_cache_memory: int | float | None = _knob(
         None, "KV-cache bytes, or a fraction of free device memory", cli=False)
+    gpu_memory_utilization: float | None = _knob(None, "vLLM's: the fraction of the device's "
+        "memory (the machine's on a CPU) for weights and KV cache (default: see num-blocks)")
     max_model_len: int | None = _knob(None, "the longest prompt + output, in tokens (default: "
                                       "the model's context length)")
     max_num_seqs: int = _knob(64, "most sequences in one step")
@@ -185,8 +187,9 @@ class EngineConfig:
         2, "processes that compile structured-output grammars, one core each at most (one "
         "pool per process: the largest of its engines' settings)")
     grammar_compile_timeout: float = _knob(
-        10.0, "seconds a structured-output grammar may take to parse and compile; a request "
-        "whose grammar takes longer is refused (its compile is stopped)")
+        10.0, "seconds a structured-output grammar may take to parse and compile, its wait "
+        "for a worker included; a request whose grammar takes longer is refused (its compile "
+        "is stopped)")
     max_grammar_bytes: int = _knob(
         32 << 20, "the most memory a compiled structured-output grammar (its token masks) may "
         "take; a request whose grammar takes more is refused")
@@ -222,6 +225,9 @@ class EngineConfig:
         if mem is not None and (mem <= 0 or (isinstance(mem, float) and mem > 1)):
             raise ValueError("kv_cache_memory must be a byte count or a fraction in (0, 1], "
                              f"got {mem}")
+        util = self.gpu_memory_utilization
+        if util is not None and not (type(util) in (int, float) and 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         if self.scheduling_policy not in POLICIES + ("static",):
             raise ValueError(f"scheduling_policy must be one of {POLICIES + ('static',)}, got "
                              f"{self.scheduling_policy!r}")

@@ -39,7 +39,8 @@ def running_server(model: str = "random:tiny", name: str = "tiny", max_waiting: 
     kernel otherwise buffers megabytes for a client that reads nothing)."""
     import uvicorn
 
-    from cbatch.entrypoints.openai.api_server import build_app, build_engine, uvicorn_config
+    from cbatch.entrypoints.openai.api_server import build_app, build_engine
+    from cbatch.entrypoints.openai.uvicorn_server import uvicorn_config
 
     engine, metrics = build_engine(model, max_waiting, name, **engine_kwargs)
     app = build_app(engine, metrics, name, **(app_kwargs or {}))

@@ -109,6 +109,13 @@ class AsyncEngine:
         """The fast paths this engine's runner takes (a CPU engine's; empty elsewhere)."""
         return self.engine.worker.describe()
 
+    def warm_up_grammars(self, timeout: float) -> bool:
+        """Start the grammar workers with this engine's vocabulary loaded in them
+        (``StructuredOutputs.warm_up``) and wait for them, at most ``timeout`` seconds:
+        whether they are ready (True without xgrammar: there are none to start)."""
+        structured = self.engine.structured
+        return not structured.warm_up() or structured.pool.wait_warm(timeout)
+
     def first_invalid(self, constraints: list) -> concurrent.futures.Future:
         """Which of ``constraints`` does not parse (``StructuredOutputs.first_invalid``)."""
         return self.engine.structured.first_invalid(constraints)

@@ -35,13 +35,13 @@ import torch
 from torch import nn
 
 from cbatch import ops
-from cbatch.core import grammar_matcher
 from cbatch.core.input_batch import StepBatchBuilder, run_starts
 from cbatch.core.sampler import (SamplingBatch, TokenCounts, logits_rules, logprobs_tensors,
                                  sample)
 from cbatch.core.scheduler import ScheduledSequence
 from cbatch.devices import to_device
 from cbatch.core.step_outputs import DraftPositions, PromptTargets, SampledTokens
+from cbatch.core.structured_output import bitmask as grammar_bitmask
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.step_batch import StepBatch
 
@@ -224,7 +224,7 @@ class ModelRunner:
             positions=positions,
             min_ps=[p.min_p for p in params],
             rules=logits_rules(seqs, samples, self.eos_token_ids, self.token_counts, failed),
-            bitmask=grammar_matcher.bitmask(scheduled),
+            bitmask=grammar_bitmask(scheduled),
             failed=failed,
         )
         num_logprobs = [p.logprobs for p in params]

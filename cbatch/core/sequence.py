@@ -58,7 +58,7 @@ class Sequence:
     # a cbatch.core.detokenizer.IncrementalDetokenizer, made when the text is first read (not
     # imported: this module stays free of everything but sampling_params)
     detokenizer: object | None = None
-    # a cbatch.core.grammar_matcher.SequenceGrammar when params.structured_outputs is set
+    # a cbatch.core.structured_output.SequenceGrammar when params.structured_outputs is set
     # (made once its grammar is compiled; not imported, for the same reason)
     grammar: object | None = None
 

@@ -19,7 +19,7 @@ from ray import serve as ray_serve
 class EngineReplica:
     """One engine and its app; Ray Serve builds the app once the engine is up."""
 
-    def __init__(self, model: str, served_model_name: str, max_waiting: int,
+    def __init__(self, model: str, served_model_name: str | list[str], max_waiting: int,
                  engine_kwargs: dict, chat_template: str | None = None,
                  guard: dict | None = None):
         from cbatch.entrypoints.openai.api_server import build_engine
@@ -46,7 +46,8 @@ class EngineReplica:
         return app
 
 
-def build_ray_app(model: str, num_replicas: int = 1, served_model_name: str | None = None,
+def build_ray_app(model: str, num_replicas: int = 1,
+                  served_model_name: str | list[str] | None = None,
                   num_cpus_per_replica: float = 1.0, num_gpus_per_replica: float = 0.0,
                   max_waiting: int = 1024,
                   chat_template: str | None = None, guard: dict | None = None,

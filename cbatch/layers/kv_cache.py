@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -29,28 +31,83 @@ def bytes_per_token(config: ModelShape, dtype: torch.dtype) -> int:
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def num_kv_blocks(config: EngineConfig, model_config: ModelShape) -> int:
-    """Blocks for the KV cache: ``num_blocks``, else ``kv_cache_memory``, else a default that
-    holds ``max_num_seqs`` full-length sequences (capped at 1 GiB on the CPU, half the free
-    memory on a GPU)."""
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of ``device``'s memory: a GPU's; on the CPU, the machine's
+    available and physical memory, or the process's cgroup (v2) limit when it is lower."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = total
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) << 10 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max" and int(limit) < total:
+            total, free = int(limit), min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(free, 0), total
+
+
+def memory_in_use(device: torch.device, weight_bytes: int) -> int:
+    """What counts against ``gpu_memory_utilization`` before the KV cache: on a GPU, all
+    that torch holds there (the weights, a draft model's cache); on the CPU, the weights."""
+    if device.type == "cuda":
+        return max(torch.cuda.memory_reserved(device), weight_bytes)
+    return weight_bytes
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelShape, weight_bytes: int = 0) -> int:
+    """Blocks for the KV cache: ``num_blocks``, else ``kv_cache_memory``, else
+    ``gpu_memory_utilization`` (vLLM's fraction of the device's memory, less what is in use:
+    ``weight_bytes``, the model's weights), else a default.  A fraction, and the default,
+    hold at most ``max_num_seqs`` full-length sequences (the default at most 1 GiB on the CPU,
+    half the free memory on a GPU)."""
     if config.num_blocks is not None:
         return config.num_blocks
     per_block = bytes_per_token(model_config, config.torch_dtype) * config.block_size
     device = torch.device(config.device)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    max_len = config.max_model_len or model_config.max_model_len
+    want = config.max_num_seqs * max_len // config.block_size + 1
     mem = config.kv_cache_memory
+    if mem is None and config.gpu_memory_utilization is not None:
+        return _blocks_of_fraction(config, device, per_block, want, weight_bytes)
+    free = device_memory(device)[0] if device.type == "cuda" else None
     if isinstance(mem, float):
         if free is None:
             raise ValueError("a fractional kv_cache_memory needs a CUDA device; give bytes")
         mem = int(mem * free)
     if mem is None:
-        max_len = config.max_model_len or model_config.max_model_len
-        want = config.max_num_seqs * max_len // config.block_size + 1
         cap = free // 2 if free is not None else _CPU_DEFAULT_KV_BYTES
         return max(1, min(want, cap // per_block))
     if mem < per_block:
         raise ValueError(f"kv_cache_memory={mem} bytes holds no block ({per_block} bytes)")
     return mem // per_block
+
+
+def _blocks_of_fraction(config: EngineConfig, device: torch.device, per_block: int, want: int,
+                        weight_bytes: int) -> int:
+    fraction = config.gpu_memory_utilization
+    free, total = device_memory(device)
+    in_use = memory_in_use(device, weight_bytes)
+    budget = int(fraction * total) - in_use
+    if budget < per_block:
+        raise ValueError(f"gpu_memory_utilization={fraction:g} leaves the KV cache no room: "
+                         f"{fraction:g} of the {total / 2**30:.2f} GiB of {device.type} is "
+                         f"{fraction * total / 2**30:.2f} GiB, and {in_use / 2**30:.2f} GiB are "
+                         "in use (the weights); raise it")
+    blocks = min(want, budget // per_block)
+    if blocks * per_block > free:
+        raise ValueError(f"gpu_memory_utilization={fraction:g} gives the KV cache "
+                         f"{blocks * per_block / 2**30:.2f} GiB, more than the "
+                         f"{free / 2**30:.2f} GiB free on {device.type} now; lower it, or "
+                         "max_num_seqs or max_model_len")
+    return blocks
 
 
 class KVCache:

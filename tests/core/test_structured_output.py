@@ -332,3 +332,14 @@ def test_a_checkpoints_bpe_tokenizer_constrains_its_outputs(bpe_checkpoint, kind
         assert_follows(kind, out.text)
     if kind == "json":  # merged tokens were sampled, not bytes alone
         assert any(len(out.token_ids) < len(out.text) for out in outs)
+
+
+def test_a_schemas_properties_are_written_in_its_order():
+    """The schema goes to its worker as JSON text in its own key order (sorted keys would put
+    "a" first): xgrammar writes properties in the schema's order."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"},
+                                               "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    out = LLM("random:tiny").generate(["x"], SamplingParams(
+        max_tokens=60, structured_outputs={"json": schema}), use_tqdm=False)[0]
+    assert out.text.startswith('{"zeta": '), out.text

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from cbatch import LLM, SamplingParams
-from cbatch.core.grammar_matcher import SequenceGrammar
-from cbatch.core.structured_output import StructuredOutputs
+from cbatch.core.structured_output import SequenceGrammar, StructuredOutputs
 from cbatch.sampling_params import StructuredOutputsParams
 from tests.structured_utils import PERSON, script_outputs
 
@@ -59,6 +58,23 @@ def test_without_reasoning_end_the_grammar_beats_the_script(monkeypatch):
     jsonschema.validate(json.loads(out.text), PERSON)
 
 
+def test_reasoning_cannot_end_before_its_constraint_begins(monkeypatch):
+    """The model would write its end token (511, pushed far up) inside the reasoning: it is
+    masked there, so the output goes on to max_tokens ("length"), never "stop" with no
+    answer; with the grammar begun, the end token ends it as usual."""
+    script_outputs(monkeypatch, b"<think>hm")
+    bias = {511: 100.0}
+    out = LLM("random:tiny").generate(["who?"], SamplingParams(
+        max_tokens=20, seed=0, logit_bias=bias, structured_outputs=StructuredOutputsParams(
+            regex="[a-z]*", reasoning_end=END)), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and 511 not in out.token_ids
+    script_outputs(monkeypatch, b"<think>hm</think>")
+    out = LLM("random:tiny").generate(["who?"], SamplingParams(
+        max_tokens=40, seed=0, logit_bias=bias, structured_outputs=StructuredOutputsParams(
+            regex="[a-z]*", reasoning_end=END)), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == "<think>hm</think>"
+
+
 def test_reasoning_that_never_ends_finishes_with_length(monkeypatch):
     """The grammar never applies: the output is the reasoning, cut at max_tokens."""
     script_outputs(monkeypatch, b"<think>" + b"a" * 100)
@@ -66,9 +82,14 @@ def test_reasoning_that_never_ends_finishes_with_length(monkeypatch):
     assert out.finish_reason == "length" and out.text == "<think>" + "a" * 23
 
 
-def test_a_reasoning_row_gets_no_bitmask_and_the_matcher_waits():
+def _allows(row: torch.Tensor, token: int) -> bool:
+    return bool(row[0, token // 32] >> (token % 32) & 1)
+
+
+def test_a_reasoning_row_allows_all_but_its_end_and_the_matcher_waits():
     """SequenceGrammar alone: a one-token end (a tokenizer with ``</think>`` as one id) and
-    a multi-token one; an end split by another token does not count."""
+    a multi-token one; an end split by another token does not count.  While it reasons, its
+    row allows every token but the stop token (511): it cannot end before its grammar."""
     from cbatch.config import EngineConfig
     from cbatch.tokenizer import ByteTokenizer
 
@@ -79,11 +100,14 @@ def test_a_reasoning_row_gets_no_bitmask_and_the_matcher_waits():
     for end, before in (([300], [97, 300]), (END, list(b"</th") + [97] + END)):
         grammar = SequenceGrammar(compiled, 512, [511], "structured_outputs.regex", end)
         for token in before:
+            row = torch.zeros(1, 16, dtype=torch.int32)
+            grammar.fill(row, 0)
+            assert all(_allows(row, t) for t in (60, 97, 300)) and not _allows(row, 511)
             assert grammar.reasoning and not grammar.accept(token)  # "<" is free
         assert not grammar.reasoning  # the end was written: constrained from here
         row = torch.zeros(1, 16, dtype=torch.int32)
         grammar.fill(row, 0)
-        assert row[0, 97 // 32] >> (97 % 32) & 1 and not row[0, 98 // 32] >> (98 % 32) & 1
+        assert _allows(row, 97) and not _allows(row, 98)
         assert not grammar.accept(97) and grammar.accept(98)
 
 

@@ -292,6 +292,14 @@ def test_every_flag_has_help_and_its_default_shown():
                 text.split()), (name, action.option_strings)
 
 
+def test_serve_help_lists_every_route():
+    """Issue 74, finding 9: /v1/responses was served and not listed."""
+    text = " ".join(_subparsers()["serve"].format_help().split())
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                  "/tokenize", "/detokenize", "/version", "/health", "/metrics"):
+        assert route in text, route
+
+
 def test_a_setting_has_one_flag_name_in_every_command():
     """The same setting is spelled the same way wherever it appears (vLLM's engine args)."""
     flags: dict[str, set] = {}
@@ -339,7 +347,7 @@ def test_serve_takes_the_model_as_its_argument():
         assert args.model == "random:gpt2"  # the default
     args = parse(["serve", "random:gpt2", "--served-model-name", "gpt2", "--port", "8001"])
     resolve_model(args)
-    assert (args.model, args.served_model_name, args.port) == ("random:gpt2", "gpt2", 8001)
+    assert (args.model, args.served_model_name, args.port) == ("random:gpt2", ["gpt2"], 8001)
 
 
 def test_dtype_and_device_auto():

@@ -9,6 +9,7 @@ grammar.
 random:qwen3-tiny's tokenizer is byte-level: token b < 256 is byte b."""
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -227,11 +228,24 @@ def test_best_of_returns_the_most_likely_candidates(client):
 @pytest.mark.parametrize("body, match", [
     ({"best_of": 1, "n": 2}, "best_of must be >= n"),
     ({"best_of": 2, "stream": True}, "cannot be streamed"),
+    ({"best_of": 33}, "best_of: Input should be less than or equal to 32"),
+    ({"best_of": 0}, "best_of: Input should be greater than or equal to 1"),
 ])
 def test_best_of_refusals(server, body, match):
     r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
     assert r.status_code == 400 and match in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "best_of"
+
+
+def test_a_huge_best_of_is_refused_before_anything_is_built(server):
+    """Issue 74, finding 1: best_of is bounded as n is, when the request is read: ten million
+    candidates are a 400 at once, and the server answers /health meanwhile."""
+    started = time.monotonic()
+    r = _post(server, "/v1/completions", {"prompt": "hi", "best_of": 10_000_000,
+                                          "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert time.monotonic() - started < 5
+    assert httpx.get(f"{server[0]}/health", timeout=5).status_code == 200
 
 
 # ------------------------------------------------------------ lm-evaluation-harness

@@ -125,6 +125,24 @@ def test_reasoning_cut_off_by_max_tokens_returns_no_content(
         assert not choice["content"] and not choice["calls"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("constraint", [
+    {"response_format": PERSON_FORMAT}, {"tools": TOOLS, "tool_choice": "required"}])
+def test_a_reply_cannot_end_inside_its_reasoning_as_if_it_answered(
+        client, monkeypatch, stream, constraint):
+    """Issue 74, part 4: the model would end its reply (EOS, 511, pushed far up) before
+    ``</think>``; its constraint has not begun, so the end token is masked while it reasons:
+    the reply goes on to max_tokens ("length", as vLLM says of a cut-off reply), never
+    "stop" with no JSON and no call.  (15 tokens after the script cannot hold ``</think>``
+    and an answer.)"""
+    script_outputs(monkeypatch, b"<think>hm")
+    for choice in _chat(client, stream, n=2, logit_bias={"511": 100}, max_tokens=24,
+                        **constraint):
+        assert choice["finish"] == "length", choice
+        assert choice["reasoning"].startswith("hm") and not choice["content"]
+        assert not choice["calls"]
+
+
 def test_responses_text_format_follows_the_reasoning_and_counts_it(server, client, thinking):
     """The Responses API: a reasoning item, then the message of JSON; usage's
     reasoning_tokens are the thought's own tokens (its tags not counted), streamed too."""

@@ -144,10 +144,25 @@ def test_function_call_items_in_the_input(client, server):
 
 @pytest.mark.parametrize("body, param, match", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
-    ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
-    ({"input": [{"type": "image", "url": "x"}]}, "input", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "tools[0]: only function tools"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input.0", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"text": {"format": {"type": "xml"}}}, "text", "json_schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", "json_schema"),
+    # issue 74, finding 4: text.format not an object is a 400, not a 500
+    ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
+    ({"text": {"format": 5}}, "text.format", "text.format must be an object"),
+    ({"text": {"format": []}}, "text.format", "text.format must be an object"),
+    # finding 6: the Responses request's own fields, never chat's, and never param null
+    ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema",
+     "text.format.schema must be a JSON schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": 5}}}, "text.format.schema",
+     "text.format.schema must be a JSON schema"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be an int >= 1"),
+    ({"input": [{"role": "user", "content": "x"}] * 3000}, "input", "input has 3000 items"),
+    ({"input": "x" * 20000}, "input", "input: the rendered messages"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools[0].parameters",
+     "tools[0].parameters: Input should be a valid dictionary"),
+    ({"tool_choice": 7}, "tool_choice", "tool_choice: Input should be a valid string"),
     # a constraint the grammar refuses is named as this API spells it (not chat's name)
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
      "text.format.schema", "text.format.schema is not a valid JSON schema"),
@@ -160,7 +175,10 @@ def test_refusals(server, body, param, match):
     r = _post(server, {"input": "hi", **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert match in error["message"] and (error["param"] or "") == param
+    assert match in error["message"] and error["param"] == param, error
+    for chat_name in ("max_tokens", "max_completion_tokens", "response_format", "messages:",
+                      ".function."):
+        assert chat_name not in error["message"], error
 
 
 @pytest.mark.slow
@@ -178,3 +196,20 @@ def test_a_reasoning_item_with_deepseek_r1():
         events = _events((url,), body)
         assert "".join(e["delta"] for e in events
                        if e["type"] == "response.reasoning_text.delta") == thought
+
+
+def test_an_output_that_could_not_follow_text_format_names_it():
+    """The engine names a constraint structured_outputs.<kind>; a Responses error names the
+    request's own field, as its param too."""
+    from cbatch.entrypoints.openai.serving_engine import OpenAIError
+    from cbatch.entrypoints.openai.serving_responses import responses_error
+
+    error = responses_error(OpenAIError(400, "choice 0: structured_outputs.json cannot be "
+                                             "followed together with the request's other "
+                                             "rules"), "text.format.schema")
+    assert error.message.startswith("choice 0: text.format.schema cannot be followed")
+    assert error.param == "text.format.schema"
+    error = responses_error(OpenAIError(400, "max_tokens must be an int >= 1, got 0",
+                                        param="max_tokens"))
+    assert (error.message, error.param) == ("max_output_tokens must be an int >= 1, got 0",
+                                            "max_output_tokens")

@@ -118,6 +118,45 @@ def test_malformed_host_and_origin_are_400s_before_the_api_key():
         assert r.status_code == 200
 
 
+def test_an_http_1_1_request_without_host_is_a_400_whatever_the_parser():
+    """Issue 74, finding 8: RFC 9112 requires Host in HTTP/1.1; h11 refused a request without
+    one, httptools (the ``ray`` extra installs it, and uvicorn then picks it) served it.  The
+    guard refuses it itself; HTTP/1.0 has no Host to require."""
+    pytest.importorskip("httptools")
+    with running_server(**KW) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        reply = _reply(_raw_request(port, "GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n"))
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "HTTP/1.1 request must have a Host header" in error["message"], error
+        reply = _reply(_raw_request(port, "GET /v1/models HTTP/1.0\r\n\r\n"))
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+@pytest.mark.parametrize("http_version, status", [("1.1", 400), ("1.0", 200), ("2", 200)])
+def test_the_guard_itself_requires_host_of_http_1_1(http_version, status):
+    from cbatch.entrypoints.openai.guard import RequestGuard
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    guard = RequestGuard(app, max_request_bytes=1 << 20, body_timeout=1.0,
+                         allowed_hosts=["localhost"])
+    scope = {"type": "http", "http_version": http_version, "method": "GET",
+             "path": "/health", "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    assert sent[0]["status"] == status
+
+
 # (settings that would refuse everyone: test_serving_faults.py's test of bad serve flags)
 
 

@@ -209,13 +209,13 @@ def test_a_streamed_constraint_nothing_can_follow_ends_with_an_error_chunk(serve
 def test_the_servers_process_parses_no_constraint(server, monkeypatch):
     """Schemas and grammars are parsed in the compile workers' processes: neither on the event
     loop nor on the thread pool that tokenizes prompts."""
-    from cbatch.core import grammar_worker, structured_output
+    from cbatch.core.structured_output import grammar, manager
 
     def refuse(*args, **kwargs):
         raise AssertionError("a constraint was parsed in the server's process")
 
-    monkeypatch.setattr(grammar_worker, "parse_grammar", refuse)
-    monkeypatch.setattr(structured_output, "parse_grammar", refuse)
+    monkeypatch.setattr(grammar, "parse_grammar", refuse)
+    monkeypatch.setattr(manager, "parse_grammar", refuse)
     schema = {"type": "object", "properties": {"parsed_elsewhere": {"type": "boolean"}},
               "required": ["parsed_elsewhere"], "additionalProperties": False}
     r = httpx.post(f"{server[0]}/v1/completions", timeout=60, json={
@@ -478,3 +478,81 @@ def test_enable_auto_tool_choice_needs_a_parser():
     args = build_parser().parse_args(["serve", "random:tiny", "--tool-call-parser", "hermes",
                                       "--reasoning-parser", "qwen3"])
     assert tool_settings(args) == {"tool_call_parser": None, "reasoning_parser": "qwen3"}
+
+
+# ------------------------------------------ issue 74, finding 2: warm grammar workers
+
+
+def test_a_fresh_servers_first_constraint_starts_no_grammar_worker():
+    """The server starts its grammar workers before it serves, with its vocabulary loaded in
+    them: its first constraint forks and loads nothing."""
+    with running_server("random:tiny") as (url, engine):
+        pool = engine.engine.structured.pool
+        assert pool.is_warm()
+        forked = pool.num_forked
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "x", "max_tokens": 8,
+            "structured_outputs": {"regex": "[xy]{3}z"}})
+        assert r.status_code == 200, r.text
+        assert re.fullmatch("[xy]{3}z", r.json()["choices"][0]["text"])
+        assert pool.num_forked == forked
+
+
+def test_a_constraint_that_got_no_worker_within_its_budget_is_a_503():
+    import asyncio
+
+    from cbatch.core.structured_output import WorkersBusy
+    from cbatch.entrypoints.openai.serving_engine import OpenAIError, open_streams
+    from cbatch.sampling_params import SamplingParams
+
+    class Busy:
+        async def add_requests(self, *args, **kwargs):
+            raise WorkersBusy("no grammar compile worker was free within this engine's limit")
+
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(open_streams(Busy(), ["x"], [SamplingParams()], stream=False))
+    assert caught.value.status == 503 and caught.value.type == "server_overloaded"
+    assert "no grammar compile worker was free" in caught.value.message
+
+
+# ---------------------------------------------- issue 74, finding 5: deeply nested schemas
+
+
+def _nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"structured_outputs": {"json": _nested(300)}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep",
+                                                                 "schema": _nested(300)}}},
+     "response_format.json_schema.schema"),
+])
+def test_a_schema_nested_300_deep_is_a_400_naming_it(server, body, field):
+    """A schema nests 601 lists and objects here, past MAX_CONSTRAINT_DEPTH (512): refused
+    before anything walks it recursively (pickling it for a worker was a 500); 200 levels
+    (401) are served."""
+    r = httpx.post(f"{server[0]}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field
+    assert error["message"] == (f"{field} nests lists and objects 601 deep; this server takes "
+                                "at most 512")
+    r = httpx.post(f"{server[0]}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 4,
+        "structured_outputs": {"json": _nested(200)}})
+    assert r.status_code == 200, r.text
+
+
+def test_nesting_depth_walks_without_recursion():
+    from cbatch.core.structured_output.manager import nesting_depth
+
+    assert nesting_depth("x") == 0 and nesting_depth({}) == 1 and nesting_depth([[], {}]) == 2
+    deep: list = []
+    for _ in range(100_000):  # (recursion would stop near a thousand)
+        deep = [deep]
+    assert nesting_depth(deep) == 100_001

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from cbatch.config import DEFAULT_MODEL, engine_fields
 
@@ -19,16 +20,45 @@ def model_parser() -> argparse.ArgumentParser:
                        help="a tokenizer dir or hub id (default: the model's own)")
     model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, "
                        "cuda when available, else cpu)")
-    model.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="weights, activations and KV cache (default: auto: float16 on "
-                            "CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), "
-                            "else float32)")
+    model.add_argument("--dtype", default="auto", type=dtype_name,
+                       choices=DTYPES + tuple(DTYPE_ALIASES),
+                       help="weights, activations and KV cache; vLLM's half and float are "
+                            "float16 and float32 (default: auto: float16 on CUDA, bfloat16 on "
+                            "a CPU with native bf16 (AVX512-BF16, AMX), else float32)")
     model.add_argument("--debug", action="store_true",
                        help="show the Python traceback of an error (or CBATCH_DEBUG=1)")
     return model
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype names
+
+
+def dtype_name(text: str) -> str:
+    """A ``--dtype``, vLLM's aliases (half, float) as the names cbatch uses."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def human_readable_int(text: str) -> int:
+    """An int as vLLM's flags read one (its ``human_readable_int``): ``32k`` is 32,000 and
+    ``32K`` 32,768 (k, m, g, t: powers of 1000, decimals allowed, ``25.6k``; K, M, G, T:
+    powers of 1024, whole numbers only), anything else a plain int."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like "
+                                         f"{suffix}; did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+human_readable_int.__name__ = "int (32k = 32000, 32K = 32768)"  # argparse's "invalid ..."
+# the engine flags that take human-readable ints, as vLLM's do
+HUMAN_READABLE = frozenset({"max_model_len", "max_num_batched_tokens"})
 
 
 def json_object(text: str) -> dict:
@@ -65,6 +95,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
                                help=help)
             continue
         kind = _TYPES[f.type.split(" | ")[0]]  # "int | None" -> int, "dict | ..." -> JSON
+        if f.name in HUMAN_READABLE:
+            kind = human_readable_int
+            said, default, rest = help.partition(" (default")
+            help = f"{said}; 32k is 32000, 32K 32768, as vLLM reads them{default}{rest}"
         group.add_argument(flag, type=kind, default=f.default,
                            choices=f.metadata.get("choices"), help=help)
 

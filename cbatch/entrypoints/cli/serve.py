@@ -11,9 +11,12 @@ import socket
 from cbatch.entrypoints.cli.engine_args import (add_engine_args, engine_kwargs,
                                                 resolve_device_and_dtype, resolve_model)
 from cbatch.entrypoints.openai.cli_args import (add_server_args, check_serve_args,  # no torch
-                                                guard_settings)
+                                                guard_settings, vllm_notes)
+from cbatch.logger import init_logger
 
 __all__ = ["add_serve_parser", "bind_socket", "require_packages", "resolve_model", "run_serve"]
+
+logger = init_logger("cbatch.serve")
 
 # the modules each way of serving imports, and the extra (pyproject.toml) that installs them
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
@@ -59,6 +62,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     """One engine behind the OpenAI API, or ``--num-replicas`` engines behind Ray Serve."""
     check_serve_args(args)  # before anything loads, and before uvicorn would trip on them
+    for note in vllm_notes(args):
+        logger.info("%s", note)
     resolve_model(args)
     require_packages(args.num_replicas)
     # the port before torch and the model: a busy one fails in well under a second
@@ -76,31 +81,33 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
 
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     resolve_device_and_dtype(args)
-    name = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
     if args.num_replicas > 1:
         from cbatch.entrypoints.ray_serve import serve
 
         gpus = 1.0 if args.device.startswith("cuda") else 0.0  # one replica per GPU
-        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=name,
+        serve(args.model, args.num_replicas, args.host, args.port, served_model_name=names,
               num_gpus_per_replica=gpus, max_waiting=args.max_waiting,
               chat_template=template, guard=guard_settings(args), **engine_kwargs(args))
         return
     from cbatch.entrypoints.openai.api_server import run_server
 
-    run_server(args, name, engine_kwargs(args), template, sock=sock)
+    run_server(args, names, engine_kwargs(args), template, sock=sock)
 
 
 def add_serve_parser(sub, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("serve", parents=parents, help="serve the OpenAI API over HTTP",
                             description="Serve MODEL (or --model) with the OpenAI API over "
-                            "HTTP: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
-                            "/detokenize, /version, /health, /metrics.")
+                            "HTTP: /v1/completions, /v1/chat/completions, /v1/responses, "
+                            "/v1/models, /tokenize, /detokenize, /version, /health, /metrics.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as --model (default: --model's)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: the model's)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model names clients use, each one answered and listed by "
+                             "/v1/models; the first names the model in /metrics (default: "
+                             "the model's)")
     parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                         help="a Jinja chat template, or a file holding one, for "
                              "/v1/chat/completions (default: the checkpoint's own)")

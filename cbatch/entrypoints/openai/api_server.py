@@ -25,12 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
-import os
-import signal
 import socket
-import sys
-import threading
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,12 +34,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cbatch.logger import init_logger
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError
+from cbatch.core.structured_output import prestart as prestart_grammar_workers
 from cbatch.core.cpu.report import format_paths
 from cbatch.entrypoints.openai.cli_args import (DEFAULT_LIMIT_CONCURRENCY,
                                                 DEFAULT_MAX_QUEUED_REQUESTS,
                                                 DEFAULT_MAX_REQUEST_BYTES, guard_settings,
                                                 tool_settings)
-from cbatch.entrypoints.openai.guard import ConcurrencyLimit, RequestGuard, timed_protocol
+from cbatch.entrypoints.openai.guard import ConcurrencyLimit, RequestGuard
 from cbatch.entrypoints.openai.metrics import ServerMetrics
 from cbatch.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, DetokenizeResponse, ModelCard,
@@ -58,24 +54,45 @@ from cbatch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from cbatch.entrypoints.openai.protocol_responses import ResponsesRequest
 from cbatch.entrypoints.openai.serving_engine import ENGINE_UNAVAILABLE, OpenAIError
 from cbatch.entrypoints.openai.serving_responses import OpenAIServingResponses
+from cbatch.entrypoints.openai.uvicorn_server import (raise_open_files_limit, server_class,
+                                                      uvicorn_config)
 from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
 from cbatch.models.registry import random_chat_template
 from cbatch.tokenizer import check_text_fits, token_text
 
 logger = init_logger("cbatch.server")
 
+# how long a server's start-up waits for its grammar workers (xgrammar's import)
+GRAMMAR_START_TIMEOUT_S = 120.0
 
-def build_engine(model: str, max_waiting: int = 1024, served_model_name: str | None = None,
-                 on_dead=None, **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
-    """An AsyncEngine whose finished requests feed a fresh set of server metrics."""
-    metrics = ServerMetrics(served_model_name or model)
+
+def served_names(served_model_name: str | list[str] | None, model: str) -> list[str]:
+    """The names a server answers to (``--served-model-name``, one or several; default the
+    model's), the first naming it in its metrics and logs."""
+    if not served_model_name:
+        return [model]
+    return [served_model_name] if isinstance(served_model_name, str) else list(
+        served_model_name)
+
+
+def build_engine(model: str, max_waiting: int = 1024,
+                 served_model_name: str | list[str] | None = None, on_dead=None,
+                 **engine_kwargs) -> tuple[AsyncEngine, ServerMetrics]:
+    """An AsyncEngine whose finished requests feed a fresh set of server metrics, its
+    grammar workers warm: started before the model loads (they import xgrammar meanwhile),
+    then given its vocabulary, so that no client's first constraint waits for them."""
+    prestart_grammar_workers()
+    metrics = ServerMetrics(served_names(served_model_name, model)[0])
     engine = AsyncEngine(model, max_waiting=max_waiting, on_finished=metrics.observe,
                          on_dead=on_dead, **engine_kwargs)
     metrics.attach(engine)
+    if engine.is_running and not engine.warm_up_grammars(GRAMMAR_START_TIMEOUT_S):
+        logger.warning("the grammar workers are not ready; structured outputs start them "
+                       "when a request needs them")
     return engine, metrics
 
 
-def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str,
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str | list[str],
               shutdown_timeout: float = 0.0, chat_template: str | None = None, *,
               api_key: str | None = None, allowed_hosts: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -85,7 +102,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
               queue_timeout: float = 30.0, special_tokens_in_content: bool = True,
               tool_call_parser: str | None = None,
               reasoning_parser: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` as model ``served_model_name``, behind a
+    """The FastAPI app serving ``engine`` as model ``served_model_name`` (or as each of
+    several names: a response names the model as its request did), behind a
     :class:`RequestGuard` with these settings (``limit_concurrency`` None: no limit).  When
     the app shuts down it shuts the engine down, giving running requests ``shutdown_timeout``
     seconds.  ``chat_template`` (Jinja) replaces the one the checkpoint ships, if any;
@@ -95,6 +113,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     ``reasoning_parsers.REASONING_PARSERS``) splits replies' thinking off."""
     config = engine.config
     max_model_len = engine.max_model_len
+    names = served_names(served_model_name, config.model)
+    served_model_name = names[0]
     is_random = config.model.startswith("random:")
     gguf_file = None if is_random else find_gguf_file(config.model)
     checkpoint = None if is_random or gguf_file else resolve_checkpoint_dir(config.model)
@@ -127,9 +147,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
                        limit=limit)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name not in names:
             raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                                   f"{served_model_name!r}", param="model",
+                                   f"{', '.join(map(repr, names))}", param="model",
                               code="model_not_found")
 
     @app.exception_handler(OpenAIError)
@@ -139,7 +159,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        where = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+        where = [".".join(str(p) for p in e["loc"] if p != "body" and not _union_member(p))
+                 for e in errors]
         messages = [e["msg"].removeprefix("Value error, ") for e in errors]
         if not where[0]:  # a check of the whole body: its message names the field
             fields = exc.body if isinstance(exc.body, dict) else ()
@@ -176,7 +197,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
+                               for name in names])
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -249,94 +271,16 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_name: st
     return app
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 0.0,
-                   header_timeout: float = 10.0, write_timeout: float = 30.0,
-                   log_level: str = "info"):
-    """uvicorn's settings for ``app``: half-sent headers and unread responses time out, and
-    a graceful shutdown that waits at most a second longer than the engine gives running
-    requests.  (The concurrency limit is the app's own, :class:`RequestGuard`'s: uvicorn's
-    would refuse every request, not the excess, with a 503 in plain text.)"""
-    import uvicorn
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # uvicorn's own choice without httptools
-        base = H11Protocol
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=timed_protocol(base, header_timeout, write_timeout),
-                          timeout_graceful_shutdown=math.ceil(shutdown_timeout) + 1)
+def _union_member(part) -> bool:
+    """Whether a part of a pydantic error's location names the member of a union a value
+    was tried as (``str``, ``list[int]``, ``NamedToolChoice``), not a field."""
+    return isinstance(part, str) and (part[:1].isupper() or any(c in part for c in "[(-,")
+                                      or part in ("str", "int", "float", "bool", "dict",
+                                                  "list", "none"))
 
 
-def raise_open_files_limit() -> None:
-    """Raise this process's limit of open files to its hard limit (as vLLM does): every
-    connection, queued ones included, holds a file descriptor, and a common default of 1024
-    is fewer than the concurrency limit and its queue."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as e:
-            logger.warning("could not raise the open-files limit from %d to %d: %s", soft,
-                           target, e)
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, whose first signal (SIGINT, SIGTERM, or SIGHUP as well: a
-        closed terminal) also starts the engine's bounded shutdown and whose second exits at
-        once; :meth:`engine_failed` makes it exit as well."""
-
-        engine: AsyncEngine
-        shutdown_timeout: float
-        failed = False
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():  # SIGINT and SIGTERM
-                hangup = None  # SIGHUP too, unless it is ignored (nohup): then it stays so
-                if (hasattr(signal, "SIGHUP")
-                        and threading.current_thread() is threading.main_thread()
-                        and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN):
-                    hangup = signal.signal(signal.SIGHUP, self.handle_exit)
-                try:
-                    yield
-                finally:  # restored before uvicorn raises the signal again to exit by it
-                    if hangup is not None:
-                        signal.signal(signal.SIGHUP, hangup)
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.should_exit:
-                print(f"cbatch: signal {sig} again: exiting now", file=sys.stderr, flush=True)
-                os._exit(128 + sig)
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets=None) -> None:
-            # (here, not in the signal handler, which may interrupt the engine's own locks)
-            self.engine.stop(self.shutdown_timeout)
-            await super().shutdown(sockets)
-
-        def engine_failed(self, exc: BaseException) -> None:
-            logger.critical("the engine failed (%s: %s); the server exits so that its "
-                            "supervisor can restart it", type(exc).__name__, exc)
-            self.failed = True
-            self.should_exit = True
-            # should a graceful exit hang, the process still ends
-            timer = threading.Timer(self.shutdown_timeout + 10, os._exit, (1,))
-            timer.daemon = True
-            timer.start()
-
-    return Server
-
-
-def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: dict,
+def run_server(args: argparse.Namespace, served_model_name: str | list[str],
+               engine_kwargs: dict,
                chat_template: str | None = None, sock: socket.socket | None = None) -> None:
     """Start the engine, then serve until interrupted (Ctrl-C shuts down gracefully).
     ``sock``: bound to ``args.host:args.port`` already (``cbatch serve`` binds it before the
@@ -359,14 +303,15 @@ def run_server(args: argparse.Namespace, served_model_name: str, engine_kwargs: 
     config = uvicorn_config(app, args.host, args.port, args.shutdown_timeout,
                             args.header_timeout, args.write_timeout)
     raise_open_files_limit()
-    server = _server_class()(config)
+    server = server_class()(config)
     server.engine, server.shutdown_timeout = engine, args.shutdown_timeout
     server_box.append(server)
     if not engine.is_running:  # it failed before the server existed
         server.engine_failed(engine.error)
     if engine.config.speculative_config is not None:
         print(f"speculative decoding: {engine.config.speculative_config.describe()}", flush=True)
-    print(f"serving {served_model_name!r} on http://{args.host}:{args.port} (/v1/completions, "
+    names = ", ".join(map(repr, served_names(served_model_name, args.model)))
+    print(f"serving {names} on http://{args.host}:{args.port} (/v1/completions, "
           "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
           "/health, /metrics)", flush=True)
     server.run(sockets=None if sock is None else [sock])

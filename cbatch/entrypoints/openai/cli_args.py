@@ -12,7 +12,7 @@ import math
 
 from cbatch import envs
 from cbatch.entrypoints.openai.reasoning_parsers import REASONING_PARSERS  # (no imports)
-from cbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS  # (json and re only)
+from cbatch.entrypoints.openai.tool_parsers import TOOL_PARSERS  # (the standard library)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_LIMIT_CONCURRENCY = 512
@@ -46,12 +46,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help='tool_choice "auto" in /v1/chat/completions: the model decides '
                              "when to call tools, and --tool-call-parser finds its calls")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                        help="the format of the model's tool calls (hermes: "
-                             "<tool_call>{...}</tool_call>, as Qwen2, Qwen2.5 and Qwen3 write)")
+                        help="the format of the model's tool calls, as vLLM's parsers read "
+                             "them: hermes (<tool_call>{...}</tool_call>: Qwen2, Qwen2.5, "
+                             "Qwen3), llama3_json ({\"name\": ..., \"parameters\": ...}: "
+                             "Llama 3.1, 3.2), mistral ([TOOL_CALLS]...: Mistral), pythonic "
+                             "([f(a=1)]: Llama 3.2 and 4 pythonic templates)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="put a reasoning model's <think>...</think> in reasoning_content "
                              "(qwen3: when the reply opens the block; deepseek_r1: the prompt "
                              "opened it)")
+    # vLLM's flags that a `vllm serve` command line passes: applied where they mean something
+    # here, accepted where they are always true, refused where they cannot be (check_serve_args)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="vLLM's: 1, as cbatch runs a model on one device; to use several "
+                             "devices, run one engine on each with --num-replicas")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="vLLM's, accepted: cbatch runs its own code for every "
+                             "architecture it serves, never a checkpoint's")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="vLLM's, always on here: a step prefills at most "
+                             "--max-num-batched-tokens tokens, a longer prompt in chunks (the "
+                             "default; --no-enable-chunked-prefill is refused)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's, accepted: cbatch never logs a request's contents")
     parser.add_argument("--write-timeout", type=float, default=30.0,
                         help="seconds a client may leave its response unread before the "
                              "connection is closed and its request aborted")
@@ -75,6 +93,15 @@ def check_serve_args(args: argparse.Namespace) -> None:
          "--shutdown-timeout", "a number of seconds >= 0")
     need(args.max_waiting >= 1, "--max-waiting", ">= 1")
     need(args.num_replicas >= 1, "--num-replicas", ">= 1")
+    need(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1")
+    if args.tensor_parallel_size > 1:
+        n = args.tensor_parallel_size
+        raise ValueError(f"--tensor-parallel-size {n}: cbatch runs a model on one device (it "
+                         f"has no tensor parallelism); to use {n} devices, serve {n} replicas, "
+                         f"one engine on each, with --num-replicas {n} (Ray Serve)")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: cbatch always prefills a prompt longer "
+                         "than --max-num-batched-tokens in chunks; it cannot be turned off")
     need(args.max_request_bytes >= 1, "--max-request-bytes", ">= 1")
     need(args.limit_concurrency >= 1, "--limit-concurrency", ">= 1")
     need(args.max_queued_requests >= 0, "--max-queued-requests", ">= 0")
@@ -93,6 +120,19 @@ def check_serve_args(args: argparse.Namespace) -> None:
         from cbatch.entrypoints.openai.hosts import check_allowed_hosts
 
         check_allowed_hosts(_host_list(args.allowed_hosts))
+
+
+def vllm_notes(args: argparse.Namespace) -> list[str]:
+    """One log line for each vLLM flag given that changes nothing here (a vLLM user then
+    knows what happened to it)."""
+    notes = []
+    if args.trust_remote_code:
+        notes.append("--trust-remote-code: cbatch runs its own code for every architecture "
+                     "it serves; none of the checkpoint's code runs")
+    if args.enable_chunked_prefill:
+        notes.append("--enable-chunked-prefill: always on in cbatch (a step prefills at most "
+                     f"--max-num-batched-tokens={args.max_num_batched_tokens} tokens)")
+    return notes
 
 
 def guard_settings(args: argparse.Namespace) -> dict:

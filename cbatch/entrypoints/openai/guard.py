@@ -1,10 +1,11 @@
 """What every HTTP request passes before the app sees it (one ASGI middleware), and the HTTP
 protocol's header and write timeouts.
 
-In order: the ``Host`` and ``Origin`` headers must be well formed (``host[:port]``; an Origin
-``scheme://host[:port]`` or ``null``), else a 400, and the host an allowed one (a server bound
-to a loopback address allows only loopback names, so a DNS-rebinding page gets a 400); ``/v1``
-routes, ``/tokenize`` and ``/detokenize`` need the API key when one is set (``/health``,
+In order: an HTTP/1.1 request must have a ``Host`` header, and the ``Host`` and ``Origin``
+headers must be well formed (``host[:port]``; an Origin ``scheme://host[:port]`` or
+``null``), else a 400, and the host an allowed one (a server bound to a loopback address
+allows only loopback names, so a DNS-rebinding page gets a 400); ``/v1`` routes,
+``/tokenize`` and ``/detokenize`` need the API key when one is set (``/health``,
 ``/metrics`` and ``/version`` stay open, as in vLLM, which leaves its tokenizer routes open
 too); then the request waits for one of ``limit_concurrency`` slots (at most
 ``max_queued_requests`` wait, each at most ``queue_timeout`` seconds; a 503 beyond), and its
@@ -164,7 +165,7 @@ class RequestGuard:
         headers: dict[bytes, list[bytes]] = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.lower(), []).append(value)
-        refusal = self._check_hosts(headers)
+        refusal = self._check_hosts(headers, scope.get("http_version"))
         if refusal is not None:
             return await send_error(send, 400, refusal, "invalid_request_error", close=True)
         if (self._expected is not None and scope["path"].startswith(KEYED_PATHS)
@@ -185,9 +186,13 @@ class RequestGuard:
         finally:
             self.limit.release()
 
-    def _check_hosts(self, headers: dict[bytes, list[bytes]]) -> str | None:
-        """Why the Host and Origin headers are refused (malformed, repeated, or not an
-        allowed host), else None."""
+    def _check_hosts(self, headers: dict[bytes, list[bytes]], http_version: str | None
+                     ) -> str | None:
+        """Why the Host and Origin headers are refused (missing from an HTTP/1.1 request,
+        malformed, repeated, or not an allowed host), else None.  Checked here, whatever
+        HTTP parser uvicorn runs (h11 refuses a missing Host itself, httptools does not)."""
+        if b"host" not in headers and http_version == "1.1":
+            return "an HTTP/1.1 request must have a Host header (RFC 9112, section 3.2)"
         for name, parse in ((b"host", parse_host), (b"origin", parse_origin)):
             values = headers.get(name)
             if values is None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Sized
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each admitted with its n choices)
+# choices of one prompt: n, and completions' best_of candidates (each one a request of the
+# engine's, built on the event loop: bounded before any is built)
+MAX_CHOICES = 32
 MAX_MESSAGES = 2048  # chat messages in one request (the template renders them on the loop)
 MAX_STOP = 128  # stop strings (each one is searched for in every new piece of text)
 MAX_STOP_TOKEN_IDS = 128  # vLLM's MAX_NUM_STOP_TOKEN_IDS

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cbatch.entrypoints.openai.limits import check_length
+from cbatch.entrypoints.openai.limits import MAX_CHOICES, check_length
 from cbatch.entrypoints.openai.response_format import ConstraintFields
 from cbatch.entrypoints.openai.tools import (ChatTool, DeltaToolCall, NamedToolChoice, ToolCall,
                                              tool_call_schema)
@@ -53,8 +53,9 @@ class _SamplingFields(ConstraintFields, OpenAIBaseModel):
     top_k: int | None = None  # 0 or -1: off
     min_p: float | None = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=32)
-    best_of: int | None = None  # completions: n of best_of candidates; chat: == n only
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    # completions: n of best_of candidates; chat: == n only
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -47,7 +47,7 @@ class ResponsesRequest(OpenAIBaseModel):
         messages = [] if self.instructions is None else [
             {"role": "system", "content": self.instructions}]
         messages += _messages(self.input)
-        tools = [_chat_tool(t) for t in self.tools or []]
+        tools = [_chat_tool(t, i) for i, t in enumerate(self.tools or [])]
         choice = self.tool_choice
         if isinstance(choice, dict):
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -128,23 +128,35 @@ def _messages(input: str | list[dict]) -> list[dict]:
     return messages
 
 
-def _chat_tool(tool: dict) -> dict:
+def _chat_tool(tool: dict, index: int) -> dict:
     """A Responses function tool (flat: name, parameters) as chat's (under "function")."""
     if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise ValueError(f"tools: only function tools are supported (type \"function\" with "
-                         f"a name), got type {tool.get('type')!r}")
+        raise ValueError(f"tools[{index}]: only function tools are supported (type "
+                         f"\"function\" with a name, a string), got type {tool.get('type')!r} "
+                         f"named {tool.get('name')!r:.80}")
     return {"type": "function", "function": {
         k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}}
 
 
 def _response_format(text: dict | None) -> dict | None:
-    """``text.format`` as chat's ``response_format``."""
+    """``text.format`` as chat's ``response_format``; ValueError naming ``text.format`` (or
+    the part of it) when it is not one."""
     fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") in ("text", "json_object"):
-        return fmt
-    if fmt.get("type") != "json_schema":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ValueError(f"text.format must be an object, {{\"type\": \"text\"}}, "
+                         f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", "
+                         f"\"schema\": {{...}}}}, got {fmt!r:.80}")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema":
         raise ValueError(f"text.format.type must be text, json_object or json_schema, got "
-                         f"{fmt.get('type')!r}")
+                         f"{kind!r:.80}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise ValueError('text.format.schema must be a JSON schema (an object) for type '
+                         f'"json_schema", got {fmt.get("schema")!r:.80}')
     return {"type": "json_schema", "json_schema": {
         k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}}
 

@@ -18,6 +18,7 @@ context, as in vLLM and OpenAI."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 from typing import AsyncIterator
@@ -26,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cbatch.core.async_engine import AsyncEngine
-from cbatch.core.grammar_worker import Refused
+from cbatch.core.structured_output import Refused
 from cbatch.entrypoints.openai.chat_content import render_with_spans
 from cbatch.entrypoints.openai.chat_utils import compile_chat_template
 from cbatch.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
@@ -115,6 +116,9 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = max(self.engine.max_model_len - len(prompt), 1)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, logprobs, max_tokens=max_tokens)
+        if self._auto_tools(req) and self.tool_parser.keeps_special_tokens:
+            # (its calls begin with a special token: mistral's [TOOL_CALLS], as vLLM keeps it)
+            params = dataclasses.replace(params, skip_special_tokens=False)
         return prompt, params, self.reasoning_of(prompt, params)
 
     def reasoning_of(self, prompt: list[int], params: SamplingParams):
@@ -214,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
                                                               self.engine.tokenizer))
                    for i, out in sorted(finals.items())
                    for message, reason in [self.reply(req, out, reasoning)]]
-        return ChatCompletionResponse(model=self.model_name, choices=choices,
+        return ChatCompletionResponse(model=self.model_of(req), choices=choices,
                                       usage=usage(finals, req.n))
 
     def choice_stream(self, req: ChatCompletionRequest, reasoning=None) -> _ChoiceStream:
@@ -225,7 +229,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, streams, num_prompt_tokens: int,
                       reasoning) -> AsyncIterator[str]:
-        head = ChatCompletionResponse(model=self.model_name, choices=[],
+        head = ChatCompletionResponse(model=self.model_of(req), choices=[],
                                       object="chat.completion.chunk")
         usage_of = ((lambda out: chunk_usage(num_prompt_tokens, out)) if req.continuous_usage
                     else lambda out: None)
@@ -277,14 +281,14 @@ class OpenAIServingChat(OpenAIServing):
         message = ChatDelta(role="assistant", content=content, reasoning_content=reasoning)
         if not calls:
             return message, out.finish_reason
-        message.tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-                              for c in calls]
+        message.tool_calls = [ToolCall(**({"id": c.id} if c.id else {}), function=FunctionCall(
+            name=c.name, arguments=c.arguments)) for c in calls]
         return message, "tool_calls" if out.finish_reason == "stop" else out.finish_reason
 
 
 def _call_deltas(calls: list[ParsedToolCall]) -> ChatDelta:
     return ChatDelta(tool_calls=[DeltaToolCall(
-        index=k, id=_id("chatcmpl-tool"), type="function",
+        index=k, id=c.id or _id("chatcmpl-tool"), type="function",
         function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
         for k, c in enumerate(calls)])
 

@@ -153,12 +153,12 @@ class OpenAIServingCompletion(OpenAIServing):
         # the prompts once each, and the tokens of the choices returned (as vLLM v0 counted)
         counted = usage(finals, best_of)
         returned = sum(len(out.token_ids) for out in chosen.values())
-        return CompletionResponse(model=self.model_name, choices=choices, usage=UsageInfo(
+        return CompletionResponse(model=self.model_of(req), choices=choices, usage=UsageInfo(
             prompt_tokens=counted.prompt_tokens, completion_tokens=returned,
             total_tokens=counted.prompt_tokens + returned))
 
     async def _stream(self, req: CompletionRequest, streams, echo) -> AsyncIterator[str]:
-        chunk_id = CompletionResponse(model=self.model_name, choices=[])
+        chunk_id = CompletionResponse(model=self.model_of(req), choices=[])
         sent = [""] * len(streams)
         num_sent = [0] * len(streams)  # tokens whose logprobs went out
         offset = [len(e) for e in echo]  # text_offset of the next of them

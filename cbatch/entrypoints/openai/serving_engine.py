@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from cbatch.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from cbatch.core.structured_output import ConstraintError
+from cbatch.core.structured_output import ConstraintError, WorkersBusy
 from cbatch.entrypoints.openai.protocol import PromptLogprob, UsageInfo, _SamplingFields
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ async def open_streams(engine: AsyncEngine, prompts: list, params: list[Sampling
         if raw_request is None:
             return await admission
         streams = await unless_disconnected(raw_request, admission)
-    except QueueFullError as exc:
+    except (QueueFullError, WorkersBusy) as exc:
         raise OpenAIError(503, str(exc), "server_overloaded") from None
     except EngineDeadError:
         raise OpenAIError(503, ENGINE_UNAVAILABLE, "service_unavailable") from None
@@ -233,7 +233,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = model_name  # the first of the names the server answers to
+
+    def model_of(self, req) -> str:
+        """The model a response names: as its request did (one of the served names), as
+        vLLM does, else the first served name."""
+        return req.model or self.model_name
 
     async def open(self, prompts: list, params: SamplingParams, n: int, stream: bool,
                    raw_request: Request | None, constraint_field: str | None = None

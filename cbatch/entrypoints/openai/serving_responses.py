@@ -16,6 +16,7 @@ output_item.done, and last response.completed (response.incomplete when it reach
 from __future__ import annotations
 
 import json
+import re
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -45,6 +46,46 @@ def _finish(response: ResponsesResponse, out: RequestOutput, reasoning) -> Respo
     return response.model_copy(update=dict(
         status="incomplete" if cut else "completed", usage=_usage(out, reasoning),
         incomplete_details={"reason": "max_output_tokens"} if cut else None))
+
+
+# chat's names of the fields a Responses request is served with -> the Responses API's own
+_RESPONSES_NAMES = [
+    (re.compile(r"response_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"response_format\b"), "text.format"),
+    (re.compile(r"(max_completion_tokens|max_tokens)\b"), "max_output_tokens"),
+    (re.compile(r"messages\b"), "input"),
+    (re.compile(r"tools(?:\.(\d+)|\[(\d+)\])\.function\b"), r"tools[\1\2]"),
+]
+_LEADING_FIELD = re.compile(r"[A-Za-z_]\w*(?:\.\w+|\[\d+\])*")
+
+
+def _renamed(field: str) -> str:
+    """A chat request's field as the Responses request it came from names it."""
+    for pattern, name in _RESPONSES_NAMES:
+        if pattern.match(field):
+            return pattern.sub(name, field, count=1)
+    return field
+
+
+def responses_error(exc: OpenAIError, constraint_field: str | None = None) -> OpenAIError:
+    """``exc``, an error of the chat request a Responses request is served as, naming the
+    Responses request's own fields: the field its message begins with, and its ``param``
+    (that field when it had none).  ``constraint_field``: the Responses name of the
+    request's constraint, for an output that could not follow it (the engine names it
+    ``structured_outputs.<kind>``)."""
+    message = exc.message
+    if constraint_field is not None:
+        message = re.sub(r"structured_outputs\.\w+", constraint_field, message)
+    lead = _LEADING_FIELD.match(message)
+    if lead is not None:
+        message = _renamed(lead.group()) + message[lead.end():]
+    param = _renamed(exc.param) if exc.param is not None else None
+    if param is None and lead is not None and re.match(r"\w+", message).group() in (
+            ResponsesRequest.model_fields):
+        param = _LEADING_FIELD.match(message).group()
+    if param is None and constraint_field is not None and constraint_field in message:
+        param = constraint_field
+    return OpenAIError(exc.status, message, exc.type, param, exc.code)
 
 
 def _responses_field(chat_field: str | None, tool: bool) -> str:
@@ -173,22 +214,28 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             chat_req = req.to_chat()
         except ValueError as exc:
-            raise OpenAIError.bad_request(exc, type(req).model_fields) from None
+            raise responses_error(OpenAIError(400, str(exc))) from None
+        field = _responses_field(chat_req.constraint_field(), chat_req.forces_tool_call)
+        try:
+            return await self._create(req, chat_req, field, raw_request)
+        except OpenAIError as exc:
+            raise responses_error(exc, field) from None
+
+    async def _create(self, req: ResponsesRequest, chat_req: ChatCompletionRequest,
+                      field: str, raw_request: Request):
         prompt, params, reasoning = await self.chat.prepare(chat_req)
         try:
-            streams = await self.open([prompt], params, 1, req.stream, raw_request,
-                                      _responses_field(chat_req.constraint_field(),
-                                                       chat_req.forces_tool_call))
+            streams = await self.open([prompt], params, 1, req.stream, raw_request, field)
         except OpenAIError as exc:
             if exc.param != "tools":
                 raise
             exc = await self.chat.name_broken_tool(chat_req, exc)  # the one at fault
             field = _responses_field(exc.param, True)
             raise OpenAIError(400, exc.message.replace(exc.param, field), param=field) from None
-        response = ResponsesResponse.of(req, self.model_name)
+        response = ResponsesResponse.of(req, self.model_of(req))
         if req.stream:
-            return StreamingResponse(self._stream(chat_req, streams, response, reasoning),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(chat_req, streams, response, reasoning,
+                                                  field), media_type="text/event-stream")
         final = await unless_disconnected(raw_request, self._final(streams))
         if final is None:
             return None
@@ -204,7 +251,8 @@ class OpenAIServingResponses(OpenAIServing):
                 return out
 
     async def _stream(self, chat_req: ChatCompletionRequest, streams,
-                      response: ResponsesResponse, reasoning) -> AsyncIterator[str]:
+                      response: ResponsesResponse, reasoning, field: str
+                      ) -> AsyncIterator[str]:
         items = _Items()
         snapshot = response.model_dump()
         yield items.event("response.created", response=snapshot)
@@ -226,5 +274,6 @@ class OpenAIServingResponses(OpenAIServing):
                     kind = "completed" if done.status == "completed" else "incomplete"
                     yield items.event(f"response.{kind}", response=done.model_dump())
         except OpenAIError as exc:  # the status line is sent already
+            exc = responses_error(exc, field)
             yield items.event("error", code=exc.code or exc.type, message=exc.message,
                               param=exc.param)

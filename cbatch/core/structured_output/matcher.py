@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbatch.core.grammar_worker import _xgrammar
+from cbatch.core.structured_output.grammar import xgrammar
 from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -71,15 +71,18 @@ class SequenceGrammar:
     copies them).
 
     With ``reasoning_end`` (``StructuredOutputsParams.reasoning_end``), the sequence is
-    reasoning first (:attr:`reasoning`): its tokens are free (no bitmask) and do not advance
-    the matcher, until its output ends with those ids; the grammar then applies from the
-    next token on, as vLLM's structured outputs do once a reasoning parser says the thinking
-    ended.  The end may be several tokens (a tokenizer without a ``</think>`` token)."""
+    reasoning first (:attr:`reasoning`): its tokens do not advance the matcher, until its
+    output ends with those ids; the grammar then applies from the next token on, as vLLM's
+    structured outputs do once a reasoning parser says the thinking ended.  The end may be
+    several tokens (a tokenizer without a ``</think>`` token).  While it reasons, every token
+    is allowed but the stop tokens: an output cannot end before its constraint has begun
+    (a reply would otherwise end "stop" with no answer, a tool_choice "required" with no
+    call); it writes the end and then its grammar, or reaches max_tokens ("length")."""
 
     def __init__(self, constraint: CompiledConstraint, vocab_size: int,
                  stop_token_ids: list[int], field: str,
                  reasoning_end: list[int] | None = None):
-        xgr = _xgrammar()
+        xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(constraint.grammar)
         self.field = field  # the constraint's name, for errors
         # the ids that end the reasoning while it goes on (None: constrained), and the
@@ -97,7 +100,8 @@ class SequenceGrammar:
 
     @property
     def reasoning(self) -> bool:
-        """Whether the output is still reasoning (free: the grammar waits)."""
+        """Whether the output is still reasoning (free but for its end: the grammar
+        waits)."""
         return self._reasoning_end is not None
 
     def accept(self, token: int) -> bool:
@@ -128,17 +132,17 @@ class SequenceGrammar:
         return False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (int32 ``[S, num_words]``)."""
-        bitmask[row] = self._row[0]
+        """Write the tokens allowed next into ``bitmask[row]`` (int32 ``[S, num_words]``):
+        the grammar's, or, while reasoning, every token but the stop tokens."""
+        bitmask[row] = self._not_stop if self.reasoning else self._row[0]
 
 
 def bitmask(scheduled: list[ScheduledSequence]) -> torch.Tensor | None:
     """The step's token bitmask: int32 ``[S, ceil(vocab / 32)]`` on the CPU, row s the tokens
-    sequence s may sample next (all ones for rows without a grammar, still reasoning, or that
-    do not sample); None when no row has a grammar that applies."""
+    sequence s may sample next (all ones for rows without a grammar or that do not sample);
+    None when no row has a grammar."""
     rows = [(s, grammar) for s, item in enumerate(scheduled)
-            if (grammar := item.seq.grammar) is not None and item.samples
-            and not grammar.reasoning]
+            if (grammar := item.seq.grammar) is not None and item.samples]
     if not rows:
         return None
     out = torch.full((len(scheduled), rows[0][1].num_words), -1, dtype=torch.int32)

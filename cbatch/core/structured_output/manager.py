@@ -1,62 +1,23 @@
-"""Structured outputs: a request's constraint enforced token by token with xgrammar.
-
-A :class:`~cbatch.sampling_params.StructuredOutputsParams` (a JSON schema, any JSON object, a
-regex, a choice of strings, an EBNF grammar) goes through three stages:
-
-1. **parsed** into an xgrammar ``Grammar`` and 2. **compiled** against the engine's vocabulary
-   (the token masks of the grammar's states), both in a worker process
-   (:mod:`~cbatch.core.grammar_worker`, :mod:`~cbatch.core.grammar_pool`): a bounded pool
-   whose compiles can be stopped.  Each compile has a time budget
-   (``grammar_compile_timeout``) and a size budget (``max_grammar_bytes``); past either, or
-   when the constraint does not parse or can match no output at all (``root ::= root``), the
-   request is refused with a :class:`ConstraintError` naming the field.  A compile whose
-   requests are all aborted is stopped (its worker killed).  :class:`StructuredOutputs`
-   keeps compiled grammars by their text, least recently used dropped first, within
-   ``grammar_cache_bytes``.  ``Engine.validate_request`` parses a new constraint in the
-   caller's thread (an invalid one is a ValueError before anything is queued); the
-   server's :class:`~cbatch.core.async_engine.AsyncEngine` awaits the compile before it
-   admits a request, so that a refusal is a 400 and the engine's thread never parses.  A
-   request whose grammar is still compiling waits outside the scheduler: no step waits for
-   it.
-3. **matched**: each sequence has its own ``GrammarMatcher`` (:class:`SequenceGrammar`),
-   advanced by every token the engine reads (``Engine._resolve``).  Each step, the rows of
-   the sequences with a grammar get the matcher's token bitmask (:func:`bitmask`, filled by
-   ``ModelRunner.execute`` into ``SamplingBatch.bitmask``), and the sampler sets every token
-   the grammar forbids to -inf (:func:`cbatch.ops.sampling.apply_bitmask`) before it
-   samples.  A constraint with ``reasoning_end`` (a reasoning model's ``</think>``, which
-   the server gives with ``--reasoning-parser``) waits for it: until the output has written
-   those ids, its row gets no bitmask and its matcher is not advanced (vLLM's rule).
-
-The matcher sees only sampled tokens, so its state follows a sequence through preemption
-(recompute keeps the output tokens), prefix caching and chunked prefill unchanged.  A
-sequence ends with reason "stop" as soon as its grammar is complete and nothing but an end
-token may follow (no end token is sampled then), or when it samples an end token (EOS).
-Where the grammar allows no token at all, or the request's other rules (allowed_token_ids,
-bad_words, ...) forbid every token it allows, the request ends alone with reason "error"
-and a :class:`ConstraintError`; one whose first token is already ruled out by
-allowed_token_ids is refused when it is checked.
-
-JSON is generated compact (``", "`` and ``": "`` between items, no other whitespace): every
-output is still a JSON document that ``json.loads`` reads, and a model cannot run away in
-whitespace, which a grammar allowing any whitespace lets random or weak models do.
-
-xgrammar is imported on first use: an engine that never sees a constraint never loads it.
-"""
+"""An engine's grammars (the compiled stage of :mod:`cbatch.core.structured_output`):
+:class:`StructuredOutputs` checks a request's constraint, has it compiled by the process's
+pool of grammar workers, keeps compiled grammars by their text within
+``grammar_cache_bytes``, and holds the requests whose grammar is still compiling."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import hashlib
+import importlib.util
 import json
 import threading
 from typing import TYPE_CHECKING
 
-
-from cbatch.core.grammar_matcher import (CompiledConstraint, ConstraintError, SequenceGrammar,
-                                         check_request, field_of)
-from cbatch.core.grammar_pool import CompileJob, Vocab, shared_pool
-from cbatch.core.grammar_worker import Refused, _xgrammar, parse_grammar
+from cbatch.core.structured_output.grammar import Refused, parse_grammar, xgrammar
+from cbatch.core.structured_output.matcher import (CompiledConstraint, ConstraintError,
+                                                  SequenceGrammar, check_request, field_of)
+from cbatch.core.structured_output.jobs import CompileJob, Vocab
+from cbatch.core.structured_output.pool import shared_pool
 
 from cbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -66,18 +27,58 @@ if TYPE_CHECKING:
     from cbatch.tokenizer import Tokenizer
 
 
-def constraint_key(params: StructuredOutputsParams) -> str:
-    """What a constraint is cached by: a digest of its kind and its text (a schema dict as
-    sorted JSON, a choice as its JSON list)."""
-    kind = params.kind
-    value = getattr(params, kind)
-    if kind == "json_object":
-        return kind
+# How deep lists and objects may nest in a constraint given as data (a JSON schema as a dict,
+# a choice): deeper ones are refused before anything walks them recursively (their JSON
+# text, pickling: Python's recursion stops near a thousand levels); a schema's grammar grows
+# with the square of its depth
+MAX_CONSTRAINT_DEPTH = 512
+
+
+def nesting_depth(value) -> int:
+    """How deep lists and dicts nest in ``value`` (0: neither is), found without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth = max(depth, level)
+            stack.extend((child, level + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+def constraint_text(params: StructuredOutputsParams, sort_keys: bool = True) -> str:
+    """A constraint's text: its value as given, a schema dict as JSON (its keys sorted, for a
+    key; in their order, for a compile: a schema's properties are written in it), a choice
+    as its JSON list ("" for json_object); a :class:`ConstraintError` for one nested deeper
+    than :data:`MAX_CONSTRAINT_DEPTH`."""
+    value = getattr(params, params.kind)
+    if params.kind == "json_object":
+        return ""
+    if isinstance(value, str):
+        return value
+    depth = nesting_depth(value)
+    if depth > MAX_CONSTRAINT_DEPTH:
+        raise ConstraintError(field_of(params), f"nests lists and objects {depth} deep; this "
+                              f"server takes at most {MAX_CONSTRAINT_DEPTH}")
     try:
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    except RecursionError:
+        return json.dumps(value, sort_keys=sort_keys)
+    except RecursionError:  # (a caller deep in its own stack)
         raise ConstraintError(field_of(params), "is nested too deeply") from None
-    return hashlib.sha256(f"{kind}:{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _job_value(params: StructuredOutputsParams):
+    """What a worker gets of a constraint: a JSON schema as its text (flat to pickle)."""
+    if params.kind == "json":
+        return constraint_text(params, sort_keys=False)
+    return getattr(params, params.kind)
+
+
+def constraint_key(params: StructuredOutputsParams) -> str:
+    """What a constraint is cached by: a digest of its kind and its text."""
+    if params.kind == "json_object":
+        return params.kind
+    text = f"{params.kind}:{constraint_text(params)}"
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -87,7 +88,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     allowed, but the stop tokens at the grammar's end)."""
     from cbatch.tokenizer import ByteTokenizer
 
-    xgr = _xgrammar()
+    xgr = xgrammar()
     if isinstance(tokenizer, ByteTokenizer):
         vocab = [bytes([b]) for b in range(256)] + [b""] * (vocab_size - 256)
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
@@ -121,7 +122,7 @@ class Ticket:
 
 class StructuredOutputs:
     """An engine's grammars: checks constraints, has them compiled by the process's
-    :class:`~cbatch.core.grammar_pool.CompilePool` (cached by their text, within
+    :class:`~cbatch.core.structured_output.pool.CompilePool` (cached by their text, within
     ``config.grammar_cache_bytes``), and holds the requests whose grammar is still
     compiling.
 
@@ -150,6 +151,15 @@ class StructuredOutputs:
     @property
     def pool(self):
         return shared_pool(self.num_workers)
+
+    def warm_up(self) -> bool:
+        """Start the process's grammar workers now, with this engine's vocabulary loaded in
+        them (a server's start-up: its first constraint then waits for no process to start
+        and no vocabulary to load); whether it did (not without xgrammar)."""
+        if importlib.util.find_spec("xgrammar") is None:
+            return False
+        self.pool.start(self._vocab)
+        return True
 
     def check(self, params: SamplingParams) -> None:
         """Check a request's constraint: parse a new one here (:class:`ConstraintError` if it
@@ -223,17 +233,17 @@ class StructuredOutputs:
                       ) -> concurrent.futures.Future:
         """Parse ``constraints`` in a grammar worker (none is compiled): the future's
         result is None when all of them parse, else it fails with the
-        :class:`~cbatch.core.grammar_worker.Refused` of the first that does not, whose
+        :class:`~cbatch.core.structured_output.grammar.Refused` of the first that does not, whose
         ``index`` says which."""
-        job = CompileJob("parse", ([(c.kind, getattr(c, c.kind)) for c in constraints],),
-                         None, self.timeout)
+        job = CompileJob("parse", ([(c.kind, _job_value(c)) for c in constraints],),
+                         None, self.timeout, sum(len(constraint_text(c)) for c in constraints))
         self.pool.submit(job)
         return job.future
 
     def _start(self, key: str, constraint: StructuredOutputsParams) -> _Compile:
         """(Under the lock.)  Queue ``constraint``'s compile."""
-        job = CompileJob("compile", (constraint.kind, getattr(constraint, constraint.kind),
-                                     self.max_bytes), self._vocab, self.timeout)
+        job = CompileJob("compile", (constraint.kind, _job_value(constraint), self.max_bytes),
+                         self._vocab, self.timeout, len(constraint_text(constraint)))
         entry = self._compiles[key] = _Compile(key, job)
         field = field_of(constraint)
         job.future.add_done_callback(lambda f: self._compiled(entry, f, field))
@@ -251,8 +261,8 @@ class StructuredOutputs:
             return _end(entry.future, error=error)
         grammar = job_future.result()
         try:
-            first = _xgrammar().allocate_token_bitmask(1, self.vocab_size)
-            _xgrammar().GrammarMatcher(grammar).fill_next_token_bitmask(first)
+            first = xgrammar().allocate_token_bitmask(1, self.vocab_size)
+            xgrammar().GrammarMatcher(grammar).fill_next_token_bitmask(first)
         except Exception as exc:
             return _end(entry.future, error=exc)
         result = CompiledConstraint(grammar, grammar.memory_size_bytes + first.numel() * 4,

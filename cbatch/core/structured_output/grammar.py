@@ -1,26 +1,15 @@
-"""What a constraint's text becomes, and the worker process that makes it.
+"""What a constraint's text becomes: a constraint (``kind``, ``value``: a JSON schema,
+``json_object``, a regex, a choice of strings, an EBNF grammar) is **parsed** into an
+xgrammar ``Grammar`` (:func:`parse_grammar`), then **compiled** against a vocabulary
+(:func:`compile_grammar`: the token masks of the grammar's states).  Both run in C++ and
+neither can be interrupted, so the engine runs them in worker processes
+(:mod:`~cbatch.core.structured_output.worker`, :mod:`~cbatch.core.structured_output.pool`).
 
-A constraint (``kind``, ``value``: a JSON schema, ``json_object``, a regex, a choice of
-strings, an EBNF grammar) is **parsed** into an xgrammar ``Grammar`` (:func:`parse_grammar`),
-then **compiled** against the engine's vocabulary (:func:`compile_grammar`: the token masks
-of the grammar's states).  Both run in C++ and neither can be interrupted, so a thread that
-runs them can only be waited out.  They run in worker processes instead
-(:class:`cbatch.core.grammar_pool.CompilePool`), one job at a time each, and a worker whose
-job runs past its time budget, or whose requests have all gone, is killed and replaced.
+:class:`Refused` is a constraint's own fault: its ``problem`` completes a sentence that
+begins with the constraint's field ("is not a valid JSON schema: ..."), which the caller
+names, as the client sent it.
 
-The worker is ``python -m cbatch.core.grammar_worker``: this module imports nothing of cbatch
-but itself, and xgrammar only when it runs.  It speaks pickled tuples over its stdin and a copy
-of its stdout (its stdout proper is sent to stderr, so that nothing printed corrupts the pipe):
-
-    <- ("ready",)                                          once, when xgrammar is loaded
-    -> ("vocab", vocab_id, tokenizer_info_json)           a vocabulary for later jobs
-    -> ("compile", vocab_id, kind, value, max_bytes)
-    <- ("ok", compiled_grammar_json) | ("error", problem)
-    -> ("parse", [(kind, value), ...])
-    <- ("ok", None) | ("error", (index, problem))          the first that does not parse
-
-A ``problem`` completes a sentence that begins with the constraint's field ("is not a valid
-JSON schema: ..."): the parent names the field, as the client sent it.
+This module imports nothing of cbatch, and xgrammar only when it is used (:func:`xgrammar`).
 """
 
 from __future__ import annotations
@@ -40,7 +29,8 @@ class Refused(Exception):
         self.problem = problem
 
 
-def _xgrammar():
+def xgrammar():
+    """The xgrammar module, imported on first use (an ImportError saying how to install it)."""
     try:
         import xgrammar
     except ImportError:
@@ -93,7 +83,7 @@ def parse_grammar(kind: str, value):
     """The xgrammar ``Grammar`` of a constraint; :class:`Refused` saying what is wrong with
     it (a schema that is not JSON, a keyword xgrammar does not support, a regex or a grammar
     that does not parse)."""
-    xgr = _xgrammar()
+    xgr = xgrammar()
     try:
         if kind == "json":
             schema = json.loads(value) if isinstance(value, str) else value
@@ -126,7 +116,7 @@ def compile_grammar(compiler, kind: str, value, max_bytes: int):
     :class:`Refused` when it does not parse, takes more than ``max_bytes`` of memory, or
     can match no output at all (``root ::= root``, a schema that is its own only property):
     then no first token is allowed."""
-    xgr = _xgrammar()
+    xgr = xgrammar()
     compiled = compiler.compile_grammar(parse_grammar(kind, value))
     size = compiled.memory_size_bytes
     if size > max_bytes:
@@ -141,65 +131,7 @@ def compile_grammar(compiler, kind: str, value, max_bytes: int):
     return compiled
 
 
-def main() -> None:
-    """The worker's loop (see the module): one job at a time, until its stdin closes."""
-    import os
-    import sys
-    from multiprocessing.connection import Connection
-
-    _die_with_parent()
-    out = os.dup(1)
-    os.dup2(2, 1)  # print() and C++ writes to stdout go to stderr, not into the pipe
-    sys.stdout = sys.stderr
-    reader, writer = Connection(0, writable=False), Connection(out, readable=False)
-    xgr = _xgrammar()
-    compilers = {}  # vocab id -> GrammarCompiler
-    writer.send(("ready",))
-    while True:
-        try:
-            message = reader.recv()
-        except EOFError:  # the engine's process is gone, or let this worker go
-            return
-        op, args = message[0], message[1:]
-        if op == "vocab":
-            vocab_id, info_json = args
-            info = xgr.TokenizerInfo.deserialize_json(info_json)
-            # one thread: the pool's size is the number of cores compiles take; the engine
-            # caches compiled grammars itself
-            compilers[vocab_id] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            continue
-        try:
-            if op == "compile":
-                vocab_id, kind, value, max_bytes = args
-                reply = ("ok", compile_grammar(compilers[vocab_id], kind, value,
-                                               max_bytes).serialize_json())
-            else:  # parse
-                for index, (kind, value) in enumerate(args[0]):
-                    try:
-                        parse_grammar(kind, value)
-                    except Refused as exc:
-                        raise Refused((index, exc.problem)) from None
-                reply = ("ok", None)
-        except Refused as exc:
-            reply = ("error", exc.problem)
-        writer.send(reply)
-        del reply
-        _trim()
-
-
-def _die_with_parent() -> None:
-    """Linux: this process is killed when the thread that started it ends (the engine's
-    process is gone), even in the middle of a compile."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _trim() -> None:
+def trim_memory() -> None:
     """Give the memory a large compile freed back to the system (glibc keeps it otherwise)."""
     try:
         import ctypes
@@ -207,7 +139,3 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-if __name__ == "__main__":
-    main()
