@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from cbatch import LLM, EngineConfig
-from cbatch.config import GPT2Config
+from cbatch.models.gpt2 import GPT2Config
 from cbatch.entrypoints.cli.engine_args import engine_kwargs, human_readable_int
 from cbatch.entrypoints.cli.main import build_parser, main
 from cbatch.entrypoints.openai.cli_args import check_serve_args, vllm_notes
