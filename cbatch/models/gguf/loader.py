@@ -1,15 +1,18 @@
-"""A GGUF file as a cbatch model, through the checkpoint loader's float path.
+"""A GGUF file as a cbatch model, through the checkpoint loaders' paths.
 
-The file is memory-mapped and each tensor decoded once (:mod:`cbatch.models.gguf.blocks`) to
-fp32, renamed and reshaped as Hugging Face stores it (:mod:`cbatch.models.gguf.names`), cast
-to the model's dtype, then handed to what loads every Hugging Face checkpoint
-(``convert_hf_state_dict`` and ``_assign`` of :mod:`cbatch.models.loader`).  In this version the
-quantized types are dequantized at load and run as float weights: the file's blocks are not
-yet run by a quantized kernel.
+The file is memory-mapped and each tensor decoded once (:mod:`cbatch.models.gguf.blocks`),
+renamed and reshaped as Hugging Face stores it (:mod:`cbatch.models.gguf.names`).  On the CPU
+the quantized linears become :class:`~cbatch.models.quantized_checkpoint.layer.Layer` in the
+exact form of their block type (:mod:`cbatch.models.gguf.quantized`) and are installed as
+quantized checkpoints' are (q/k/v and gate/up fused, or stacked where their types differ);
+the other tensors are dequantized to fp32, cast to the model's dtype and handed to what loads
+every Hugging Face checkpoint (``convert_hf_state_dict`` and ``_assign`` of
+:mod:`cbatch.models.loader`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +23,9 @@ from cbatch.logger import init_logger
 from cbatch.models.gguf.blocks import dequantize_tensor
 from cbatch.models.gguf.config import model_config
 from cbatch.models.gguf.names import CONFIG_TENSORS, hf_name, to_hf
+from cbatch.models.gguf.quantized import is_quantized_linear, read_layer
+from cbatch.models.quantized_checkpoint import install
+from cbatch.models.quantized_checkpoint.layer import Layer
 from cbatch.models.gguf.reader import ARCHITECTURES, GGUFFile
 from cbatch.models.registry import model_class
 
@@ -29,24 +35,32 @@ logger = init_logger(__name__)
 def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
                     quantization: QuantizationMethod | None = None) -> nn.Module:
-    """The model in GGUF file ``path``, its weights dequantized to ``dtype`` on ``device``.
+    """The model in GGUF file ``path`` on ``device``, its float tensors in ``dtype``.
 
-    ``quantization`` must be None: the file's own types are what it runs (dequantized in this
-    version); quantizing its float weights again online is not offered.
+    On the CPU the decoder's quantized linears (and an untied quantized lm_head) run on
+    cbatch's quantized kernels, each in the exact form of its block type
+    (:mod:`cbatch.models.gguf.quantized`); elsewhere, and for GPT-2 files, every tensor is
+    dequantized to ``dtype``.  ``quantization``: None or ``"gguf"`` (the file's types as they
+    are), or ``"w4a8"``: its 4-bit layers' inputs quantized to int8 per token and group of 32
+    at every call, as llama.cpp runs them (the other layers as they are).
     """
     from cbatch.models.loader import _assign, convert_hf_state_dict
 
     path = Path(path)
-    if quantization is not None:
+    if quantization is not None and quantization.name not in ("gguf", "w4a8"):
         raise ValueError(f"quantization={quantization.name!r} does not apply to {path}: a GGUF "
-                         "file's tensors are quantized by the file itself; leave "
-                         "quantization unset")
+                         "file's tensors are quantized by the file itself; leave quantization "
+                         "unset (or 'w4a8': its 4-bit layers with int8 activations)")
+    kernels = torch.device(device).type == "cpu"
     with GGUFFile(path) as f:
         cls = model_class(ARCHITECTURES[f.architecture])
         config = model_config(f)
-        logger.info("%s: %s; this version dequantizes them to %s at load", path.name,
-                    f.describe_types(), str(dtype).removeprefix("torch."))
-        raw = hf_state_dict(f, config, dtype)
+        layers: dict[str, Layer] | None = {} if kernels else None
+        raw = hf_state_dict(f, config, dtype, layers)
+        logger.info("%s: %s; %s", path.name, f.describe_types(),
+                    f"{len(layers)} linear weights run as they are quantized, the rest in "
+                    f"{str(dtype).removeprefix('torch.')}" if layers else
+                    f"dequantized to {str(dtype).removeprefix('torch.')}")
     if f.architecture == "gpt2":
         state = convert_hf_state_dict(raw, config)
         tied = ("lm_head.weight", "transformer.wte.weight")
@@ -56,13 +70,29 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
             if config.tie_word_embeddings else None
     with torch.device("meta"):
         model = cls(config, attention_backend)
+    if layers:
+        if quantization is not None and quantization.name == "w4a8":
+            layers = {name: with_int8_activations(one) for name, one in layers.items()}
+        install(model, layers, state, path, device, dtype)
     _assign(model, state, path, tied, device, dtype)
     return model.eval()
 
 
-def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def with_int8_activations(layer: Layer) -> Layer:
+    """``layer`` with its inputs quantized to int8 where W4A8's kernel runs it (4-bit levels
+    in groups of 32), else as it is."""
+    int8 = replace(layer, act_bits=8)
+    if layer.bits == 4 and int8.scheme.refusal(layer.q.shape[1], False) is None:
+        return int8
+    return layer
+
+
+def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype,
+                  layers: dict[str, Layer] | None = None) -> dict[str, torch.Tensor]:
     """Every parameter tensor of ``f`` under its Hugging Face name, dequantized (fp32, bitwise
-    gguf's) and cast to ``dtype`` as the checkpoint loader would cast it."""
+    gguf's) and cast to ``dtype`` as the checkpoint loader would cast it; or, where
+    ``layers`` is given, the quantized linears into it as :class:`Layer` (Hugging Face's
+    layer names) instead."""
     heads, kv_heads = config.num_heads, config.num_kv_heads
     state = {}
     for name in f.tensor_names:
@@ -75,6 +105,9 @@ def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype) -> dict[str, torch.Te
         if f.architecture == "gpt2" and name == "output.weight":
             _check_gpt2_head(f)
             continue  # cbatch's GPT-2 ties its head to the embedding
+        if layers is not None and is_quantized_linear(f, name):
+            layers[key.removesuffix(".weight")] = read_layer(f, name, heads, kv_heads)
+            continue
         tensor = dequantize_tensor(f.raw(name), f.qtype(name), f.shape(name))
         state[key] = to_hf(f.architecture, name, tensor, heads, kv_heads).to(dtype)
     return state

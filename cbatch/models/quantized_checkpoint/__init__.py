@@ -35,7 +35,7 @@ from cbatch.models.quantized_checkpoint.gptq import read_gptq
 from cbatch.models.quantized_checkpoint.layer import Layer, refuse
 
 READERS = {"gptq": read_gptq, "awq": read_awq, "compressed-tensors": read_compressed_tensors}
-assert set(READERS) == set(quant.CHECKPOINT)
+assert set(READERS) == set(quant.CHECKPOINT) - {"gguf"}  # GGUF: cbatch.models.gguf
 # what a quantized layer holds beside its packed weight, in every format read here
 _LAYER_TENSORS = ("qzeros", "scales", "g_idx", "weight_scale", "weight_zero_point",
                   "weight_shape", "weight_g_idx")

@@ -1,0 +1,97 @@
+"""A GGUF file's quantized linears run on cbatch's quantized kernels, each in the exact form
+of its block type (cbatch.models.gguf.quantized):
+
+- every weight a quantized layer holds is bitwise ``gguf.quants.dequantize`` of the file's
+  tensor (the Hugging Face checkpoint of test_gguf_models.py's writer holds exactly those);
+- the model's logits are the float checkpoint's within fp32 rounding (the sums in another
+  order), and the quantized kernels ran;
+- a projection whose shards are of different types (Q4_K_M keeps attn_v at 6 bits) runs as
+  a StackedLinear, one kernel per run of one type;
+- ``quantization="w4a8"`` quantizes the 4-bit layers' inputs to int8 (llama.cpp's route)."""
+
+import pytest
+import torch
+
+from cbatch import load_model
+from cbatch.layers.linear import Linear
+from cbatch.layers.quantization import QuantizedLinear
+from cbatch.layers.stacked_linear import StackedLinear
+from cbatch.models.gguf.blocks import BLOCK_TYPES
+from cbatch.ops import cpu, quantized
+from tests.models.test_gguf_models import logits, make_files
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=LLAMA_FAMILY)
+def files(request, tmp_path_factory):
+    return (request.param, *make_files(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+def dense(module) -> torch.Tensor:
+    """The fp32 weight a quantized (or stacked) layer runs."""
+    if isinstance(module, StackedLinear):
+        return torch.cat([dense(part) for part in module.parts])
+    if isinstance(module, QuantizedLinear):
+        assert module.perm is None
+        return module.weight.dequantize()
+    return module.weight.float()
+
+
+def linears(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, (QuantizedLinear, StackedLinear, Linear))
+            and not any(name.startswith(s) for s in _parts_of(model))}
+
+
+def _parts_of(model) -> list[str]:
+    return [f"{name}.parts." for name, m in model.named_modules() if isinstance(m, StackedLinear)]
+
+
+def quantized_calls() -> int:
+    return sum(n for path, n in cpu.kernel_paths().items() if path.startswith("quantized_linear"))
+
+
+def test_each_quantized_weight_is_ggufs_dequantize(files):
+    arch, file, hf_dir, _ = files
+    ours, ref = load_model(str(file)), load_model(str(hf_dir))
+    mine, theirs = linears(ours), linears(ref)
+    assert set(mine) == set(theirs)
+    kinds = {type(m) for m in mine.values()}
+    assert {QuantizedLinear, StackedLinear} <= kinds, kinds  # the file mixes types
+    for name, module in mine.items():
+        assert torch.equal(dense(module), theirs[name].weight), name
+
+
+@pytest.mark.parametrize("method", [None, "w4a8"])
+def test_logits_are_the_dequantized_checkpoints(files, method):
+    arch, file, hf_dir, _ = files
+    ours = load_model(str(file), quantization=method)
+    ref = load_model(str(hf_dir))
+    layers = [m for m in ours.modules() if isinstance(m, QuantizedLinear)]
+    int4 = [m for m in layers if m.bits == 4]
+    assert int4 and all((m.act_bits == 8) == (method == "w4a8") for m in int4)
+    assert all(m.act_bits is None for m in layers if m.bits == 8)
+    before = quantized_calls()
+    got, want = logits(ours), logits(ref)
+    if quantized.available("w8a16"):
+        assert quantized_calls() > before
+    if method is None:  # fp32 sums in another order
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:  # x rounded to int8 per group of 32 in the 4-bit layers
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
+def test_every_block_type_runs_as_one_layer(tmp_path, qtype):
+    """A llama file whose 2-D tensors are all ``qtype``: q/k/v and gate/up fuse into one
+    quantized layer each, its weights gguf's bitwise."""
+    file, hf_dir, _ = make_files("llama", tmp_path, type_of=lambda name: qtype)
+    ours, ref = load_model(str(file)), load_model(str(hf_dir))
+    attn = ours.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, QuantizedLinear)
+    assert isinstance(ours.lm_head, QuantizedLinear)
+    for name, module in linears(ours).items():
+        assert torch.equal(dense(module), linears(ref)[name].weight), name
+    torch.testing.assert_close(logits(ours), logits(ref), atol=1e-4, rtol=1e-4)
