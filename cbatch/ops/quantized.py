@@ -127,9 +127,9 @@ def triton_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: tor
 if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the meta device
 
     @torch.library.register_fake("cbatch::quantized_linear")
-    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
+    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias, mins=None):
         check_no_meta_mix("cbatch::quantized_linear", x=x, qweight=qweight, scales=scales,
-                          zeros=zeros, bias=bias)
+                          zeros=zeros, bias=bias, mins=mins)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::quantized_linear_w8a8")
@@ -139,7 +139,7 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::quantized_linear_w4a8")
-    def _(x, qweight, scales, group_size, out_features, bias, zeros=None):
+    def _(x, qweight, scales, group_size, out_features, bias, zeros=None, mins=None):
         check_no_meta_mix("cbatch::quantized_linear_w4a8", x=x, qweight=qweight,
-                          scales=scales, bias=bias, zeros=zeros)
+                          scales=scales, bias=bias, zeros=zeros, mins=mins)
         return x.new_empty((x.shape[0], out_features))
