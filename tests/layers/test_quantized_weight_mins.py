@@ -1,15 +1,16 @@
 """Float mins in cbatch's quantized representation (``W = s q - m``, no zero point): the
 dequantization is gguf's own, bit for bit (Q4_1's ``d q + m``, Q4_K's ``(d sc) q - dmin m``,
-and the fp32 formula in numpy for int8), the record checks them, the W4A8 layout carries
-them."""
+and the fp32 formula in numpy for int8), the record checks them, the W4A8 layout carries them,
+and :class:`QuantizedLinear` holds them as a buffer and runs them on every path."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from cbatch.layers.quantization import QuantizedWeight, pack
+from cbatch.layers.quantization import QuantizedLinear, QuantizedWeight, pack
 from cbatch.layers.quantization.weight import pack_w4a8, unpack_w4a8
+from cbatch.ops import cpu, quantized, reference
 from tests.quant_utils import random_with_mins
 
 
@@ -93,3 +94,44 @@ def test_w4a8_layout_carries_mins():
     back = unpack_w4a8(pack_w4a8(qw), qw.scales, 32, 20, 100, None, qw.mins)
     assert torch.equal(back.qweight, qw.qweight) and torch.equal(back.mins, qw.mins)
     assert torch.equal(back.dequantize(), qw.dequantize())
+
+
+@pytest.mark.parametrize("bits,act_bits", [(8, None), (4, None), (4, 8)])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_layer_holds_and_runs_mins(bits, act_bits, kernel, monkeypatch):
+    """mins is a buffer (the state dict, .weight); forward runs them on cbatch's kernel (its
+    path counted) or, without one, on the reference, each the reference's result (W4A8's to
+    the bit; W16's within the kernel's own roundings)."""
+    kind = f"w{bits}a{act_bits or 16}"
+    if kernel and not quantized.available(kind):
+        pytest.skip(f"cbatch's {kind} kernel does not run here")
+    if not kernel:
+        monkeypatch.setattr(quantized, "available", lambda kind: False)
+    gen = torch.Generator().manual_seed(5)
+    qw, _ = random_with_mins(24, 96, bits, 32, gen)
+    layer = QuantizedLinear(qw, torch.randn(24, generator=gen), act_bits=act_bits)
+    assert torch.equal(layer.state_dict()["mins"], qw.mins)
+    assert torch.equal(layer.weight.dequantize(), qw.dequantize())
+    x = torch.randn(2, 3, 96, generator=gen)
+    counters = cpu.kernel_paths()
+    y = layer(x)
+    ran = sum(cpu.kernel_paths().values()) - sum(counters.values())
+    assert ran == (1 if kernel else 0)
+    args = (layer.qweight, layer.scales)
+    if act_bits:
+        want = reference.quantized_linear_w4a8(x.view(6, 96), *args, 32, 24, layer.bias, None,
+                                               layer.mins)
+        assert torch.equal(y.view(6, 24), want)
+    else:
+        want = reference.quantized_linear(x.view(6, 96), *args, None, bits, 32, 24, layer.bias,
+                                          layer.mins)
+        torch.testing.assert_close(y.view(6, 24), want, rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_refuses_mins():
+    qw, _ = random_with_mins(24, 64, 8, 64, torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError, match="W8A8 takes symmetric int8 weights: got one with mins"):
+        QuantizedLinear(qw, act_bits=8)
+    with pytest.raises(ValueError, match="W8A8 takes symmetric int8 weights: no mins"):
+        quantized.linear(torch.zeros(1, 64), "w8a8", qw.qweight, qw.scales, None, 64, 24, None,
+                         qw.mins)
