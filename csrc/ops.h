@@ -74,12 +74,15 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out
 // registers.  x: [M, K] float32 or bfloat16; qweight: bits 8: int8 [N16 / 16, K, 16]; bits 4:
 // uint8 [N16 / 16, ceil(K / 2), 16], two k per byte (low nibble first); scales: float32
 // [G, N16]; zeros: int8 [G, N16] or none (8-bit: 0, 4-bit: 8); bias: [N].  N16: N rounded up
-// to 16.  Returns a new [M, N] in x's dtype.  Supported wherever AVX2 + FMA or AVX-512 is.
+// to 16.  mins: float32 [G, N16] or none; with mins (zeros none) W[n, k] = scales[g, n] *
+// q[n, k] - mins[g, n], no zero point (4-bit q as stored, 0..15).  Returns a new [M, N] in
+// x's dtype.  Supported wherever AVX2 + FMA or AVX-512 is.
 bool quantized_linear_supported();
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                 int64_t bits, int64_t group_size, int64_t out_features,
-                                const std::optional<at::Tensor>& bias);
+                                const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& mins = std::nullopt);
 // W8A8 (cpu/quantized_linear_w8a8.cpp): x quantized to int8 per token in the kernel, int8 dot
 // products summed exactly in int32, y = acc * s_w[n] * s_x[m] + bias.  qweight: uint8
 // [N16 / 16, ceil(K / 4), 64], each column's q + 128 in quads of k; scales: float32 [1, N16];
@@ -94,12 +97,15 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 // qweight: uint8 [N16 / 16, 8 ceil(K / 32), 32], q + 8 as nibbles (columns j and 8 + j of
 // a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32;
 // zeros: None (symmetric: 8) or int8 [G, N16] in [0, 15], the nibbles then the weight's own
-// unsigned integers.  Supported on x86 with AVX2 and FMA (AVX512-VNNI's vpdpbusd where present).
+// unsigned integers; mins: None or float32 [G, N16] (zeros None): w = s_w u - m, each group's
+// term less fl(m * fl(Sx * s_x)), Sx the row's sum of its q over the group.  Supported on x86
+// with AVX2 and FMA (AVX512-VNNI's vpdpbusd where present).
 at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,
                                      const std::optional<at::Tensor>& bias,
-                                     const std::optional<at::Tensor>& zeros = std::nullopt);
+                                     const std::optional<at::Tensor>& zeros = std::nullopt,
+                                     const std::optional<at::Tensor>& mins = std::nullopt);
 
 // Greedy tokens of an lm_head without reading all its weights, as
 // argmax_cpu(linear_cpu(x, packed, out_features)) answers, bit for bit: a screen on `screen`

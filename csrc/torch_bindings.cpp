@@ -26,13 +26,13 @@ TORCH_LIBRARY(cbatch, m) {
   m.def("quantized_linear_supported() -> bool", &cbatch::quantized_linear_supported);
   m.def(
       "quantized_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, "
-      "int group_size, int out_features, Tensor? bias) -> Tensor");
+      "int group_size, int out_features, Tensor? bias, Tensor? mins=None) -> Tensor");
   m.def(
       "quantized_linear_w8a8(Tensor x, Tensor qweight, Tensor scales, int out_features, "
       "Tensor? bias) -> Tensor");
   m.def(
       "quantized_linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, "
-      "int out_features, Tensor? bias, Tensor? zeros=None) -> Tensor");
+      "int out_features, Tensor? bias, Tensor? zeros=None, Tensor? mins=None) -> Tensor");
   m.def("greedy_head_supported(ScalarType dtype) -> bool", &cbatch::greedy_head_supported);
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "

@@ -11,7 +11,9 @@ runs of ``16 BLOCK_K`` (or ``8 BLOCK_K``) bytes.
   by its group's scale after the dot (when a tile lies in one group: ``group_size`` a multiple
   of ``BLOCK_K``, or one group); otherwise each weight is ``s (q - z)`` in fp32, rounded to
   x's dtype for the dot.  An int4 tile is two dots, the even k against the low nibbles and the
-  odd k against the high ones.
+  odd k against the high ones.  With mins (``W = s q - m``, no zero point) a tile in one
+  group takes ``q`` as it is and subtracts ``m`` times its rows' sums of x after the scaled
+  dot; a tile across groups takes ``s q - m`` per weight.
 - :func:`scaled_int8_quant` (vLLM's name): x quantized per token as
   :func:`cbatch.ops.reference.quantize_per_token` does it, bit for bit: ``a = max |x_row|``,
   ``x_q = round-half-even(x * (127 / a))`` with one correctly rounded division,
@@ -53,12 +55,15 @@ def _scale_row(scales_ptr, zeros_ptr, g, offs_n, mask_n, stride_s_g, ZERO: tl.co
 
 
 @triton.jit
-def _weight_tile(q, k, offs_n, mask, scales_ptr, zeros_ptr, group_size, stride_s_g,
-                 ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """``s (q - z)`` in fp32 of a ``[BLOCK_K, BLOCK_N]`` tile whose k (``k [BLOCK_K]``) span
-    several groups: scales and zero points gathered per element."""
+def _weight_tile(q, k, offs_n, mask, scales_ptr, zeros_ptr, mins_ptr, group_size, stride_s_g,
+                 ZERO: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr):
+    """``s (q - z)`` (with mins ``s q - m``) in fp32 of a ``[BLOCK_K, BLOCK_N]`` tile whose k
+    (``k [BLOCK_K]``) span several groups: scales and zero points (mins) gathered per
+    element."""
     g = (k // group_size)[:, None] * stride_s_g + offs_n[None, :]
     s = tl.load(scales_ptr + g, mask=mask, other=0.0)
+    if HAS_MINS:
+        return s * q.to(tl.float32) - tl.load(mins_ptr + g, mask=mask, other=0.0)
     if HAS_ZEROS:
         z = tl.load(zeros_ptr + g, mask=mask, other=0).to(tl.float32)
     else:
@@ -66,12 +71,20 @@ def _weight_tile(q, k, offs_n, mask, scales_ptr, zeros_ptr, group_size, stride_s
     return s * (q.to(tl.float32) - z)
 
 
+@triton.jit
+def _less_mins(acc, x_sum, mins_ptr, g, offs_n, mask_n, stride_s_g):
+    """``acc - x_sum m``: a tile in group ``g`` less its mins times its rows' sums of x
+    (``x_sum [BLOCK_M]``), ``W = s q - m``."""
+    m = tl.load(mins_ptr + g * stride_s_g + offs_n, mask=mask_n, other=0.0)
+    return acc - x_sum[:, None] * m[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _wna16_kernel(
-    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr,
     M, N, K, group_size,
     stride_x_m, stride_o_m, stride_q_b, stride_s_g,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -81,7 +94,8 @@ def _wna16_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    ZERO: tl.constexpr = 8 if BITS == 4 else 0  # a symmetric weight's zero point
+    # a symmetric weight's zero point (with mins none: q as it is)
+    ZERO: tl.constexpr = 8 if BITS == 4 and not HAS_MINS else 0
     dot_dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty
     # column n's bytes: its block's rows, then its lane in the 16 of a row
     q_col = (offs_n // 16).to(tl.int64) * stride_q_b + offs_n % 16  # [BLOCK_N]
@@ -102,9 +116,13 @@ def _wna16_kernel(
                 w = (q.to(tl.float32) - z[None, :]).to(dot_dtype)  # integers: exact
                 part = tl.dot(x.to(dot_dtype), w, input_precision=PRECISION)
                 acc += part * s[None, :]
+                if HAS_MINS:
+                    acc = _less_mins(acc, tl.sum(x.to(tl.float32), axis=1), mins_ptr,
+                                     k0 // group_size, offs_n, mask_n, stride_s_g)
             else:
-                w = _weight_tile(q, k, offs_n, mask_w, scales_ptr, zeros_ptr, group_size,
-                                 stride_s_g, ZERO, HAS_ZEROS).to(dot_dtype)
+                w = _weight_tile(q, k, offs_n, mask_w, scales_ptr, zeros_ptr, mins_ptr,
+                                 group_size, stride_s_g, ZERO, HAS_ZEROS,
+                                 HAS_MINS).to(dot_dtype)
                 acc = tl.dot(x.to(dot_dtype), w, acc, input_precision=PRECISION)
         else:
             i = k0 // 2 + tl.arange(0, HALF)  # byte rows: k = 2i (low nibble), 2i + 1 (high)
@@ -126,11 +144,18 @@ def _wna16_kernel(
                 part = tl.dot(x_even.to(dot_dtype), w_even, input_precision=PRECISION)
                 part = tl.dot(x_odd.to(dot_dtype), w_odd, part, input_precision=PRECISION)
                 acc += part * s[None, :]
+                if HAS_MINS:
+                    x_sum = tl.sum(x_even.to(tl.float32), axis=1) + \
+                        tl.sum(x_odd.to(tl.float32), axis=1)
+                    acc = _less_mins(acc, x_sum, mins_ptr, k0 // group_size, offs_n, mask_n,
+                                     stride_s_g)
             else:  # a group holds pairs of k (group_size even): both nibbles share it
                 w_even = _weight_tile(low, even, offs_n, mask_w, scales_ptr, zeros_ptr,
-                                      group_size, stride_s_g, ZERO, HAS_ZEROS).to(dot_dtype)
+                                      mins_ptr, group_size, stride_s_g, ZERO, HAS_ZEROS,
+                                      HAS_MINS).to(dot_dtype)
                 w_odd = _weight_tile(high, even, offs_n, mask_w, scales_ptr, zeros_ptr,
-                                     group_size, stride_s_g, ZERO, HAS_ZEROS).to(dot_dtype)
+                                     mins_ptr, group_size, stride_s_g, ZERO, HAS_ZEROS,
+                                     HAS_MINS).to(dot_dtype)
                 acc = tl.dot(x_even.to(dot_dtype), w_even, acc, input_precision=PRECISION)
                 acc = tl.dot(x_odd.to(dot_dtype), w_odd, acc, input_precision=PRECISION)
     if HAS_BIAS:
@@ -210,7 +235,7 @@ def tile_config(M: int, bits: int, K: int, group_size: int) -> tuple[int, int, i
 
 def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, mins: torch.Tensor | None = None) -> None:
     """A sentence, not a fault, for operands that are not one packed weight and its x."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with dense rows, got {tuple(x.shape)} strides "
@@ -237,22 +262,31 @@ def check_packed(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                               or not zeros.is_contiguous()):
         raise ValueError(f"zeros must be a dense int8 {list(shape)}, got {zeros.dtype} "
                          f"{list(zeros.shape)}")
+    if mins is not None:
+        if zeros is not None:
+            raise ValueError("mins and zeros exclude each other: a weight with mins has no "
+                             "zero point (zeros must be None)")
+        if mins.dtype != torch.float32 or tuple(mins.shape) != shape \
+                or not mins.is_contiguous():
+            raise ValueError(f"mins must be a dense float32 {list(shape)}, got {mins.dtype} "
+                             f"{list(mins.shape)}")
     if bias is not None and (tuple(bias.shape) != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a dense [{N}], got {list(bias.shape)}")
-    devices = {t.device for t in (x, qweight, scales, zeros, bias) if t is not None}
+    devices = {t.device for t in (x, qweight, scales, zeros, mins, bias) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, mins: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """W8A16 / W4A16: ``x [M, K]`` (fp16, bf16 or fp32, dense rows) times the packed weight's
     transpose plus ``bias [N]`` → ``[M, N]`` in x's dtype (``cbatch::quantized_linear``'s
-    operands and contract; fp32 accumulation)."""
+    operands and contract, ``mins`` included; fp32 accumulation)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    check_packed(x, qweight, scales, zeros, bits, group_size, out_features, bias)
+    check_packed(x, qweight, scales, zeros, bits, group_size, out_features, bias, mins)
     M, K = x.shape
     N = out_features
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -264,10 +298,11 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _wna16_kernel[grid](
         x, qweight, scales, scales if zeros is None else zeros,
-        scales if bias is None else bias, out,
+        scales if mins is None else mins, scales if bias is None else bias, out,
         M, N, K, group_size,
         x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
-        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None,
+        HAS_BIAS=bias is not None,
         SCALE_PER_TILE=per_tile, UPCAST=upcast(x.dtype),
         PRECISION="ieee" if upcast(x.dtype) else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,

@@ -46,8 +46,8 @@ class BoundLayers:
 
 
 def linear_slots(module) -> tuple[list, list[int]] | str:
-    """One linear layer's 4 tensor slots and 5 ints (kind, out_features, bits, group_size,
-    amx), or why its forward would not run a C++ kernel."""
+    """One linear layer's 5 tensor slots (weight, scales, zeros, bias, mins) and 5 ints (kind,
+    out_features, bits, group_size, amx), or why its forward would not run a C++ kernel."""
     if isinstance(module, QuantizedLinear):
         buffers, bias = module._buffers, module._parameters.get("bias")
         if buffers["perm"] is not None:
@@ -55,15 +55,15 @@ def linear_slots(module) -> tuple[list, list[int]] | str:
         if not quantized.available(module.kind):
             return f"{module.kind.upper()} runs the pure-torch reference here"
         kind = KINDS[module.kind]
-        zeros = None if kind == W8A8 else buffers["zeros"]
+        zeros, mins = (None, None) if kind == W8A8 else (buffers["zeros"], buffers["mins"])
         group_size = 0 if kind == W8A8 else module.group_size
-        return ([buffers["qweight"], buffers["scales"], zeros, bias],
+        return ([buffers["qweight"], buffers["scales"], zeros, bias, mins],
                 [kind, module.out_features, module.bits, group_size, 0])
     if isinstance(module, Linear):
         packed = module.packed_weight
         if packed is None or packed.is_mkldnn:
             return "a linear layer not packed for cbatch's kernel"
-        return ([packed, None, None, module.bias],
+        return ([packed, None, None, module.bias, None],
                 [PACKED, module.out_features, 0, 0, int(cpu.may_use_amx(module.batch_invariant))])
     return f"a {type(module).__name__} linear layer"
 

@@ -80,34 +80,38 @@ def on_triton(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: torch.Tensor,
            zeros: torch.Tensor | None, group_size: int, out_features: int,
-           bias: torch.Tensor | None) -> torch.Tensor:
+           bias: torch.Tensor | None, mins: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight packed for ``kind``
     (:mod:`cbatch.layers.quantization.weight`: ``pack``; ``pack_w8a8``; ``pack_w4a8``): the
     Triton GEMMs where :func:`on_triton`, cbatch's CPU kernel where :func:`available`, else
     the reference.
 
     x: ``[M, K]`` fp32 or bf16 (fp16 too on CUDA); scales: fp32 ``[G, N16]``; zeros: int8
-    ``[G, N16]`` or None; bias: ``[N]`` or None → ``[M, N = out_features]`` in x's dtype.
+    ``[G, N16]`` or None; bias: ``[N]`` or None; mins: fp32 ``[G, N16]`` or None (``W = scales
+    * q - mins``, zeros None; not W8A8's) → ``[M, N = out_features]`` in x's dtype.
     ``group_size`` and ``zeros`` are unused by W8A8 (symmetric, one group per column)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if on_triton(x) and kind != "w4a8":
-        return triton_linear(x, kind, qweight, scales, zeros, group_size, out_features, bias)
+        return triton_linear(x, kind, qweight, scales, zeros, group_size, out_features, bias,
+                             mins)
     cpu = x.is_cpu and available(kind)
     if kind == "w8a8":
+        if mins is not None:
+            raise ValueError("W8A8 takes symmetric int8 weights: no mins")
         op = torch.ops.cbatch.quantized_linear_w8a8 if cpu else reference.quantized_linear_w8a8
         return op(x, qweight, scales, out_features, bias)
     if kind == "w4a8":
         op = torch.ops.cbatch.quantized_linear_w4a8 if cpu else reference.quantized_linear_w4a8
-        return op(x, qweight, scales, group_size, out_features, bias, zeros)
+        return op(x, qweight, scales, group_size, out_features, bias, zeros, mins)
     op = torch.ops.cbatch.quantized_linear if cpu else reference.quantized_linear
     return op(x, qweight, scales, zeros, 4 if kind == "w4a16" else 8, group_size,
-              out_features, bias)
+              out_features, bias, mins)
 
 
 def triton_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: torch.Tensor,
                   zeros: torch.Tensor | None, group_size: int, out_features: int,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                  bias: torch.Tensor | None, mins: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear` in Triton (``kernels/quant_matmul.py``), for ``kind`` W8A16, W4A16
     (``torch.ops.cbatch_triton.quantized_linear``, dequantizing in registers) or W8A8 (x
     quantized per token by ``torch.ops.cbatch_triton.scaled_int8_quant``, then
@@ -115,21 +119,23 @@ def triton_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: tor
     from cbatch.ops import triton as triton_ops  # (importing triton is slow: on first use)
 
     if kind == "w8a8":
+        if mins is not None:
+            raise ValueError("W8A8 takes symmetric int8 weights: no mins")
         x_q, x_scale = triton_ops.scaled_int8_quant(x)
         return triton_ops.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias,
                                       x.dtype)
     if kind == "w4a8":
         raise ValueError("W4A8 has no Triton kernel (quantization='w4a8' runs on the CPU)")
     return triton_ops.quantized_linear(x, qweight, scales, zeros, 4 if kind == "w4a16" else 8,
-                                       group_size, out_features, bias)
+                                       group_size, out_features, bias, mins)
 
 
 if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the meta device
 
     @torch.library.register_fake("cbatch::quantized_linear")
-    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
+    def _(x, qweight, scales, zeros, bits, group_size, out_features, bias, mins=None):
         check_no_meta_mix("cbatch::quantized_linear", x=x, qweight=qweight, scales=scales,
-                          zeros=zeros, bias=bias)
+                          zeros=zeros, bias=bias, mins=mins)
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::quantized_linear_w8a8")
@@ -139,7 +145,7 @@ if "cpu" in compiled.compiled_backends():  # shapes for torch.compile and the me
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbatch::quantized_linear_w4a8")
-    def _(x, qweight, scales, group_size, out_features, bias, zeros=None):
+    def _(x, qweight, scales, group_size, out_features, bias, zeros=None, mins=None):
         check_no_meta_mix("cbatch::quantized_linear_w4a8", x=x, qweight=qweight,
-                          scales=scales, bias=bias, zeros=zeros)
+                          scales=scales, bias=bias, zeros=zeros, mins=mins)
         return x.new_empty((x.shape[0], out_features))

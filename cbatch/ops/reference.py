@@ -122,11 +122,14 @@ def paged_decode_attention(
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               bits: int, group_size: int, out_features: int, in_features: int) -> torch.Tensor:
+               bits: int, group_size: int, out_features: int, in_features: int,
+               mins: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 ``[N, K]`` weight of cbatch's packed quantized layout (``cbatch::
     quantized_linear``'s operands; :mod:`cbatch.layers.quantization.weight`):
     ``W[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``, with
-    ``q - zeros`` exact in integers, then one fp32 rounding."""
+    ``q - zeros`` exact in integers, then one fp32 rounding; with ``mins`` (fp32 ``[G, N16]``,
+    ``zeros`` None: no zero point, q as stored) ``W[n, k] = fl(fl(scales[g, n] * q[n, k]) -
+    mins[g, n])``, two roundings in that order (gguf's dequantization)."""
     N, K = out_features, in_features
     blocks = qweight.shape[0]
     if bits == 8:  # [blocks, K, 16] int8
@@ -135,18 +138,23 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         pairs = qweight.permute(0, 2, 1).reshape(blocks * 16, -1).to(torch.int32)
         q = torch.stack((pairs & 15, pairs >> 4), dim=-1).flatten(1)[:, :K]
     group = torch.arange(K, device=q.device) // group_size  # [K]
+    s = scales[group].t()  # [N16, K]
+    if mins is not None:
+        return (s * q.float() - mins[group].t())[:N]
     zero = 0 if bits == 8 else 8
     z = zeros.to(torch.int32)[group].t() if zeros is not None else zero  # [N16, K]
-    s = scales[group].t()  # [N16, K]
     return (s * (q.to(torch.int32) - z).float())[:N]
 
 
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, mins: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` :func:`dequantize`'s, in fp32, returned in x's dtype:
-    what ``cbatch::quantized_linear`` computes (x ``[M, K]``)."""
-    w = dequantize(qweight, scales, zeros, bits, group_size, out_features, x.shape[-1])
+    what ``cbatch::quantized_linear`` computes (x ``[M, K]``; the kernel's roundings are its
+    own: within a bound of this, not bitwise).  With ``mins`` the kernel computes
+    ``sum_g (s[g] sum_k x q - m[g] sum_k x)``, each row's group sums of x once."""
+    w = dequantize(qweight, scales, zeros, bits, group_size, out_features, x.shape[-1], mins)
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
@@ -227,26 +235,41 @@ def unpack_w4a8(qweight: torch.Tensor, out_features: int, in_features: int) -> t
 
 def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           group_size: int, out_features: int, bias: torch.Tensor | None,
-                          zeros: torch.Tensor | None = None) -> torch.Tensor:
+                          zeros: torch.Tensor | None = None, mins: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """W4A8: x ``[M, K]`` quantized per token and group (:func:`quantize_per_group`: ``xq``,
     ``s_x [M, G]``), each group's exact integer sums ``S[m, n, g]`` (in float64, exact below
     2^53), then in fp32, the groups in order, ``y = sum_g (S * s_w[g, n]) * s_x[m, g]`` (each
     product and each add rounded; the sum starts at 0) and ``+ bias[n]`` last, returned in x's
     dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit for bit.  qweight:
     :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``; zeros: None (the weight's
-    integers are the nibbles less 8) or int8 ``[G, N16]`` (the nibbles less ``zeros[g, n]``)."""
+    integers are the nibbles less 8) or int8 ``[G, N16]`` (the nibbles less ``zeros[g, n]``).
+
+    mins: None, or fp32 ``[G, N16]`` (``zeros`` None; ``W = s_w u - m``, u the nibble in
+    0..15 as it is): ``S`` is then ``sum xq u`` and each group's term is
+
+        t = fl(fl(fl(S * s_w[g, n]) * s_x[m, g]) - fl(mins[g, n] * c[m, g])),
+        c[m, g] = fl(Sx[m, g] * s_x[m, g]),   Sx = sum over the group of xq (exact),
+
+    ``y = fl(y + t)`` over the groups in order: ``c`` is the row's quantized x summed over
+    the group (llama.cpp's Q8_1 ``s``, its Q8_K ``bsums``), one number per row and group."""
     M, K = x.shape
     N, G = out_features, scales.shape[0]
     pad = G * group_size - K
     q = torch.nn.functional.pad(unpack_w4a8(qweight, N, K), (0, pad)).view(N, G, group_size)
-    if zeros is not None:  # the nibble is q + 8; the weight's integer is the nibble less z
-        q = q + 8 - zeros[:, :N].t().to(torch.int32)[:, :, None]
+    if zeros is not None or mins is not None:  # the nibble is q + 8, less z (mins: less 0)
+        z = 0 if zeros is None else zeros[:, :N].t().to(torch.int32)[:, :, None]
+        q = q + 8 - z
     xq, sx = quantize_per_group(x, group_size)
     xq = torch.nn.functional.pad(xq, (0, pad)).view(M, G, group_size)
     S = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # [M, N, G], exact
+    c = xq.sum(dim=-1, dtype=torch.int32).float() * sx if mins is not None else None  # [M, G]
     y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     for g in range(G):
-        y = y + (S[:, :, g].float() * scales[g, :N]) * sx[:, g, None]
+        t = (S[:, :, g].float() * scales[g, :N]) * sx[:, g, None]
+        if c is not None:
+            t = t - mins[g, :N] * c[:, g, None]
+        y = y + t
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

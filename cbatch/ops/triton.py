@@ -74,17 +74,18 @@ def _(logits, rows, temperature, top_k, top_p, min_p, uniform):
 @torch.library.custom_op("cbatch_triton::quantized_linear", mutates_args=())
 def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, mins: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """W8A16 / W4A16 (``kernels/quant_matmul.py``): ``cbatch::quantized_linear``'s contract,
-    x fp16, bf16 or fp32."""
+    mins included, x fp16, bf16 or fp32."""
     return quant_matmul.wna16_linear(x, qweight, scales, zeros, bits, group_size, out_features,
-                                     bias)
+                                     bias, mins)
 
 
 @quantized_linear.register_fake
-def _(x, qweight, scales, zeros, bits, group_size, out_features, bias):
+def _(x, qweight, scales, zeros, bits, group_size, out_features, bias, mins=None):
     check_no_meta_mix("cbatch_triton::quantized_linear", x=x, qweight=qweight, scales=scales,
-                      zeros=zeros, bias=bias)
+                      zeros=zeros, bias=bias, mins=mins)
     return x.new_empty((x.shape[0], out_features))
 
 

@@ -11,10 +11,10 @@
 //            then qkv_proj, o_proj, gate_up_proj, down_proj, each as kLinearTensors slots;
 //   ints:    each linear's kLinearInts: kind, out_features, bits, group_size, amx.
 // A linear's slots by kind (None where a kind has fewer):
-//   kPacked    (linear_cpu):               packed weight, -, -, bias
-//   kQuantized (quantized_linear_cpu):     qweight, scales, zeros, bias
-//   kW8A8      (quantized_linear_w8a8_cpu): qweight, scales, -, bias
-//   kW4A8      (quantized_linear_w4a8_cpu): qweight, scales, zeros, bias
+//   kPacked    (linear_cpu):               packed weight, -, -, bias, -
+//   kQuantized (quantized_linear_cpu):     qweight, scales, zeros, bias, mins
+//   kW8A8      (quantized_linear_w8a8_cpu): qweight, scales, -, bias, -
+//   kW4A8      (quantized_linear_w4a8_cpu): qweight, scales, zeros, bias, mins
 #include <ATen/ops/empty.h>
 
 #include "../ops.h"
@@ -24,7 +24,7 @@ namespace cbatch {
 namespace {
 
 enum class LinearKind : int64_t { kPacked = 0, kQuantized = 1, kW8A8 = 2, kW4A8 = 3 };
-constexpr int64_t kLinearTensors = 4, kLinearInts = 5, kNorms = 4, kLinears = 4;
+constexpr int64_t kLinearTensors = 5, kLinearInts = 5, kNorms = 4, kLinears = 4;
 constexpr int64_t kLayerTensors = kNorms + kLinears * kLinearTensors;
 constexpr int64_t kLayerInts = kLinears * kLinearInts;
 
@@ -46,12 +46,12 @@ at::Tensor linear(const at::Tensor& x, const Slots& t, int64_t t0, at::IntArrayR
       return linear_cpu(x, required(t, t0), n, bias, std::nullopt, "none", ints[i0 + 4] != 0);
     case LinearKind::kQuantized:
       return quantized_linear_cpu(x, required(t, t0), required(t, t0 + 1), t.get(t0 + 2), bits,
-                                  group, n, bias);
+                                  group, n, bias, t.get(t0 + 4));
     case LinearKind::kW8A8:
       return quantized_linear_w8a8_cpu(x, required(t, t0), required(t, t0 + 1), n, bias);
     case LinearKind::kW4A8:
       return quantized_linear_w4a8_cpu(x, required(t, t0), required(t, t0 + 1), group, n, bias,
-                                       t.get(t0 + 2));
+                                       t.get(t0 + 2), t.get(t0 + 4));
   }
   TORCH_CHECK_VALUE(false, "decoder_layers: unknown linear kind ", kind);
 }

@@ -25,6 +25,13 @@
 // weight's q - z as a bf16 (exact) and vdpbf16ps on x's bf16 pairs, half the multiply-add
 // instructions of the fp32 loop and no fp32 copy of x; the same bound, and the same
 // independence of rows.
+//
+// Mins (llama.cpp's Q4_K / Q5_K, Q4_1 / Q5_1): W[n, k] = scales[g, n] * q[n, k] - mins[g, n],
+// zeros none and no zero point (int4's q as stored, 0..15).  Then sum_k x W over a group is
+// s sum_k x q - m sum_k x: the loops above run on q as they are, and at each group's end,
+// after the scaled sum, one more fma subtracts m times the row's sum of x over the group
+// (group_sums: computed once per row and group before the tiles, not per column).  Each
+// output is then within gamma_{K+4} sum |x| (|s q| + |m|) of the exact one.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -61,6 +68,9 @@ struct QArgs {
   const uint8_t* q;      // packed (int8 or uint8 bytes)
   const float* scales;   // [G, N16]
   const int8_t* zeros;   // [G, N16] or null
+  int32_t zero;          // the zero point where zeros is null: int4 8, int8 0; with mins 0
+  const float* mins;     // [G, N16] or null
+  const float* xsum;     // [M, G] each row's sum of x per group (with mins; else null)
   const float* bias;     // [N] fp32 or null
   float* out;            // [M, N] fp32
 };
@@ -87,6 +97,7 @@ CBATCH_AVX512 CBATCH_INLINE Vec set1(float v) { return _mm512_set1_ps(v); }
 CBATCH_AVX512 CBATCH_INLINE IVec set1i(int32_t v) { return _mm512_set1_epi32(v); }
 CBATCH_AVX512 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 CBATCH_AVX512 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+CBATCH_AVX512 CBATCH_INLINE Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
 // kLanes bytes, sign- or zero-extended to int32 lanes
 CBATCH_AVX512 CBATCH_INLINE IVec load_i8(const void* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
@@ -138,6 +149,7 @@ CBATCH_AVX2 CBATCH_INLINE Vec set1(float v) { return _mm256_set1_ps(v); }
 CBATCH_AVX2 CBATCH_INLINE IVec set1i(int32_t v) { return _mm256_set1_epi32(v); }
 CBATCH_AVX2 CBATCH_INLINE Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 CBATCH_AVX2 CBATCH_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+CBATCH_AVX2 CBATCH_INLINE Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
 CBATCH_AVX2 CBATCH_INLINE IVec load_i8(const void* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
 }
@@ -222,17 +234,18 @@ CBATCH_AVX512_DOT CBATCH_INLINE __m512 dot(__m512 acc, __m512i w, __m512i x) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
 }
 
-// Group g's scales and (15 - z) in both halves for the V vectors at col.
+// Group g's scales, (15 - z) in both halves and mins (0 without) for the V vectors at col.
 template <int V>
 CBATCH_AVX512_DOT CBATCH_INLINE void group_scales(const QArgs& a, int64_t g, const int64_t* col,
-                                                  __m512* s, __m512i* zz) {
+                                                  __m512* s, __m512i* zz, __m512* mn) {
 #pragma GCC unroll 2
   for (int v = 0; v < V; ++v) {
     s[v] = _mm512_loadu_ps(a.scales + g * a.N16 + col[v]);
+    mn[v] = a.mins ? _mm512_loadu_ps(a.mins + g * a.N16 + col[v]) : _mm512_setzero_ps();
     const __m512i z = a.zeros ? _mm512_cvtepi8_epi32(_mm_loadu_si128(
                                     reinterpret_cast<const __m128i*>(a.zeros + g * a.N16 +
                                                                      col[v])))
-                              : _mm512_set1_epi32(8);
+                              : _mm512_set1_epi32(a.zero);
     const __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(15), z);
     zz[v] = _mm512_or_si512(d, _mm512_slli_epi32(d, 16));
   }
@@ -298,9 +311,9 @@ CBATCH_AVX512_DOT void tile(const QArgs& a, int64_t m, int64_t block) {
   const c10::BFloat16* x = a.xb + m * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    __m512 s[2];
+    __m512 s[2], mn[2];
     __m512i zz[2];
-    group_scales<V>(a, g, col, s, zz);
+    group_scales<V>(a, g, col, s, zz, mn);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = _mm512_setzero_ps();
@@ -318,9 +331,11 @@ CBATCH_AVX512_DOT void tile(const QArgs& a, int64_t m, int64_t block) {
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(a.mins ? a.xsum[(m + r) * a.groups + g] : 0.f);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         out[r][v] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]), s[v], out[r][v]);
+        if (a.mins) out[r][v] = _mm512_fnmadd_ps(xs, mn[v], out[r][v]);  // less m sum x
       }
     }
   }
@@ -363,9 +378,9 @@ CBATCH_AVX512_DOT void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t
   const c10::BFloat16* x = a.xb + m0 * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    __m512 s[2];
+    __m512 s[2], mn[2];
     __m512i zz[2];
-    group_scales<V>(a, g, col, s, zz);
+    group_scales<V>(a, g, col, s, zz, mn);
     for (int64_t m = 0; m < M; ++m) {
       for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = _mm512_setzero_ps();
     }
@@ -389,9 +404,11 @@ CBATCH_AVX512_DOT void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t
       }
     }
     for (int64_t m = 0; m < M; ++m) {
+      const __m512 xs = _mm512_set1_ps(a.mins ? a.xsum[(m0 + m) * a.groups + g] : 0.f);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         out[m][v] = _mm512_fmadd_ps(_mm512_add_ps(acc[m][v][0], acc[m][v][1]), s[v], out[m][v]);
+        if (a.mins) out[m][v] = _mm512_fnmadd_ps(xs, mn[v], out[m][v]);  // less m sum x
       }
     }
   }
@@ -422,6 +439,29 @@ struct Isa {
 
 }  // namespace bf16q
 
+// Each row's sum of x over each group, fp32 [M, G] (mins' term, once per row and group, not
+// per column): eight partial sums of consecutive k, then added pairwise; the same order for
+// a row whatever M.  x: [M, K] dense, fp32 or bf16 (widened exactly).
+template <typename T>
+void group_sums(const T* x, int64_t M, int64_t K, int64_t group_size, int64_t groups,
+                float* sums) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* xs = x + m * K + g * group_size;
+        const int64_t n = std::min(K - g * group_size, group_size);
+        float p[8] = {};
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+          for (int i = 0; i < 8; ++i) p[i] += float(xs[k + i]);
+        }
+        for (int i = 0; k < n; ++k, ++i) p[i] += float(xs[k]);
+        sums[m * groups + g] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      }
+    }
+  });
+}
+
 // Chunks of rows, each over every column item, the items shared out among threads.
 template <typename Isa, int kBits, bool kSub>
 void run(const QArgs& a) {
@@ -443,7 +483,8 @@ void run(const QArgs& a) {
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                 int64_t bits, int64_t group_size, int64_t out_features,
-                                const std::optional<at::Tensor>& bias) {
+                                const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& mins) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "x must be float32 or bfloat16, got ", x.scalar_type());
@@ -478,6 +519,14 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                       "zeros must be a dense int8 [", groups, ", ", N16, "], got ",
                       zeros->scalar_type(), " ", zeros->sizes());
   }
+  if (mins) {
+    TORCH_CHECK_VALUE(!zeros, "mins and zeros exclude each other: a weight with mins has no "
+                      "zero point (zeros must be None)");
+    TORCH_CHECK_VALUE(mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
+                          mins->dim() == 2 && mins->size(0) == groups && mins->size(1) == N16,
+                      "mins must be a dense float32 [", groups, ", ", N16, "], got ",
+                      mins->scalar_type(), " ", mins->sizes());
+  }
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got ",
                       bias->sizes());
@@ -494,6 +543,13 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
 #ifdef CBATCH_X86
+  at::Tensor xsum;  // [M, G] with mins
+  if (mins) {
+    xsum = at::empty({M, groups}, x.options().dtype(at::kFloat));
+    bf16_dot ? group_sums(xf.data_ptr<c10::BFloat16>(), M, K, group_size, groups,
+                          xsum.data_ptr<float>())
+             : group_sums(xf.data_ptr<float>(), M, K, group_size, groups, xsum.data_ptr<float>());
+  }
   const QArgs a{.x = bf16_dot ? nullptr : xf.data_ptr<float>(),
                 .xb = bf16_dot ? xf.data_ptr<c10::BFloat16>() : nullptr,
                 .ldx = K, .M = M, .K = K, .N = N, .N16 = N16,
@@ -501,6 +557,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                 .q = static_cast<const uint8_t*>(qweight.data_ptr()),
                 .scales = scales.data_ptr<float>(),
                 .zeros = zeros ? zeros->data_ptr<int8_t>() : nullptr,
+                .zero = bits == 4 && !mins ? 8 : 0,
+                .mins = mins ? mins->data_ptr<float>() : nullptr,
+                .xsum = mins ? xsum.data_ptr<float>() : nullptr,
                 .bias = bf ? bf->data_ptr<float>() : nullptr, .out = out.data_ptr<float>()};
   const bool avx512 = cpu_has_avx512();
   if (bf16_dot) {
@@ -512,7 +571,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                  : CpuPath::kQuantizedLinearW8Avx2)
                        : (avx512 ? CpuPath::kQuantizedLinearW4Avx512
                                  : CpuPath::kQuantizedLinearW4Avx2));
-  // int4 always subtracts its zero point (8 when none is given); int8 only a given one
+  // int4 always subtracts its zero point (8 when none is given, 0 with mins); int8 only a
+  // given one
   if (avx512) {
     bits == 4 ? run<avx512q::Isa, 4, true>(a)
               : zeros ? run<avx512q::Isa, 8, true>(a) : run<avx512q::Isa, 8, false>(a);

@@ -28,6 +28,10 @@
 // over the group, one number per row and group (no per-column correction).  With zero points
 // the stored nibble u is the weight's own unsigned integer (w = s_w (u - z)), and the kernel
 // subtracts z[g, n] times the row's sum instead: S = sum u x - z sum x, exact as before.
+// With mins (zeros none; llama.cpp's Q4_1 / Q4_K route, w = s_w u - m) nothing is subtracted,
+// S = sum u x, and each group's term is t = fl(fl(fl(fl(S) s_w) s_x) - fl(m[g, n] c[m, g])),
+// c = fl(Sx s_x), Sx the row's sum of its q over the group: c is computed once per row and
+// group (quantize_rows), m c once per column.  The same in reference.py, bit for bit.
 //
 // No overflow: vpmaddubsw adds two products u x with u <= 15 and |x| <= 127, so each int16
 // lane is at most 2 * 15 * 127 = 3810 in magnitude (it never saturates); the kernel adds 8
@@ -74,6 +78,8 @@ struct W4A8Args {
   const uint8_t* w;     // [N16 / 16, Q, 32]
   const float* wscale;  // [G, N16] s_w
   const int8_t* wzero;  // [G, N16] zero points in [0, 15], or null: 8
+  const float* wmin;    // [G, N16] mins (wzero null), or null
+  const float* xsum_scaled;  // [M, G] fl(xsum * s_x) (with mins; else null)
   int64_t N16;
   const float* bias;    // [N] fp32 or null
   float* out;           // [M, N] fp32 (an fp32 x), or null
@@ -81,10 +87,12 @@ struct W4A8Args {
 };
 
 // Per-token, per-group quantization of rows [m0, m1) of x [M, K] (fp32 or bf16, rows
-// x_stride apart; bf16 widens to fp32 exactly) into a's buffers, 0 past K.
+// x_stride apart; bf16 widens to fp32 exactly) into a's buffers, 0 past K; and with mins each
+// group's fl(xsum * s_x) into xsum_scaled.
 template <typename T>
 void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size, int64_t m0,
-                   int64_t m1, const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale) {
+                   int64_t m1, const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale,
+                   float* xsum_scaled) {
   for (int64_t m = m0; m < m1; ++m) {
     const T* x = xs + m * x_stride;
     int8_t* q = xq + m * a.Q * 4;
@@ -94,6 +102,9 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
       const float top = quantized_operands::quantize_run(x + k0, k1 - k0, q + k0,
                                                          &xsum[m * a.G + g]);
       xscale[m * a.G + g] = top / 127.f;
+      if (xsum_scaled) {  // |xsum| <= 127 group_size < 2^24: exact in fp32
+        xsum_scaled[m * a.G + g] = float(xsum[m * a.G + g]) * xscale[m * a.G + g];
+      }
     }
   }
 }
@@ -110,7 +121,7 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 
 // Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
 // order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z 8 or each
-// column's zero point.
+// column's zero point; with mins z 0 and the term less rounded(fl(m * xsum_scaled)).
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
                                          const __m256i (*s)[2], __m256 (*y)[2]) {
@@ -121,17 +132,25 @@ CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t b
                              reinterpret_cast<const __m128i*>(z))) : __m256i{},
                 z1 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                              reinterpret_cast<const __m128i*>(z + 8))) : __m256i{};
+  const float* mn = a.wmin ? a.wmin + g * a.N16 + block * kBlock : nullptr;
+  const __m256 mn0 = mn ? _mm256_loadu_ps(mn) : __m256{},
+               mn1 = mn ? _mm256_loadu_ps(mn + 8) : __m256{};
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
     const __m256i shift0 = z ? _mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum))
-                             : _mm256_set1_epi32(8 * xsum),
+                             : _mm256_set1_epi32(mn ? 0 : 8 * xsum),
                   shift1 = z ? _mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)) : shift0;
-    const __m256 t0 = _mm256_mul_ps(
+    __m256 t0 = _mm256_mul_ps(
         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift0)), sw0), sx);
-    const __m256 t1 = _mm256_mul_ps(
+    __m256 t1 = _mm256_mul_ps(
         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift1)), sw1), sx);
+    if (mn) {  // w = s_w u - m: less m times the row's quantized x summed over the group
+      const __m256 c = _mm256_set1_ps(a.xsum_scaled[(m + r) * a.G + g]);
+      t0 = _mm256_sub_ps(rounded(t0), rounded(_mm256_mul_ps(mn0, c)));
+      t1 = _mm256_sub_ps(rounded(t1), rounded(_mm256_mul_ps(mn1, c)));
+    }
     y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
     y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
   }
@@ -456,7 +475,8 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,
                                      const std::optional<at::Tensor>& bias,
-                                     const std::optional<at::Tensor>& zeros) {
+                                     const std::optional<at::Tensor>& zeros,
+                                     const std::optional<at::Tensor>& mins) {
   const at::Tensor x = quantized_operands::checked_x(x_in, out_features, bias);
 #ifdef CBATCH_X86
   const bool avx2 = cpu_has_avx2();
@@ -484,6 +504,11 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->is_contiguous() &&
                                zeros->sizes() == scales.sizes()),
                     "zeros must be None or a dense int8 [", G, ", ", N16, "]");
+  TORCH_CHECK_VALUE(!mins || !zeros, "mins and zeros exclude each other: a weight with mins "
+                    "has no zero point (zeros must be None)");
+  TORCH_CHECK_VALUE(!mins || (mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
+                              mins->sizes() == scales.sizes()),
+                    "mins must be None or a dense float32 [", G, ", ", N16, "]");
   // The output in x's dtype, written by the tiles (a bf16 one rounded there): no fp32 copy.
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -499,18 +524,22 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   std::memset(xq.data_ptr<int8_t>() + M * Q * 4, 0, (rows - M) * Q * 4);
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
+  at::Tensor xsum_scaled = mins ? at::empty({M, G}, opts.dtype(at::kFloat)) : at::Tensor();
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
                    .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .Q = Q,
                    .N = N,
                    .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
                    .wzero = zeros ? zeros->data_ptr<int8_t>() : nullptr,
+                   .wmin = mins ? mins->data_ptr<float>() : nullptr,
+                   .xsum_scaled = mins ? xsum_scaled.data_ptr<float>() : nullptr,
                    .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
                    .out = bf16 ? nullptr : out.data_ptr<float>(),
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     auto quantize = [&](const auto* xs) {
       quantize_rows(xs, x.stride(0), K, group_size, m0, m1, a, xq.data_ptr<int8_t>(),
-                    xsum.data_ptr<int32_t>(), xscale.data_ptr<float>());
+                    xsum.data_ptr<int32_t>(), xscale.data_ptr<float>(),
+                    mins ? xsum_scaled.data_ptr<float>() : nullptr);
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });

@@ -2,19 +2,21 @@
 // ISAs: quantized_linear.cpp includes this file twice, inside namespace avx512q and inside
 // namespace avx2q, each time after defining CBATCH_Q_TARGET (the ISA's target attribute) and
 // the ISA's wrappers this body calls: Vec / IVec, kLanes, kRows, the one-instruction helpers
-// (zero, set1, set1i, load_i8, load_u8, low_nibbles, high_nibbles, to_float, fmadd, add,
-// load_first, store_first) and the tile's geometry (vectors, vec_weights, vec_column).  So
+// (zero, set1, set1i, load_i8, load_u8, low_nibbles, high_nibbles, to_float, fmadd, fnmadd,
+// add, load_first, store_first) and the tile's geometry (vectors, vec_weights, vec_column).  So
 // the AVX2 path, which every x86 test machine runs, runs this same code as the AVX-512 one.
 // No include guard: it is meant to be included once per ISA.
 
-// Group g's scales and zero points (int4 without zeros: 8; int8: 0) for the V vectors at col.
-template <int V, int kBits>
+// Group g's scales, zero points (without zeros a.zero: int4 8, int8 and mins 0) and mins (0
+// without) for the V vectors at col.
+template <int V>
 CBATCH_Q_TARGET CBATCH_INLINE void group_scales(const QArgs& a, int64_t g, const int64_t* col,
-                                                Vec* s, IVec* z) {
+                                                Vec* s, IVec* z, Vec* mn) {
 #pragma GCC unroll 2
   for (int v = 0; v < V; ++v) {
     s[v] = load_first(a.scales + g * a.N16 + col[v], kLanes);
-    z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(kBits == 4 ? 8 : 0);
+    z[v] = a.zeros ? load_i8(a.zeros + g * a.N16 + col[v]) : set1i(a.zero);
+    mn[v] = a.mins ? load_first(a.mins + g * a.N16 + col[v], kLanes) : zero();
   }
 }
 
@@ -46,9 +48,9 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
   const float* x = a.x + m * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    Vec s[2];
+    Vec s[2], mn[2];
     IVec z[2];
-    group_scales<V, kBits>(a, g, col, s, z);
+    group_scales<V>(a, g, col, s, z, mn);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < 2; ++v) acc[r][v][0] = acc[r][v][1] = zero();
@@ -99,9 +101,11 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
+      const Vec xs = set1(a.mins ? a.xsum[(m + r) * a.groups + g] : 0.f);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         out[r][v] = fmadd(add(acc[r][v][0], acc[r][v][1]), s[v], out[r][v]);
+        if (a.mins) out[r][v] = fnmadd(xs, mn[v], out[r][v]);  // W = s q - m: less m sum x
       }
     }
   }
@@ -161,9 +165,9 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
   const float* x = a.x + m0 * a.ldx;
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group_size, k1 = std::min(a.K, k0 + a.group_size);
-    Vec s[2];
+    Vec s[2], mn[2];
     IVec z[2];
-    group_scales<V, kBits>(a, g, col, s, z);
+    group_scales<V>(a, g, col, s, z, mn);
     for (int64_t m = 0; m < M; ++m) {
       for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = zero();
     }
@@ -198,9 +202,11 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
       }
     }
     for (int64_t m = 0; m < M; ++m) {
+      const Vec xs = set1(a.mins ? a.xsum[(m0 + m) * a.groups + g] : 0.f);
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
         out[m][v] = fmadd(add(acc[m][v][0], acc[m][v][1]), s[v], out[m][v]);
+        if (a.mins) out[m][v] = fnmadd(xs, mn[v], out[m][v]);  // W = s q - m: less m sum x
       }
     }
   }

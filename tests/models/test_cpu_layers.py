@@ -9,12 +9,13 @@ import torch
 
 from cbatch import Engine, SamplingParams, load_model
 from cbatch.entrypoints.llm import generate
-from cbatch.layers.quantization import quantize_model
+from cbatch.layers.quantization import QuantizedLinear, quantize_model
 from cbatch.quantization import METHODS
 from cbatch.models import cpu_layers
 from cbatch.models.llama import LlamaConfig, LlamaForCausalLM
 from cbatch.ops import cpu, layer_ops
 from cbatch.ops import quantized
+from tests.quant_utils import quantize_with_mins
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -85,6 +86,39 @@ def test_one_call_gives_the_loops_tokens_and_logprobs(monkeypatch, quantization,
     assert ours == loop  # tokens, and every log-probability to the last bit
 
 
+def with_mins(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` with each quantized linear but W8A8's (a w4a8 model's lm_head) requantized
+    with float mins, min-max per group (llama.cpp's Q4_1 rule)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantizedLinear) and child.kind != "w8a8":
+                weight = quantize_with_mins(child.weight.dequantize(), child.bits,
+                                            child.group_size)
+                setattr(parent, name, QuantizedLinear(weight, child.bias, child.act_bits))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w4a8"])
+def test_one_call_runs_mins_as_the_loop(monkeypatch, quantization, dtype):
+    """Linear layers with float mins (W = s q - m, GGUF's Q4_K and Q4_1) bind their mins
+    (one more tensor slot a linear) and give the loop's tokens and log-probabilities."""
+    if not quantized.available("w8a16"):
+        pytest.skip("cbatch's quantized CPU kernels do not run here")
+    if quantization == "w4a8" and not quantized.available("w4a8"):
+        pytest.skip("the W4A8 kernel needs AVX2")
+    make = lambda: with_mins(tiny_llama(quantization, dtype, True))  # noqa: E731
+    model = make()
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.mins is not None and layer.zeros is None
+    bound = cpu_layers.bind(model)
+    assert any(t is layer.mins for t in bound.tensors)
+    ours, calls, phrase = run(monkeypatch, "1", make)
+    loop, loop_calls, _ = run(monkeypatch, "0", make)
+    assert phrase == "one C++ call" and calls >= 12 and loop_calls == 0
+    assert ours == loop
+
+
 def test_batch_invariant_engines_bind_too(monkeypatch):
     """Batch-invariant mode (every step on the prefill kernel, no AMX) binds the same way, and
     its tokens are the loop's."""
@@ -123,7 +157,7 @@ def test_the_op_checks_its_lists():
             torch.zeros(16, 8), torch.zeros(2, dtype=torch.int64),
             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
             torch.tensor([0, 2], dtype=torch.int32), False)
-    with pytest.raises(ValueError, match="1 layers take 20 tensors and 20 ints"):
+    with pytest.raises(ValueError, match="1 layers take 24 tensors and 20 ints"):
         torch.ops.cbatch.decoder_layers(hidden, [None] * 3, [0] * 20, caches, *args)
     with pytest.raises(ValueError, match="a key and a value cache per layer"):
-        torch.ops.cbatch.decoder_layers(hidden, [None] * 20, [0] * 20, caches[:1], *args)
+        torch.ops.cbatch.decoder_layers(hidden, [None] * 24, [0] * 20, caches[:1], *args)

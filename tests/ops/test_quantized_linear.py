@@ -13,6 +13,11 @@ path of its ISA ran: int4 on a bf16 x takes vdpbf16ps where the CPU has AVX512-B
 (``quantized_linear.w4.avx512bf16``: x read as bf16, each weight's q - z a bf16 exactly, each
 product exact in fp32 and each add one rounding, so the same bound holds; denormals flush to
 zero, far below it).
+
+With float mins (W = s q - m, no zero point; llama.cpp's Q4_K, Q4_1) the kernel subtracts, at
+each group's end, m times the row's sum of x over the group (an fma): each term then meets at
+most K + 2G + 4 roundings, against the exact x @ (s q - m)^T of the unpacked parts, and the
+bound's size is |x| @ (|s q| + |m|)^T (the weight's two parts apart, as the kernel adds them).
 """
 
 import pytest
@@ -22,7 +27,8 @@ from cbatch.layers.quantization import pack, quantize
 from cbatch.ops import compiled, cpu, reference
 from cbatch.ops import quantized
 from tests.helpers import CPU_FLAGS as FLAGS
-from tests.quant_utils import random_quantized, unpacked_weight
+from tests.quant_utils import (random_quantized, random_with_mins, unpacked_weight,
+                               weight_with_mins)
 
 pytestmark = pytest.mark.skipif(not quantized.available("w8a16"),
                                 reason="cbatch's quantized CPU kernel does not run here")
@@ -172,3 +178,97 @@ def test_bad_operands_get_a_sentence(change, match):
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         torch.ops.cbatch.quantized_linear(*args.values())
+
+
+def _check_mins(x, parts, group_size, bias, ours):
+    """ours within gamma_{K + 2G + 4} (|x| @ (|s q| + |m|)^T + |bias|) of x @ (s q - m)^T +
+    bias in float64 (the module docstring), bf16 outputs 2^-8 |y| more."""
+    q, s, m = parts
+    K = x.shape[1]
+    g = torch.arange(K) // group_size
+    truth = x.double() @ weight_with_mins(q, s, m, group_size).t()
+    size = x.double().abs() @ (s[g].t().double() * q.double().abs() + m[g].t().double().abs()).t()
+    b = 0 if bias is None else bias.double()
+    truth = truth + b
+    n = K + 2 * (-(-K // group_size)) + 4
+    bound = n * U / (1 - n * U) * (size + abs(b))
+    if x.dtype == torch.bfloat16:
+        bound = bound + truth.abs() * 2.0 ** -8
+    err = (ours.double() - truth).abs()
+    assert (err <= bound * 1.001 + 1e-30).all(), (err - bound).max()
+
+
+# (N, K): one column and one k, odd N and K, K a group and one (a last group of one k), a
+# short last group of 12 or 44 k, odd N past one block
+MINS_SHAPES = [(1, 1), (5, 3), (33, 129), (17, 300), (130, 257)]
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("N,K", MINS_SHAPES)
+def test_mins_match_the_exact_product(isa, bits, group_size, N, K):
+    """W = s q - m: rows 1..9 (whole and partial tiles) and 300 (tile_rows, past four chunks
+    of 64 rows), fp32 and bf16 x, with and without bias: within the bound of the exact product,
+    near the reference, the ISA's path counted; and each row of the long call is the row
+    computed alone, bit for bit."""
+    gen = torch.Generator().manual_seed(N * 1000 + K + bits + group_size)
+    qw, parts = random_with_mins(N, K, bits, group_size, gen)
+    assert qw.zeros is None and qw.mins.shape == qw.scales.shape
+    for M in (*range(1, 10), 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            b = (torch.randn(N, generator=gen) * 0.1).to(dtype) if M % 3 == 0 else None
+            args = (qw.qweight, qw.scales, None, bits, group_size, N, b, qw.mins)
+            taken = path(bits, isa, dtype)
+            before = cpu.kernel_paths()[taken]
+            ours = torch.ops.cbatch.quantized_linear(x, *args)
+            assert cpu.kernel_paths()[taken] == before + 1, taken
+            assert ours.dtype == dtype and ours.shape == (M, N)
+            _check_mins(x, parts, group_size, b, ours)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(ours, reference.quantized_linear(x, *args), rtol=tol,
+                                       atol=tol)
+            if M == 300:
+                for m in (0, 3, 64, 299):
+                    assert torch.equal(torch.ops.cbatch.quantized_linear(x[m:m + 1], *args),
+                                       ours[m:m + 1])
+
+
+def test_mins_are_not_a_zero_point():
+    """With mins, q is used as stored: int4's nibble is not less 8, and int8's q is signed.
+    A weight of q = 15 (int4) or -128 (int8), s = 1 and m = 2 is 13 or -130 everywhere."""
+    for bits, value in ((4, 15), (8, -128)):
+        qw = pack(torch.full((3, 64), value), torch.ones(2, 3), None, bits, 32,
+                  mins=torch.full((2, 3), 2.0))
+        assert torch.equal(qw.dequantize(), torch.full((3, 64), value - 2.0))
+        x = torch.ones(2, 64)
+        ours = torch.ops.cbatch.quantized_linear(x, qw.qweight, qw.scales, None, bits, 32, 3,
+                                                 None, qw.mins)
+        assert torch.equal(ours, torch.full((2, 3), 64 * (value - 2.0)))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(zeros=torch.zeros(3, 32, dtype=torch.int8)), "mins and zeros exclude each other"),
+    (dict(mins=torch.zeros(3, 32, dtype=torch.float16)), "mins must be a dense float32 "
+                                                         "\\[3, 32\\]"),
+    (dict(mins=torch.zeros(2, 32)), "mins must be a dense float32 \\[3, 32\\], got Float "
+                                    "\\[2, 32\\]"),
+])
+def test_bad_mins_get_a_sentence(change, match):
+    qw, _ = random_with_mins(24, 66, 4, 32, torch.Generator().manual_seed(0))
+    args = dict(x=torch.zeros(3, 66), qweight=qw.qweight, scales=qw.scales, zeros=None,
+                bits=4, group_size=32, out_features=24, bias=None, mins=qw.mins)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.cbatch.quantized_linear(*args.values())
+
+
+@pytest.mark.slow
+def test_opcheck_with_mins():
+    gen = torch.Generator().manual_seed(1)
+    for bits in (8, 4):
+        qw, _ = random_with_mins(24, 66, bits, 32, gen)
+        x = torch.randn(3, 66, generator=gen)
+        torch.library.opcheck(torch.ops.cbatch.quantized_linear,
+                              (x, qw.qweight, qw.scales, None, bits, 32, 24, None, qw.mins))

@@ -13,6 +13,13 @@ a multiple of 64 k, AMX-INT8 tiles: every test runs on each (the AVX2 one also u
 set_cpu_options' avx2 cap; the tiles on the CPU's where it has them, else on amx_tile_ops.h's
 software model of the tile instructions, which checks the kernel's addressing, tile shapes
 and epilogue, not the silicon), and each call asserts its path ran.
+
+With float mins (W = s_w u - m, u the nibble as it is; reference.quantized_linear_w4a8 gives
+the order) each group's term is t_g = fl(fl(fl(S_g s_w) s_x) - fl(m fl(Sx_g s_x))), Sx_g the
+row's sum of its q over the group: the kernel's output is the reference's bit for bit, and
+within gamma_{G+4} (sum_g |S_g s_w s_x| + |m Sx_g s_x| + |b|) of the exact value
+sum_g (S_g s_w - m Sx_g) s_x + b.  The tests assert the path through the existing counters
+(the same paths run mins) and the mins through these results.
 """
 
 import pytest
@@ -22,7 +29,7 @@ from cbatch.layers.quantization import QuantizedLinear, pack
 from cbatch.layers.quantization.weight import pack_w4a8, quantize, unpack_w4a8
 from cbatch.ops import cpu, reference
 from cbatch.ops import quantized
-from tests.quant_utils import random_quantized
+from tests.quant_utils import random_quantized, random_with_mins
 
 U = 2.0 ** -24
 needs_kernel = pytest.mark.skipif(not quantized.available("w4a8"),
@@ -67,11 +74,11 @@ def _random_w4a8(N, K, group_size, gen):
     return pack_w4a8(qw), qw.scales, q - 8, s
 
 
-def _run(x, qweight, scales, group_size, N, bias, zeros=None):
+def _run(x, qweight, scales, group_size, N, bias, zeros=None, mins=None):
     counter = path(*x.shape, group_size)
     before = cpu.kernel_paths()[counter]
     ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias,
-                                                  zeros)
+                                                  zeros, mins)
     assert cpu.kernel_paths()[counter] == before + 1, counter
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
@@ -217,6 +224,61 @@ def test_w4a8_with_zero_points_matches_exact_integer_sums(N, K, group_size):
                        qw.zeros)
 
 
+def _check_mins(x, u, s_w, m, group_size, bias, ours, ref):
+    """With mins: ours against the exact value (the module docstring) and the reference."""
+    xq, s_x = reference.quantize_per_group(x, group_size)
+    M, K = x.shape
+    G = s_x.shape[1]
+    g = torch.arange(K) // group_size
+    exact = torch.zeros(M, u.shape[0], dtype=torch.float64)
+    size = torch.zeros_like(exact)
+    for j in range(G):
+        cols = g == j
+        S = xq[:, cols].long() @ u[:, cols].long().t()  # [M, N], exact
+        Sx = xq[:, cols].long().sum(dim=1, keepdim=True)  # [M, 1]
+        sx = s_x[:, j, None].double()
+        part, less = S.double() * s_w[j].double() * sx, m[j].double() * Sx.double() * sx
+        exact, size = exact + part - less, size + part.abs() + less.abs()
+    b = 0 if bias is None else bias.double()
+    n = G + 4
+    bound = n * U / (1 - n * U) * (size + abs(b))
+    if x.dtype == torch.bfloat16:
+        bound = bound + (exact + b).abs() * 2.0 ** -8
+    assert ((ours.double() - (exact + b)).abs() <= bound).all()
+    assert torch.equal(ours, ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K,group_size", [(1, 1, 32), (5, 3, 64), (33, 127, 32),
+                                            (24, 129, 64), (130, 261, 32), (7, 300, 64),
+                                            (17, 200, 128)])
+def test_w4a8_with_mins_is_the_reference(N, K, group_size):
+    """W = s_w u - m (llama.cpp's Q4_1 / Q4_K x Q8 route): rows 1..9 (AVX2's tiles of 4 and
+    VNNI's of 8, and their rests), 33 and 300 (chunks of 64 rows; the tiles' path where
+    they run), fp32 and bf16 x, with and without bias, ragged K (a short last group) and odd
+    N: the reference's bits and within the bound of the exact value; a row of zeros gives the
+    bias (its s_x is 0, and so its mins' term)."""
+    gen = torch.Generator().manual_seed(N * 31 + K + group_size)
+    qw, (u, s_w, m) = random_with_mins(N, K, 4, group_size, gen)
+    qweight = pack_w4a8(qw)
+    for M in (*range(1, 10), 33, 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(M, K, generator=gen)
+            if M > 1:
+                x[M // 2] = 0
+            x = x.to(dtype)
+            bias = (torch.randn(N, generator=gen) * 0.1).to(dtype) if M % 2 else None
+            ours = _run(x, qweight, qw.scales, group_size, N, bias, None, qw.mins)
+            ref = reference.quantized_linear_w4a8(x, qweight, qw.scales, group_size, N, bias,
+                                                  None, qw.mins)
+            _check_mins(x, u, s_w, m, group_size, bias, ours, ref)
+            if M > 1:
+                assert torch.equal(ours[M // 2], torch.zeros(N, dtype=dtype) if bias is None
+                                   else bias.float().to(dtype))
+    back = unpack_w4a8(qweight, qw.scales, group_size, N, K, None, qw.mins)
+    assert torch.equal(back.qweight, qw.qweight) and back.mins is qw.mins
+
+
 @needs_kernel
 def test_extreme_integers_are_exact():
     """q all -8 or 7 against x quantized to +-127 in groups of 65536 (the largest the kernel
@@ -265,22 +327,24 @@ def test_amx_tiles_are_the_vnni_tile_bit_for_bit(isa):
     add_group and store_tile, so every output is the VNNI path's to the bit: 8 rows (mostly
     zero rows in the tiles), 33 (a partial pair of row tiles), 300 rows of K = 4096 in groups
     of 256 with zero points (three chunks of 128 rows), a short last group, odd N (a last
-    block alone in its pair); groups of 32 and 7 rows stay on VNNI."""
+    block alone in its pair), with mins; groups of 32 and 7 rows stay on VNNI."""
     if isa != "amx":
         pytest.skip("the tiles' test")
     gen = torch.Generator().manual_seed(12)
     for M, N, K, gs, zp in ((8, 16, 64, 64, False), (33, 100, 960, 128, True),
                             (300, 40, 4096, 256, True), (40, 17, 300, 64, False),
-                            (16, 32, 128, 32, False), (7, 48, 256, 128, True)):
-        qw, _ = random_quantized(N, K, 4, gs, zp, gen)
+                            (16, 32, 128, 32, False), (7, 48, 256, 128, True),
+                            (33, 40, 960, 128, "mins"), (8, 17, 300, 64, "mins")):
+        qw, _ = random_with_mins(N, K, 4, gs, gen) if zp == "mins" else \
+            random_quantized(N, K, 4, gs, zp, gen)
         qweight = pack_w4a8(qw)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(M, K, generator=gen).to(dtype)
             bias = torch.randn(N, generator=gen).to(dtype) if zp else None
-            ours = _run(x, qweight, qw.scales, gs, N, bias, qw.zeros)
+            ours = _run(x, qweight, qw.scales, gs, N, bias, qw.zeros, qw.mins)
             torch.ops.cbatch.set_cpu_options("", "", "off")
             vnni = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, gs, N, bias,
-                                                          qw.zeros)
+                                                          qw.zeros, qw.mins)
             torch.ops.cbatch.set_cpu_options("", "", "" if HARDWARE_AMX else "model")
             assert torch.equal(ours, vnni), (M, N, K, gs, dtype)
 
@@ -306,6 +370,10 @@ def test_opcheck():
     qweight, scales, _, _ = _random_w4a8(24, 66, 32, gen)
     torch.library.opcheck(torch.ops.cbatch.quantized_linear_w4a8,
                           (torch.randn(3, 66, generator=gen), qweight, scales, 32, 24, None))
+    qw, _ = random_with_mins(24, 66, 4, 32, gen)
+    torch.library.opcheck(torch.ops.cbatch.quantized_linear_w4a8,
+                          (torch.randn(3, 66, generator=gen), pack_w4a8(qw), qw.scales, 32, 24,
+                           None, None, qw.mins))
 
 
 @needs_kernel
@@ -319,11 +387,15 @@ def test_opcheck():
     (dict(zeros=torch.zeros(3, 32, dtype=torch.int32)), "zeros must be None or a dense int8 "
                                                         "\\[3, 32\\]"),
     (dict(x=torch.zeros(3, 66, dtype=torch.float16)), "x must be float32 or bfloat16"),
+    (dict(mins=torch.zeros(3, 32, dtype=torch.float16)), "mins must be None or a dense "
+                                                         "float32 \\[3, 32\\]"),
+    (dict(mins=torch.zeros(3, 32), zeros=torch.zeros(3, 32, dtype=torch.int8)),
+     "mins and zeros exclude each other"),
 ])
 def test_bad_operands_get_a_sentence(change, match):
     qweight, scales, _, _ = _random_w4a8(24, 66, 32, torch.Generator().manual_seed(0))
     args = dict(x=torch.zeros(3, 66), qweight=qweight, scales=scales, group_size=32,
-                out_features=24, bias=None, zeros=None)
+                out_features=24, bias=None, zeros=None, mins=None)
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         torch.ops.cbatch.quantized_linear_w4a8(*args.values())

@@ -127,25 +127,29 @@ def _quant_cases(dtype: str, quant_matmul):
     """The quantized GEMMs (kernels/quant_matmul.py) on SmolLM2-360M's projections: its fused
     qkv (N 1600, K 960, with a bias as Qwen2's) at a decode step and its down projection
     (N 960, K 2560) in a prefill; W8A16 and W4A16 with group-128 zero points (GPTQ's), one
-    scale per channel (online int8) and groups that are not whole tiles (per-weight scales);
+    scale per channel (online int8) and groups that are not whole tiles (per-weight scales),
+    and float mins (GGUF's Q4_K, groups of 32; and per weight);
     W8A8's GEMM on pack_w8a8's layout and its per-token quantization (both without fp
     contraction, as they launch)."""
     fp32 = dtype == "fp32"
     for bits in (8, 4):
         weight = "*i8" if bits == 8 else "*u8"
-        for (m, n, k), group, zeros, bias in (((1, 1600, 960), 128, True, True),
-                                              ((37, 960, 2560), 2560, False, False),
-                                              ((3, 1600, 960), 48, True, False)):
+        for (m, n, k), group, zeros, bias, mins in (
+                ((1, 1600, 960), 128, True, True, False),
+                ((37, 960, 2560), 2560, False, False, False),
+                ((3, 1600, 960), 48, True, False, False),
+                ((1, 1600, 960), 32, False, True, True),
+                ((37, 960, 2560), 48, False, False, True)):
             block_m, block_n, block_k, per_tile = quant_matmul.tile_config(m, bits, k, group)
             rows = k if bits == 8 else -(-k // 2)
             yield (f"W{bits}A16 {dtype} M={m} N={n} K={k} group={group} zeros={zeros} "
-                   f"bias={bias}", quant_matmul._wna16_kernel,
+                   f"bias={bias} mins={mins}", quant_matmul._wna16_kernel,
                    {"*": DTYPES[dtype], "qweight_ptr": weight, "scales_ptr": "*fp32",
-                    "zeros_ptr": "*i8" if zeros else "*fp32",
+                    "zeros_ptr": "*i8" if zeros else "*fp32", "mins_ptr": "*fp32",
                     "bias_ptr": DTYPES[dtype] if bias else "*fp32"},
                    {"M": m, "N": n, "K": k, "group_size": group, "stride_x_m": k,
                     "stride_o_m": n, "stride_q_b": rows * 16, "stride_s_g": -(-n // 16) * 16},
-                   {"BITS": bits, "HAS_ZEROS": zeros, "HAS_BIAS": bias,
+                   {"BITS": bits, "HAS_ZEROS": zeros, "HAS_MINS": mins, "HAS_BIAS": bias,
                     "SCALE_PER_TILE": per_tile, "UPCAST": fp32,
                     "PRECISION": "ieee" if fp32 else "tf32", "BLOCK_M": block_m,
                     "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3})

@@ -11,6 +11,11 @@ n u / (1 - n u), u = 2^-24; a 16-bit output adds its rounding (2^-8 |y| bf16, 2^
 On a GPU a tile that spans several groups takes s (q - z) rounded to x's 16-bit dtype into
 its dot: 2^-8 (2^-11) |x| @ |W|^T more.
 
+With float mins (W = s q - m, no zero point) a tile in one group subtracts m times its rows'
+sums of x after its scaled dot, two more roundings of the running sum a tile: n = K + 2T + 8,
+T = ceil(K / 32) tiles at most, against the exact x @ (s q - m)^T, the size |x| @ (|s q| +
+|m|)^T; a tile across groups takes s q - m per weight (rounded to x's 16-bit dtype on a GPU).
+
 W8A8 (its weight in pack_w8a8's layout, as QuantizedLinear(act_bits=8) holds it) makes the
 reference's roundings and no other (exact int32 sums; no fused multiply-add): its per-token
 quantization equals cbatch.ops.reference.quantize_per_token bit for bit, and its product
@@ -27,7 +32,8 @@ from cbatch.ops import reference
 from cbatch.ops import quantized
 from cbatch.quantization import Scheme
 from tests.helpers import triton_device, triton_skip_reason
-from tests.quant_utils import random_quantized, unpacked_weight
+from tests.quant_utils import (quantize_with_mins, random_quantized, random_with_mins,
+                               unpacked_weight, weight_with_mins)
 
 U = 2.0 ** -24
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -98,6 +104,44 @@ def test_wna16_matches_dequantize_then_matmul(device, bits, group_size, N, K):
         _check(x, w, b, ours, gpu_rounding)
         torch.testing.assert_close(ours.cpu(), reference.quantized_linear(
             x, qw.qweight, qw.scales, qw.zeros, bits, gs, N, b),
+            rtol=1e-4 if dtype == torch.float32 else 2e-2,
+            atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, None), (8, 7), (8, 32), (4, 64), (4, 32),
+                                             (4, 6)])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_wna16_with_mins_matches_the_exact_product(device, bits, group_size, N, K):
+    """W = s q - m (int4's q as stored): M = 1, 3, 17 in fp32, bf16 and fp16, with and without
+    bias; tiles in one group (32, 64, one) and across groups (7, 6: per-weight s q - m)."""
+    gen = torch.Generator().manual_seed(N * 1000 + K + bits + 1)
+    gs = K if group_size is None else group_size
+    if bits == 4 and gs % 2 and gs < K:
+        pytest.skip("int4 groups hold pairs of k")
+    per_tile = qlinear_tile(bits, K, gs)
+    qw, (q, s, m) = random_with_mins(N, K, bits, gs, gen)
+    g = torch.arange(K) // gs
+    for dtype, M, bias in ((torch.float32, 1, False), (torch.float32, 3, True),
+                           (torch.bfloat16, 17, True), (torch.float16, 3, False)):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        b = (torch.randn(N, generator=gen) * 0.1).to(dtype) if bias else None
+        ours = torch.ops.cbatch_triton.quantized_linear(
+            x.to(device), qw.qweight.to(device), qw.scales.to(device), None, bits, gs, N,
+            None if b is None else b.to(device), qw.mins.to(device))
+        assert ours.dtype == dtype and ours.shape == (M, N)
+        bb = 0 if b is None else b.double()
+        truth = x.double() @ weight_with_mins(q, s, m, gs).t() + bb
+        size = x.double().abs() @ (s[g].t().double() * q.double().abs()
+                                   + m[g].t().double().abs()).t()
+        n = K + 2 * -(-K // 32) + 8
+        bound = n * U / (1 - n * U) * (size + abs(bb))
+        if device == "cuda" and not per_tile:
+            bound = bound + ROUNDING[dtype] * size
+        rounding = ROUNDING[dtype] * (2 if device == "cpu" and dtype == torch.bfloat16 else 1)
+        err = (ours.double().cpu() - truth).abs()
+        assert (err <= (bound + rounding * truth.abs()) * 1.001 + 1e-30).all()
+        torch.testing.assert_close(ours.cpu(), reference.quantized_linear(
+            x, qw.qweight, qw.scales, None, bits, gs, N, b, qw.mins),
             rtol=1e-4 if dtype == torch.float32 else 2e-2,
             atol=1e-4 if dtype == torch.float32 else 2e-2)
 
@@ -174,11 +218,14 @@ def test_w8a8_refuses_what_it_does_not_run(device):
     (dict(x=torch.zeros(3, 66, dtype=torch.int32)), "x must be float16, bfloat16 or float32"),
     (dict(x=torch.zeros(66, 3).t()), "x must be \\[M, K\\] with dense rows"),
     (dict(bias=torch.zeros(25)), "bias must be a dense \\[24\\]"),
+    (dict(mins=torch.zeros(3, 32)), "mins and zeros exclude each other"),
+    (dict(mins=torch.zeros(3, 32, dtype=torch.float16), zeros=None),
+     "mins must be a dense float32 \\[3, 32\\]"),
 ])
 def test_bad_operands_get_a_sentence(device, change, match):
     qw, _ = _random_quantized(24, 66, 4, 32, True, torch.Generator().manual_seed(0))
     args = dict(x=torch.zeros(3, 66), qweight=qw.qweight, scales=qw.scales, zeros=qw.zeros,
-                bits=4, group_size=32, out_features=24, bias=None)
+                bits=4, group_size=32, out_features=24, bias=None, mins=None)
     args.update(change)
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises((ValueError, TypeError), match=match):
@@ -258,3 +305,11 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernel(device, monkeypatch, b
         want = reference.quantized_linear_w8a8(x.view(6, 130), w8a8.qweight.cpu(),
                                                w8a8.scales.cpu(), 37, dense.bias)
         torch.testing.assert_close(y8.view(6, 37).cpu(), want, rtol=2.0 ** -7, atol=0)
+    calls.clear()  # float mins (GGUF's): the buffer reaches the kernel
+    with_mins = QuantizedLinear(quantize_with_mins(dense.weight, bits, 32), dense.bias).to(device)
+    y = with_mins(x.to(device))
+    assert calls == ["wna16_linear"] and y.shape == (2, 3, 37)
+    want = reference.quantized_linear(x.view(6, 130), with_mins.qweight.cpu(),
+                                      with_mins.scales.cpu(), None, bits, 32, 37, dense.bias,
+                                      with_mins.mins.cpu())
+    torch.testing.assert_close(y.view(6, 37).cpu(), want, rtol=2.0 ** -6, atol=1e-3)

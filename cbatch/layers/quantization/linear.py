@@ -33,6 +33,10 @@ class QuantizedLinear(Module):
     GELU and the add run after the matmul).  The packed tensors are buffers: they follow
     ``.to(device)`` and are in the state dict under their own names.
 
+    ``mins`` (fp32 ``[G, N16]``, or None): the weight's float mins, ``W = scales * q - mins``
+    (:mod:`~cbatch.layers.quantization.weight`), a buffer beside ``scales``; every kind but
+    W8A8 takes them.
+
     ``perm`` (int64 ``[K]``, or None): the weight's k are stored in this order (GPTQ's
     ``desc_act``, sorted by group so that groups are contiguous), and x is gathered into it
     first: ``y = x[..., perm] @ W.T``, W the weight as stored."""
@@ -48,6 +52,8 @@ class QuantizedLinear(Module):
                              f"group_size={weight.group_size} of in_features="
                              f"{weight.in_features}"
                              + (", zero points" if weight.zeros is not None else ""))
+        if weight.mins is not None and self.scheme.kind == "w8a8":
+            raise ValueError("W8A8 takes symmetric int8 weights: got one with mins")
         if perm is not None and (perm.dtype != torch.int64
                                  or tuple(perm.shape) != (weight.in_features,)):
             raise ValueError(f"perm must be int64 [{weight.in_features}], got {perm.dtype} "
@@ -59,6 +65,7 @@ class QuantizedLinear(Module):
         self.register_buffer("qweight", weight.qweight if pack_for is None else pack_for(weight))
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
+        self.register_buffer("mins", weight.mins)
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.placed = False  # qweight and scales moved to a CPU runner's huge pages
@@ -81,11 +88,11 @@ class QuantizedLinear(Module):
     def weight(self) -> QuantizedWeight:
         if self.kind == "w4a8":
             return unpack_w4a8(self.qweight, self.scales, self.group_size, self.out_features,
-                               self.in_features, self.zeros)
+                               self.in_features, self.zeros, self.mins)
         if self.kind == "w8a8":
             return unpack_w8a8(self.qweight, self.scales, self.out_features, self.in_features)
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,
-                               self.qweight, self.scales, self.zeros)
+                               self.qweight, self.scales, self.zeros, self.mins)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight, fp32 ``[T, in_features]`` (``scales * q``,
@@ -112,7 +119,7 @@ class QuantizedLinear(Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = quantized.linear(x2, self.kind, buffers["qweight"], buffers["scales"],
                              buffers["zeros"], self.group_size, self.out_features,
-                             self._parameters.get("bias"))
+                             self._parameters.get("bias"), buffers["mins"])
         if x2 is not x:
             y = y.view(*x.shape[:-1], self.out_features)
         if gelu is not None:

@@ -10,6 +10,14 @@ scales (and, optionally, zero points) per group of ``group_size`` consecutive k 
 - ``bits=4``: ``q`` unsigned, 0..15; ``zeros`` None (symmetric: 8) or int8 in 0..15;
   ``group_size`` even (or K), so that the two k of a byte share a group.
 
+Or, with float **mins** instead of zero points (llama.cpp's Q4_K / Q5_K ``d sc q - dmin m``,
+Q4_1 / Q5_1 ``d q + m``; ``zeros`` None, and no zero point applies, not even int4's 8):
+
+    W[n, k] = scales[g, n] * q[n, k] - mins[g, n]
+
+dequantized as ``fl(fl(scales * q) - mins)`` in fp32, which is gguf's own dequantization bit
+for bit when scales and mins are its fp32 products.
+
 Packed as the dense CPU linear packs (:func:`cbatch.ops.cpu.pack`): blocks of 16 output
 columns, N padded to a multiple of 16 (``N16``), each block its rows of k one after the other:
 
@@ -17,7 +25,7 @@ columns, N padded to a multiple of 16 (``N16``), each block its rows of k one af
   16]``, byte ``[b, i, j]`` holding column ``16 b + j``'s ``q`` of k = 2i in its low nibble and
   of k = 2i + 1 in its high one (0 past K);
 - ``scales``: fp32 ``[G, N16]``, ``G = ceil(K / group_size)``; ``zeros``: int8 ``[G, N16]``
-  or None.  Padded columns have scale 0.
+  or None; ``mins``: fp32 ``[G, N16]`` or None.  Padded columns have scale 0 (and min 0).
 
 A decode step reads one byte (int8) or half a byte (int4) per weight, plus 4 (and 1) bytes per
 group and column.  :func:`quantize` makes one from a float weight (online quantization);
@@ -40,15 +48,17 @@ gives the :class:`QuantizedWeight` back (bitwise).
 
 W4A8 (``QuantizedLinear(..., act_bits=8)`` on int4: x quantized to int8 per token and per
 group, int4 x int8 dot products in int32 per group) takes int4 in groups of a multiple of 32 k,
-symmetric or with zero points (kept as they are, beside it), repacked (:func:`pack_w4a8`) for
-AVX2's ``vpmaddubsw`` (u8 x s8 pairs): uint8 ``[N16 / 16, 8 ceil(K / 32), 32]``, byte ``[b, i,
-4 j + t]`` holding ``q[16 b + j, 4 i + t]`` (0..15; zero point 8 or ``zeros``) in its low
-nibble and ``q[16 b + 8 + j, 4 i + t]`` in its high one (8 past K, to a multiple of 32 k): one
-32-byte load is 16 columns x 4 k, whose low nibbles are columns 0..7 and high nibbles columns
-8..15, each column's 4 k in a 4-byte lane.  ``sum q x = sum (q - 8) x + 8 sum x``: the kernel
-subtracts 8 times each row's sum of x per group (``zeros[g, n]`` times it where there are zero
-points).  Half a byte per weight, as int4's own layout.  :func:`unpack_w4a8` gives the
-:class:`QuantizedWeight` back (bitwise).
+symmetric, with zero points or with mins (kept as they are, beside it), repacked
+(:func:`pack_w4a8`) for AVX2's ``vpmaddubsw`` (u8 x s8 pairs): uint8 ``[N16 / 16, 8 ceil(K /
+32), 32]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j, 4 i + t]`` (0..15; zero point 8 or
+``zeros``) in its low nibble and ``q[16 b + 8 + j, 4 i + t]`` in its high one (8 past K, to a
+multiple of 32 k): one 32-byte load is 16 columns x 4 k, whose low nibbles are columns 0..7 and
+high nibbles columns 8..15, each column's 4 k in a 4-byte lane.  ``sum q x = sum (q - 8) x + 8
+sum x``: the kernel subtracts 8 times each row's sum of x per group (``zeros[g, n]`` times it
+where there are zero points; with mins nothing, and ``mins[g, n]`` times the row's dequantized
+sum of x over the group instead).  Half a byte per weight, as int4's own layout.
+:func:`unpack_w4a8` gives the :class:`QuantizedWeight` back (bitwise; zeros and mins stay
+beside it as they are).
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ class QuantizedWeight:
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         N, K = self.out_features, self.in_features
@@ -99,6 +110,12 @@ class QuantizedWeight:
                                        or tuple(self.zeros.shape) != shape):
             raise ValueError(f"zeros must be int8 {list(shape)}, got {self.zeros.dtype} "
                              f"{list(self.zeros.shape)}")
+        if self.mins is not None:
+            if self.zeros is not None:
+                raise ValueError("a weight has zeros or mins, not both")
+            if self.mins.dtype != torch.float32 or tuple(self.mins.shape) != shape:
+                raise ValueError(f"mins must be float32 {list(shape)}, got {self.mins.dtype} "
+                                 f"{list(self.mins.shape)}")
 
     @property
     def groups(self) -> int:
@@ -107,13 +124,15 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The fp32 ``[N, K]`` weight this stands for."""
         return reference.dequantize(self.qweight, self.scales, self.zeros, self.bits,
-                                    self.group_size, self.out_features, self.in_features)
+                                    self.group_size, self.out_features, self.in_features,
+                                    self.mins)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-         group_size: int) -> QuantizedWeight:
+         group_size: int, mins: torch.Tensor | None = None) -> QuantizedWeight:
     """A :class:`QuantizedWeight` from unpacked integers: ``q [N, K]`` (bits 8: -128..127;
-    bits 4: 0..15), ``scales [G, N]`` (any float dtype), ``zeros [G, N]`` or None."""
+    bits 4: 0..15), ``scales [G, N]`` (any float dtype), ``zeros [G, N]`` or None, ``mins
+    [G, N]`` (any float dtype, taken as fp32) or None (with ``zeros`` None)."""
     N, K = q.shape
     pad = -N % BLOCK
     blocks = (N + pad) // BLOCK
@@ -136,7 +155,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits
         raise ValueError(f"{bits}-bit zero points must be in [{low}, {high}]")
     if zeros is not None:
         zeros = F.pad(zeros.to(torch.int8), (0, pad)).contiguous()
-    return QuantizedWeight(bits, group_size, N, K, qweight, scales, zeros)
+    if mins is not None:
+        mins = F.pad(mins.float(), (0, pad)).contiguous()
+    return QuantizedWeight(bits, group_size, N, K, qweight, scales, zeros, mins)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None
@@ -163,10 +184,12 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None
 def pack_w8a8(weight: QuantizedWeight) -> torch.Tensor:
     """``weight``'s integers in the W8A8 layout (the module docstring); ``weight`` symmetric
     int8 with one group per output channel."""
-    if weight.bits != 8 or weight.groups != 1 or weight.zeros is not None:
+    if weight.bits != 8 or weight.groups != 1 or weight.zeros is not None \
+            or weight.mins is not None:
         raise ValueError(f"W8A8 takes symmetric int8 weights with one group per output "
                          f"channel, got bits={weight.bits}, group_size={weight.group_size} "
-                         f"of K={weight.in_features}, zeros={weight.zeros is not None}")
+                         f"of K={weight.in_features}, zeros={weight.zeros is not None}, "
+                         f"mins={weight.mins is not None}")
     blocks, K, _ = weight.qweight.shape
     quads = -(-K // 4)
     q = F.pad(weight.qweight, (0, 0, 0, 4 * quads - K)).to(torch.int16) + 128  # [b, 4i+t, j]
@@ -185,7 +208,8 @@ def unpack_w8a8(qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
 
 def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
     """``weight``'s integers in the W4A8 layout (the module docstring); ``weight`` int4 in
-    groups of a multiple of 32 k (its zero points, if any, stay beside it in ``zeros``)."""
+    groups of a multiple of 32 k (its zero points or mins, if any, stay beside it in
+    ``zeros`` or ``mins``)."""
     if weight.bits != 4 or weight.group_size % 32:
         raise ValueError(f"W4A8 takes int4 weights in groups of a multiple of 32 k, got "
                          f"bits={weight.bits}, group_size={weight.group_size}")
@@ -200,12 +224,14 @@ def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                out_features: int, in_features: int, zeros: torch.Tensor | None = None
-                ) -> QuantizedWeight:
-    """The :class:`QuantizedWeight` whose :func:`pack_w4a8` is ``qweight`` (with ``zeros``)."""
+                out_features: int, in_features: int, zeros: torch.Tensor | None = None,
+                mins: torch.Tensor | None = None) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` whose :func:`pack_w4a8` is ``qweight`` (with ``zeros`` or
+    ``mins``)."""
     blocks = qweight.shape[0]
     q = reference.unpack_w4a8(qweight, blocks * BLOCK, in_features) + 8  # [N16, K], 0..15
     q = F.pad(q, (0, in_features % 2)).to(torch.uint8)
     bytes_ = q[:, 0::2] | (q[:, 1::2] << 4)  # [N16, ceil(K / 2)]
     packed = bytes_.view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
-    return QuantizedWeight(4, group_size, out_features, in_features, packed, scales, zeros)
+    return QuantizedWeight(4, group_size, out_features, in_features, packed, scales, zeros,
+                           mins)
