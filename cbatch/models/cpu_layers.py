@@ -25,6 +25,7 @@ from cbatch import envs
 from cbatch.layers.kv_cache import KVCache
 from cbatch.layers.linear import Linear
 from cbatch.layers.quantization import QuantizedLinear
+from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.layers.step_batch import StepBatch
 from cbatch.ops import cpu, layer_ops, quantized
 
@@ -36,7 +37,8 @@ KINDS = {"w8a16": QUANTIZED, "w4a16": QUANTIZED, "w8a8": W8A8, "w4a8": W4A8}
 @dataclass
 class BoundLayers:
     """What one ``cbatch::decoder_layers`` call reads besides the step batch: per layer the
-    norms' weights and each linear's tensors (``tensors``) and kind, sizes and switches
+    norms' weights and each linear's tensors (``tensors``), and each linear's number of parts
+    (several for a :class:`StackedLinear`) and each part's kind, sizes and switches
     (``ints``), laid out as csrc/cpu/decoder_layers.cpp says."""
 
     tensors: list[torch.Tensor | None]
@@ -95,12 +97,15 @@ def bind(model) -> BoundLayers | str:
             return "a norm's weight is not in the activations' dtype"
         tensors += [n.weight for n in norms] + [None] * (4 - len(norms))
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            slots = linear_slots(linear)
-            if isinstance(slots, str):
-                return slots
-            tensors += slots[0]
-            ints += slots[1]
-            w4a8 |= slots[1][0] == W4A8
+            parts = list(linear.parts) if isinstance(linear, StackedLinear) else [linear]
+            ints.append(len(parts))
+            for part in parts:
+                slots = linear_slots(part)
+                if isinstance(slots, str):
+                    return slots
+                tensors += slots[0]
+                ints += slots[1]
+                w4a8 |= slots[1][0] == W4A8
     return BoundLayers(tensors, ints, model.model.norm.weight, w4a8)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from cbatch import Engine, SamplingParams, load_model
 from cbatch.entrypoints.llm import generate
-from cbatch.layers.quantization import QuantizedLinear, quantize_model
+from cbatch.layers.quantization import QuantizedLinear, quantize, quantize_model
+from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.quantization import METHODS
 from cbatch.models import cpu_layers
 from cbatch.models.llama import LlamaConfig, LlamaForCausalLM
@@ -119,6 +120,37 @@ def test_one_call_runs_mins_as_the_loop(monkeypatch, quantization, dtype):
     assert ours == loop
 
 
+def stacked(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` (int4) with each layer's qkv_proj a StackedLinear: q and k int4 with float
+    mins, v int8 per group of 16 (llama.cpp's Q4_K_M keeps attn_v at 6 bits)."""
+    rows = model.config.num_attention_heads * model.config.head_dim
+    rows += model.config.num_key_value_heads * model.config.head_dim
+    for layer in model.model.layers:
+        old = layer.self_attn.qkv_proj
+        w = old.weight.dequantize()
+        bias = old.bias
+        qk = QuantizedLinear(quantize_with_mins(w[:rows], 4, 32),
+                             None if bias is None else bias[:rows])
+        v = QuantizedLinear(quantize(w[rows:], 8, 16), None if bias is None else bias[rows:])
+        layer.self_attn.qkv_proj = StackedLinear([qk, v])
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_call_runs_a_stacked_projection_as_the_loop(monkeypatch, dtype):
+    """A projection of parts in different forms binds each part (a linear's number of parts,
+    then theirs) and gives the loop's tokens and log-probabilities."""
+    if not quantized.available("w8a16"):
+        pytest.skip("cbatch's quantized CPU kernels do not run here")
+    make = lambda: stacked(tiny_llama("int4", dtype, True))  # noqa: E731
+    bound = cpu_layers.bind(make())
+    assert isinstance(bound, cpu_layers.BoundLayers) and bound.ints[0] == 2
+    ours, calls, phrase = run(monkeypatch, "1", make)
+    loop, loop_calls, _ = run(monkeypatch, "0", make)
+    assert phrase == "one C++ call" and calls >= 12 and loop_calls == 0
+    assert ours == loop
+
+
 def test_batch_invariant_engines_bind_too(monkeypatch):
     """Batch-invariant mode (every step on the prefill kernel, no AMX) binds the same way, and
     its tokens are the loop's."""
@@ -157,7 +189,7 @@ def test_the_op_checks_its_lists():
             torch.zeros(16, 8), torch.zeros(2, dtype=torch.int64),
             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
             torch.tensor([0, 2], dtype=torch.int32), False)
-    with pytest.raises(ValueError, match="1 layers take 24 tensors and 20 ints"):
+    with pytest.raises(ValueError, match="the layers need more than the 3 tensors given"):
         torch.ops.cbatch.decoder_layers(hidden, [None] * 3, [0] * 20, caches, *args)
     with pytest.raises(ValueError, match="a key and a value cache per layer"):
         torch.ops.cbatch.decoder_layers(hidden, [None] * 24, [0] * 20, caches[:1], *args)
