@@ -88,13 +88,15 @@ class CPUModelRunner(ModelRunner):
         return dict(self.threads.steps_by_threads)
 
     def _quantized_phrase(self) -> str:
-        """The quantized layers' schemes (``zp``: with zero points) and where they run
+        """The quantized layers' schemes (``zp``: with zero points; ``mins``: with float
+        minimums) and where they run
         (cbatch's kernel and its ISA, or the reference)."""
         layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if not layers:
             return "none"
-        kinds = sorted({m.scheme.describe(m.in_features) + (" zp" if m.zeros is not None
-                                                            else "") for m in layers})
+        kinds = sorted({m.scheme.describe(m.in_features)
+                        + (" zp" if m.zeros is not None else "")
+                        + (" mins" if m.mins is not None else "") for m in layers})
         # the kernel of the most layers says where they run (W4A16 on bf16 x: vdpbf16ps)
         kind = collections.Counter(m.kind for m in layers).most_common(1)[0][0]
         isa = quantized.isa(kind, self.model.dtype)
