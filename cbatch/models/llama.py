@@ -278,8 +278,10 @@ class LlamaForCausalLM(PagedCausalLM):
         return {name: torch.cat(value) if isinstance(value, list) else value
                 for name, value in fuse_shards(kept).items()}
 
-    def init_random(self, seed: int) -> None:
-        """Seeded random weights (normal, std 0.02; norms 1, biases 0), device-independent."""
+    def init_random(self, seed: int, outliers: int = 0) -> None:
+        """Seeded random weights (normal, std 0.02; norms 1, biases 0), device-independent;
+        ``outliers``: that many seeded channels of the hidden state get decoder-layer
+        RMSNorm weights uniform in [20, 50] (:data:`cbatch.models.registry.OUTLIER_SHAPES`)."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():  # a tied lm_head is listed once
@@ -290,3 +292,9 @@ class LlamaForCausalLM(PagedCausalLM):
                 else:
                     value = torch.randn(p.shape, generator=gen) * 0.02
                 p.copy_(value)
+            if outliers:
+                hidden = self.config.hidden_size
+                channels = torch.randperm(hidden, generator=gen)[:outliers]
+                for layer in self.model.layers:
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                        norm.weight[channels] = 20 + 30 * torch.rand(outliers, generator=gen)

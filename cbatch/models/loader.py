@@ -27,7 +27,8 @@ from cbatch.layers.quantization import quantize_head, quantize_model
 from cbatch.logger import init_logger
 from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import MODEL_CONFIGS, GPT2Config, GPT2LMHeadModel
-from cbatch.models.registry import architecture_of, model_class, random_llama_configs
+from cbatch.models.registry import (architecture_of, model_class, outlier_channels,
+                                    random_llama_configs)
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
@@ -144,7 +145,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         if name in llama:  # CPU fp32 first: seeded identically on every device
             architecture, config = llama[name]
             model = model_class(architecture)(config, attention_backend)
-            model.init_random(seed)
+            model.init_random(seed, outliers=outlier_channels(name))
         elif name in MODEL_CONFIGS:
             model = GPT2LMHeadModel(GPT2Config.named(name), attention_backend)
             _init_random(model, seed)

@@ -51,7 +51,7 @@ def random_llama_configs() -> dict:
     from cbatch.models.llama import LlamaConfig
 
     default_rope = {"rope_type": "default", "rope_theta": 10000.0}
-    return {
+    shapes = {
         # tests: GQA 2:1, untied embeddings, a bias-free Llama
         "llama-tiny": ("LlamaForCausalLM", LlamaConfig(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -102,6 +102,23 @@ def random_llama_configs() -> dict:
                   "original_max_position_embeddings": 8192},
             tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
     }
+    # the same shapes with outlier channels (:data:`OUTLIER_CHANNELS`)
+    shapes.update({f"{name}-outliers": shapes[name] for name in OUTLIER_SHAPES})
+    return shapes
+
+
+# Real LLMs carry a few residual channels 20-100x larger than the rest (LLM.int8()'s outlier
+# features), which random weights lack and which decide how quantized activations fare:
+# ``random:<shape>-outliers`` is ``<shape>`` whose decoder RMSNorm weights are 20-50 (seeded,
+# uniform) on OUTLIER_CHANNELS seeded channels and 1 elsewhere, so every linear layer's input
+# holds those channels at 20-50x the others.
+OUTLIER_SHAPES = ("smollm2-360m", "llama-3.2-1b", "llama-tiny")
+OUTLIER_CHANNELS = 8
+
+
+def outlier_channels(name: str) -> int:
+    """How many outlier channels ``random:<name>`` has (0 but for the ``-outliers`` shapes)."""
+    return OUTLIER_CHANNELS if name.endswith("-outliers") else 0
 
 
 # random:<name> -> the name of its chat template in :mod:`cbatch.models.chat_templates`

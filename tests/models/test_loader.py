@@ -194,3 +194,25 @@ def test_a_bad_config_json_is_named_and_said_once(tiny_hf_dir, tmp_path, text, m
     with pytest.raises(ValueError, match=match) as exc:
         load_model(str(path))
     assert str(path / "config.json") in str(exc.value)
+
+
+def test_outlier_shapes_put_a_few_channels_at_20_to_50x():
+    """random:<shape>-outliers is <shape> with the same weights but its decoder norms, which are
+    20-50 on the same 8 channels in every layer and 1 elsewhere."""
+    from cbatch.models.registry import OUTLIER_CHANNELS
+
+    base, outliers = load_model("random:llama-tiny"), load_model("random:llama-tiny-outliers")
+    assert base.config == outliers.config
+    norms = [n for layer in outliers.model.layers
+             for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    channels = set((norms[0].weight > 1).nonzero().flatten().tolist())
+    assert len(channels) == OUTLIER_CHANNELS
+    for norm in norms:
+        w = norm.weight.detach()
+        assert set((w > 1).nonzero().flatten().tolist()) == channels
+        big = w[sorted(channels)]
+        assert bool((big >= 20).all() and (big <= 50).all())
+        assert bool((w[[c for c in range(len(w)) if c not in channels]] == 1).all())
+    for (name, p), q in zip(base.named_parameters(), outliers.parameters()):
+        if "layernorm" not in name:
+            assert torch.equal(p, q), name

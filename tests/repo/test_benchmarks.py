@@ -259,6 +259,25 @@ def test_throughput_benchmark_quantized(tmp_path):
     assert others + weights < got <= others + weights + sum(16 * m.out_features for m in layers)
 
 
+def test_quant_accuracy_measures_each_method_against_the_reference(tmp_path):
+    """The reference against itself is KL 0 and top-1 1; each method gives every metric; the
+    rows are written as JSON lines; the outlier shape's model loads."""
+    from benchmarks import quant_accuracy
+
+    out = tmp_path / "acc.jsonl"
+    rows = quant_accuracy.main(["--model", "random:llama-tiny-outliers", "--dtype", "float32",
+                                "--methods", "float32", "int4", "w8a8", "--prompts", "2",
+                                "--prompt-len", "6", "--max-tokens", "4", "--out", str(out)])
+    assert [r["method"] for r in rows] == ["float32", "int4", "w8a8"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    same = rows[0]
+    assert same["kl_mean"] == same["kl_max"] == 0 and same["top1"] == 1
+    assert same["greedy_identical"] == 1 and same["positions"] == 2 * 4
+    for row in rows[1:]:
+        assert set(quant_accuracy.METRICS) <= set(row) and row["kl_max"] > 0
+        assert "layers" in row and row["layers"] != "none"
+
+
 def test_throughput_linear_layers_include_quantized():
     """compute_floor and gemm_share count every linear layer: the quantized ones too (a
     W4A8 model's GEMM share once counted its lm_head alone)."""
