@@ -93,7 +93,7 @@ def test_cbatch_serve_command_serves_the_file(chat_file):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve",
                              str(path), "--port", str(port), "--threads", "1",
-                             "--dtype", "float32"],
+                             "--dtype", "float32", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -105,7 +105,9 @@ def test_cbatch_serve_command_serves_the_file(chat_file):
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    assert "this version dequantizes them to float32 at load" in out.decode(), \
+    # the file's Q4_K/Q5_0/Q6_K linears ran on cbatch's quantized layers, not as floats
+    quantized = [line for line in out.decode().splitlines() if "quantized linear" in line]
+    assert quantized and "int4 g32 mins" in quantized[0] and "layers" in quantized[0], \
         out.decode()[-2000:]
 
 
