@@ -101,6 +101,15 @@ def random_llama_configs() -> dict:
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
             tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
+        # meta-llama/Llama-3.2-3B's shape: 28 layers, 24 heads over 8 KV heads of 128, tied
+        "llama-3.2-3b": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+            num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=131072, rms_norm_eps=1e-5,
+            rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+            tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
     }
     # the same shapes with outlier channels (:data:`OUTLIER_CHANNELS`)
     shapes.update({f"{name}-outliers": shapes[name] for name in OUTLIER_SHAPES})

@@ -1,8 +1,8 @@
 """The ``random:`` shapes of models people run on CPUs (SmolLM2-360M, Qwen2.5-0.5B,
-Llama-3.2-1B): each is the real checkpoint's ``config.json`` read by cbatch's loader, and each
-architecture (Qwen2's q/k/v bias, Llama 3's rope scaling, tied embeddings, GQA) matches
-transformers on the same random checkpoint, saved by transformers with those configs cut down
-to two narrow layers and a small vocabulary (heads, head_dim and rope kept)."""
+Llama-3.2-1B, Llama-3.2-3B): each is the real checkpoint's ``config.json`` read by cbatch's
+loader, and each architecture (Qwen2's q/k/v bias, Llama 3's rope scaling, tied embeddings,
+GQA) matches transformers on the same random checkpoint, saved by transformers with those
+configs cut down to two narrow layers and a small vocabulary (heads, head_dim and rope kept)."""
 
 import dataclasses
 
@@ -44,9 +44,19 @@ REAL = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256}),
+    "llama-3.2-3b": (3_212_749_824, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 131072,
+        "mlp_bias": False, "num_attention_heads": 24, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256}),
 }
 # cut down for the parity test: few layers, a small vocabulary, narrow (hidden_size: 8 per
-# head, as transformers wants a multiple of the heads; head_dim stays 64)
+# head, as transformers wants a multiple of the heads; head_dim stays the real one, 64 where
+# the config leaves it to hidden_size / heads)
 SMALL = dict(num_hidden_layers=2, intermediate_size=192, vocab_size=512, bos_token_id=1,
              eos_token_id=2)
 
@@ -76,7 +86,8 @@ def small_checkpoint(request, tmp_path_factory):
     """(the name, the transformers model, the directory it was saved to): the named shape's
     real config cut down (SMALL, head_dim kept), random weights, random q/k/v biases for
     Qwen2."""
-    raw = {**REAL[request.param][1], **_small(request.param), "head_dim": 64}
+    real = REAL[request.param][1]
+    raw = {**real, **_small(request.param), "head_dim": real.get("head_dim", 64)}
     config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
