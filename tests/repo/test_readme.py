@@ -83,3 +83,10 @@ def test_readme_holds_no_dated_timings_and_says_the_cpu_torch_step_first():
     cpu_torch = fresh.find("download.pytorch.org/whl/cpu")
     assert 0 <= cpu_torch < fresh.find("bash scripts/run.sh demo")
 
+
+def test_readme_stays_a_guide():
+    """The README is the first page, not the manual: 250 lines at most (the rest lives in
+    docs/design.md, the docstrings and `--help`)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/"
+
