@@ -1,78 +1,179 @@
-"""A model's resident memory, unquantized and quantized (a measurement, not a timing).
+"""Load time and resident memory: a cold process to its first token, cbatch beside llama-server.
 
-Each method runs in a process of its own: after ``import cbatch`` its resident set (VmRSS) is
-read, then the model is loaded (quantized at load where the method is one), one short greedy
-request is served through ``LLM.generate`` (so every lazily built structure exists: packed
-weights, caches of the engine are sized by ``--num-blocks``), and the resident set is read
-again.  Reported per method: the weights' bytes (parameters, and a quantized layer's packed
-integers, scales and zero points), the growth of the resident set, its peak (VmHWM, which
-shows what quantizing at load costs on the way), and both against the first method's.
+Each row is a process of its own.  cbatch's: ``import cbatch``, ``cbatch.LLM(model, ...)``
+(quantized at load where a method is named), one greedy request of 4 prompt tokens and 1
+output token; timed from the moment the parent starts the process (``cold_s``: the
+interpreter, imports, load and first token) with the load (``load_s``) and the first token
+(``first_token_s``) apart.  Resident memory after the first token, from /proc: ``rss`` (VmRSS),
+split into ``anon`` (RssAnon: the process's own memory, what a second process would add) and
+``file`` (RssFile: pages of mapped files, e.g. a checkpoint still mapped), and the peak
+(``peak``, VmHWM: what loading and quantizing cost on the way).  ``weights`` is the bytes of
+the model's weights (parameters and a quantized layer's packed integers, scales, zeros and
+mins).
 
-    python benchmarks/model_memory.py --model random:smollm2-360m --dtype bfloat16 \\
-        --methods none int8 int4
+``--llama-server PATH`` adds llama.cpp's row on the same ``.gguf`` (``--model`` must be one):
+the server started with 2 threads, one slot and the same context (``--kv-tokens``), timed from
+its start to its /health and then to its first token (/completion of the same 4 ids, 1
+token); its memory from /proc/<pid>/status.  Both hold a KV cache of ``--kv-tokens`` tokens.
+
+    python benchmarks/bench_load.py --model random:smollm2-360m --dtype bfloat16 \\
+        --methods none int8 int4 w4a8
+    python benchmarks/bench_load.py --model smollm2-360m-Q4_K_M.gguf --methods none w4a8 \\
+        --llama-server llama.cpp/build/bin/llama-server --reps 2 --out load.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-
-def _status(field: str) -> int:
-    """A field of /proc/self/status in bytes (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+PROMPT = [1, 2, 3, 4]
+FIELDS = {"rss": "VmRSS", "anon": "RssAnon", "file": "RssFile", "peak": "VmHWM"}
 
 
-def measure(model: str, dtype: str, method: str, num_blocks: int) -> dict:
-    """This process: load ``model`` with ``method`` (``none``: unquantized), serve one
-    request, and return the sizes in bytes."""
+def memory(pid: int | str = "self") -> dict[str, int]:
+    """The process's resident memory in bytes (Linux /proc/<pid>/status)."""
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(status[field].split()[0]) * 1024 for key, field in FIELDS.items()}
+
+
+def child(args, method: str, started: float) -> dict:
+    """This process: cbatch's row (``started``: the parent's clock when it started us)."""
+    t0 = time.time()
     import torch
 
     import cbatch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.bench_decode_step import model_weight_bytes
 
-    before = _status("VmRSS")
-    llm = cbatch.LLM(model, dtype=getattr(torch, dtype), num_blocks=num_blocks,
+    t1 = time.time()
+    block_size = 16
+    llm = cbatch.LLM(args.model, dtype=getattr(torch, args.dtype), threads=args.threads,
+                     num_blocks=args.kv_tokens // block_size, block_size=block_size,
                      quantization=None if method == "none" else method)
-    llm.generate([[1, 2, 3, 4]], cbatch.SamplingParams(max_tokens=4, ignore_eos=True))
-    return {"method": method, "weight_bytes": model_weight_bytes(llm.engine.model),
-            "rss_growth": _status("VmRSS") - before, "peak_rss": _status("VmHWM"),
-            "rss_after_import": before}
+    t2 = time.time()
+    out = llm.generate([PROMPT], cbatch.SamplingParams(max_tokens=1, ignore_eos=True))
+    t3 = time.time()
+    assert len(out[0].token_ids) == 1
+    return {"engine": "cbatch", "method": method, "dtype": args.dtype,
+            "cold_s": t3 - started, "start_s": t0 - started, "import_s": t1 - t0,
+            "load_s": t2 - t1, "first_token_s": t3 - t2,
+            "weights": model_weight_bytes(llm.engine.model), **memory()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:smollm2-360m")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
-    parser.add_argument("--num-blocks", type=int, default=64,
-                        help="KV-cache blocks (small: the cache is not the model)")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process's method
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(measure(args.model, args.dtype, args.one, args.num_blocks)))
-        return
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server(args) -> dict:
+    """llama-server's row on ``args.model`` (a .gguf): start, /health, one token."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    started = time.time()
+    proc = subprocess.Popen([args.llama_server, "-m", args.model, "--host", "127.0.0.1",
+                             "--port", str(port), "-t", str(args.threads), "-c",
+                             str(args.kv_tokens), "--parallel", "1", "--no-warmup"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = started + 600
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode} while loading")
+            if time.time() > deadline:
+                raise SystemExit("llama-server not healthy after 600 s")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.05)
+        healthy = time.time()
+        body = json.dumps({"prompt": PROMPT, "n_predict": 1, "ignore_eos": True,
+                           "temperature": 0.0}).encode()
+        request = urllib.request.Request(f"{url}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            reply = json.loads(r.read())
+        done = time.time()
+        assert reply.get("tokens_predicted", 1) == 1, reply
+        return {"engine": "llama-server", "method": "file", "dtype": "-",
+                "cold_s": done - started, "load_s": healthy - started,
+                "first_token_s": done - healthy, "weights": None, **memory(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def run(args) -> list[dict]:
     rows = []
-    for method in args.methods:
-        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--dtype",
-                              args.dtype, "--num-blocks", str(args.num_blocks), "--one", method],
-                             check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    base = rows[0]
-    print(f"{args.model} {args.dtype}; MB, and the ratio to {base['method']}'s")
-    print(f"{'method':8s} {'weights':>16s} {'RSS growth':>16s} {'peak RSS':>10s}")
+    for rep in range(args.reps):
+        for method in args.methods:
+            started = time.time()
+            out = subprocess.run(
+                [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+                 "--kv-tokens", str(args.kv_tokens), "--threads", str(args.threads),
+                 "--child", method, str(started)],
+                check=True, capture_output=True, text=True).stdout
+            rows.append({"rep": rep, **json.loads(out.strip().splitlines()[-1])})
+        if args.llama_server:
+            rows.append({"rep": rep, **llama_server(args)})
+    return rows
+
+
+def report(rows: list[dict], model: str) -> None:
+    """The best (least cold time) of each row's reps; MB."""
+    best: dict[tuple, dict] = {}
     for r in rows:
-        weights, growth = r["weight_bytes"], r["rss_growth"]
-        print(f"{r['method']:8s} {weights / 1e6:9.1f} ({weights / base['weight_bytes']:.3f}) "
-              f"{growth / 1e6:9.1f} ({growth / base['rss_growth']:.3f}) "
-              f"{r['peak_rss'] / 1e6:10.1f}")
+        key = (r["engine"], r["method"])
+        if key not in best or r["cold_s"] < best[key]["cold_s"]:
+            best[key] = r
+    print(f"{model}: cold process to first token (best of {1 + max(r['rep'] for r in rows)});"
+          " memory after it, MB")
+    print(f"{'engine':13s} {'method':7s} {'cold s':>7s} {'load s':>7s} {'1st tok':>7s} "
+          f"{'weights':>8s} {'RSS':>7s} {'anon':>7s} {'file':>7s} {'peak':>7s}")
+    for r in best.values():
+        weights = "-" if r["weights"] is None else f"{r['weights'] / 1e6:.0f}"
+        print(f"{r['engine']:13s} {r['method']:7s} {r['cold_s']:7.2f} {r['load_s']:7.2f} "
+              f"{r['first_token_s']:7.2f} {weights:>8s} {r['rss'] / 1e6:7.0f} "
+              f"{r['anon'] / 1e6:7.0f} {r['file'] / 1e6:7.0f} {r['peak'] / 1e6:7.0f}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:smollm2-360m",
+                        help="random:<shape>, a checkpoint directory or a .gguf file")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--methods", nargs="+", default=["none"],
+                        help="none (the model as it is) or a quantization method each")
+    parser.add_argument("--kv-tokens", type=int, default=1024,
+                        help="the KV cache's tokens, the same for every engine")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--llama-server", help="llama-server's binary: a row on the same .gguf")
+    parser.add_argument("--out", help="append the rows as JSON lines")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # method, parent's clock
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args, args.child[0], float(args.child[1]))))
+        return []
+    if args.llama_server and not args.model.endswith(".gguf"):
+        parser.error("--llama-server needs --model to be a .gguf file")
+    rows = run(args)
+    report(rows, args.model)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps({"model": args.model, **r}) + "\n" for r in rows)
+    return rows
 
 
 if __name__ == "__main__":

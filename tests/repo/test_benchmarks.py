@@ -278,6 +278,24 @@ def test_quant_accuracy_measures_each_method_against_the_reference(tmp_path):
         assert "layers" in row and row["layers"] != "none"
 
 
+def test_bench_load_times_a_cold_process_and_reads_its_memory(tmp_path):
+    """Each method's row comes from its own process: times that add up, the resident set
+    split into anonymous and file pages, and int8's weights smaller than float32's (a tiny
+    model's float embedding and lm_head keep the ratio far from 4)."""
+    from benchmarks import bench_load
+
+    out = tmp_path / "load.jsonl"
+    rows = bench_load.main(["--model", "random:llama-tiny", "--methods", "none", "int8",
+                            "--threads", "1", "--kv-tokens", "64", "--out", str(out)])
+    assert [(r["engine"], r["method"]) for r in rows] == [("cbatch", "none"), ("cbatch", "int8")]
+    assert len(out.read_text().splitlines()) == 2
+    for r in rows:
+        assert 0 < r["load_s"] and 0 < r["first_token_s"] and 0 < r["import_s"]
+        assert r["cold_s"] >= r["import_s"] + r["load_s"] + r["first_token_s"]
+        assert r["rss"] >= r["anon"] > 0 and r["peak"] >= r["rss"]
+    assert rows[1]["weights"] < 0.7 * rows[0]["weights"]
+
+
 def test_throughput_linear_layers_include_quantized():
     """compute_floor and gemm_share count every linear layer: the quantized ones too (a
     W4A8 model's GEMM share once counted its lm_head alone)."""

@@ -67,7 +67,7 @@ def trim_heap() -> None:
     """Give the memory freed so far back to the system (glibc's ``malloc_trim``; nothing
     elsewhere): once the model is loaded, quantized and placed, what loading freed (a float
     copy of every quantized weight) would otherwise stay resident under the trim threshold
-    above (benchmarks/model_memory.py measures it).  (The grammar worker has its own copy: it
+    above (benchmarks/bench_load.py measures it).  (The grammar worker has its own copy: it
     imports nothing of cbatch.)"""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
