@@ -1,4 +1,9 @@
-"""The paged KV cache: one allocation shared by all layers, cut into fixed-size blocks."""
+"""The paged KV cache: one allocation shared by all layers, cut into fixed-size blocks.
+
+The pool is ``[num_layers, 2, num_blocks, block_size, H_kv, D]``; layer l reads its
+``key_cache`` and ``value_cache``, each ``[num_blocks, block_size, H_kv, D]`` (token-major,
+FlashInfer's "NHD"), and a token's slot is ``block_id * block_size + offset``.  A token costs
+``2 * num_layers * H_kv * D * dtype_bytes`` bytes (GPT-2 small in fp16: 36 KiB)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The benchmark documents stay guides: benchmarks/RESULTS.md a short page of current tables
-that names no path of the machine that measured them, benchmarks/NOTES.md sections by topic
-whose index is whole, and every section the code or the docs cite by title is there."""
+"""The documents stay guides: docs/design.md a map short enough to read whole,
+benchmarks/RESULTS.md a short page of current tables that names no path of the machine that
+measured them, benchmarks/NOTES.md sections by topic whose index is whole, and every section
+the code or the docs cite by title is there."""
 
 import re
 from pathlib import Path
@@ -8,8 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NOTES = ROOT / "benchmarks" / "NOTES.md"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+DESIGN = ROOT / "docs" / "design.md"
 
 RESULTS_MAX_LINES = 250
+DESIGN_MAX_LINES = 450
 # A path under a top-level directory of the measuring host names that host, not the repository
 # (an endpoint such as /v1/completions does not start with one of these).
 ABSOLUTE_PATH = re.compile(
@@ -82,6 +85,14 @@ def cited_sections() -> list[tuple[str, str, str]]:
             for title in re.findall(r'"([^"]+)"', quotes):
                 cited.append((str(path.relative_to(ROOT)), doc, title))
     return cited
+
+
+def test_design_is_a_map_short_enough_to_read_whole():
+    lines = DESIGN.read_text().splitlines()
+    assert len(lines) <= DESIGN_MAX_LINES, (
+        f"docs/design.md has {len(lines)} lines; the map of rooms and the data's path fits in "
+        f"{DESIGN_MAX_LINES}: a kernel's or a format's specification goes in its own file's "
+        f"top comment or docstring, and design.md names the file")
 
 
 def test_results_is_short_and_names_no_path_of_the_measuring_machine():
