@@ -1,6 +1,7 @@
 """Checkpoint loading: real HF files made here, and every way they can be wrong."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -216,3 +217,25 @@ def test_outlier_shapes_put_a_few_channels_at_20_to_50x():
     for (name, p), q in zip(base.named_parameters(), outliers.parameters()):
         if "layernorm" not in name:
             assert torch.equal(p, q), name
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_loaded_model_keeps_no_view_of_its_safetensors_file(tmp_path, quantization):
+    """safetensors maps the file, and one tensor left viewing it keeps every page of it in
+    the process: once loaded (and quantized), the file is no longer mapped at all, and the
+    weights it left as they were (the tied embedding) are still there, still tied."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    weights = str(tmp_path / "model.safetensors")
+    model = load_model(str(tmp_path), quantization=quantization)
+    with open("/proc/self/maps") as maps:
+        assert weights not in maps.read()
+    params = dict(model.named_parameters())
+    assert params["model.embed_tokens.weight"].abs().sum() > 0
+    assert (params["lm_head.weight"] is params["model.embed_tokens.weight"]) == \
+        config.tie_word_embeddings
