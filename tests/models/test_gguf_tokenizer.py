@@ -46,6 +46,8 @@ def test_ids_are_the_original_tokenizers_and_transformers(vocab_file):
     kind, vocab, path = vocab_file
     ours = load_tokenizer(str(path), None, vocab.eos_token_id)
     theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # built without AutoTokenizer (cbatch.tokenizer.HFTokenizer.from_gguf), the same tokenizer
+    assert ours._tok.to_str() == theirs.backend_tokenizer.to_str()
     for text in TEXTS + [SPACES]:
         ids = ours.encode(text)
         assert ids == theirs(text)["input_ids"], text
