@@ -29,6 +29,13 @@ class Embedding(DirectCall, nn.Embedding):
     layout whichever the weight is in.
     """
 
+    def reset_parameters(self) -> None:
+        """nn.Embedding's random init, skipped on the meta device where a checkpoint's
+        weights will be assigned (its ``normal_`` there runs torch's Python reference, whose
+        first call imports torch._dynamo: 1.8 s of a cold start)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def tie_quantized(self, head: nn.Module) -> None:
         """Read the rows from ``head`` (a :class:`~cbatch.layers.quantization.QuantizedLinear`,
         which quantized this embedding's tied weight) from now on, in this weight's dtype;
