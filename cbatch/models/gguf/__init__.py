@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format): ``cbatch.load_model("model.gguf")``, ``LLM("model.gguf")``,
 ``cbatch serve model.gguf``.
 
-- :mod:`~cbatch.models.gguf.reader`: the file, memory-mapped by ``gguf.GGUFReader``; its
-  architecture and tensor types checked (:class:`GGUFFile`)
+- :mod:`~cbatch.models.gguf.reader`: the file, memory-mapped, its header read by
+  :mod:`~cbatch.models.gguf.header`; its architecture and tensor types checked
+  (:class:`GGUFFile`)
 - :mod:`~cbatch.models.gguf.blocks`: the block-quantized types unpacked
   (:class:`UnpackedBlocks`, :func:`unpack`) and dequantized bitwise as gguf-py does
   (:func:`dequantize_tensor`); the layouts in ``legacy_quants`` and ``k_quants``

@@ -146,7 +146,7 @@ def dequantize_tensor(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> 
 
 
 def from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A read-only memory-mapped array (GGUFReader's tensor data) as a uint8 tensor over the
+    """A read-only memory-mapped array (a GGUF file's tensor data) as a uint8 tensor over the
     same memory, without the warning torch gives for arrays it may not write (nothing here
     writes to it: every decoder makes new tensors)."""
     with warnings.catch_warnings():
