@@ -100,16 +100,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                / len(prompts),
                "layers": llm.engine.runner.describe().get("quantized linear", "")}
         rows.append(row)
+        if args.out:  # as each is measured: a method that fails later loses nothing
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(f"  {method}: KL mean {row['kl_mean']:.5f}, p99 {row['kl_p99']:.4f}, max "
               f"{row['kl_max']:.4f}; top-1 {row['top1']:.4f} over {row['positions']} "
               f"positions; |dlogit| {row['rel_dlogit_mean']:.3f} of the logits' std; greedy "
               f"{row['greedy_identical']:.2f} identical, common prefix "
               f"{row['common_prefix']:.1f} of {args.max_tokens}\n    {row['layers']}")
         del llm
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     return rows
 
 
