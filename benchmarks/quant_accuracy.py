@@ -12,9 +12,9 @@ Per method, as llama.cpp's ``llama-perplexity --kl-divergence`` reports them:
 
 A method is an online quantization (``int8``, ``int4``, ``w8a8``, ``w4a8``), a dtype
 (``float32``: the reference's own rounding, for scale), or ``gguf:<file>`` (a GGUF file of the
-same weights, its types as they are; ``gguf:<file>@w4a8``: its 4-bit layers with int8
-activations).  ``random:<shape>-outliers`` models (cbatch/models/registry.py) carry a few
-residual channels at 20-50x, as real models do.
+same weights as cbatch runs it by default: its 4-bit layers with int8 activations;
+``gguf:<file>@gguf``: every layer with float activations).  ``random:<shape>-outliers``
+models (cbatch/models/registry.py) carry a few residual channels at 20-50x, as real models do.
 
     python benchmarks/quant_accuracy.py --model random:smollm2-360m-outliers \\
         --methods int4 w4a8 int8 w8a8 gguf:/work/peers/gguf-models/x-Q4_K_M.gguf \\

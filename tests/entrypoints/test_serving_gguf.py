@@ -77,7 +77,9 @@ def test_the_template_and_special_tokens_come_from_the_file(chat_file):
 def test_chat_completions_through_the_files_template(chat_file):
     path, theirs, tok = chat_file
     prompt_len, want = _reference(theirs, tok, 8)
-    with running_server(str(path), "qwen2-gguf", max_num_seqs=4) as (url, _):
+    # float activations (quantization="gguf"): transformers' greedy tokens, token for token
+    with running_server(str(path), "qwen2-gguf", max_num_seqs=4,
+                        quantization="gguf") as (url, _):
         reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "qwen2-gguf", "messages": MESSAGES, "max_tokens": 8, "temperature": 0.0,
             "ignore_eos": True}).json()
@@ -93,7 +95,8 @@ def test_cbatch_serve_command_serves_the_file(chat_file):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cbatch.entrypoints.cli.main", "serve",
                              str(path), "--port", str(port), "--threads", "1",
-                             "--dtype", "float32", "--device", "cpu"],
+                             "--dtype", "float32", "--device", "cpu",
+                             "--quantization", "gguf"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -124,5 +127,6 @@ def test_cbatch_generate_continues_a_prompt_as_transformers(chat_file, capsys, o
     want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
     flags = [] if own_tokenizer else ["--tokenizer", str(path.parent.parent)]
     main(["generate", "--model", str(path), "--prompt", "Hello, world!", "--max-tokens", "5",
-          "--temperature", "0", "--ignore-eos", "--dtype", "float32", *flags])
+          "--temperature", "0", "--ignore-eos", "--dtype", "float32", "--quantization", "gguf",
+          *flags])
     assert capsys.readouterr().out.startswith("Hello, world!" + want)

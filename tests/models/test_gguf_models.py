@@ -149,7 +149,7 @@ def test_transformers_loading_the_same_file_agrees(files):
     arch, file, _, reference = files
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
-    ours = load_model(str(file))
+    ours = load_model(str(file), quantization="gguf")  # float activations, as transformers'
     for prompt in PROMPTS:
         with torch.no_grad():
             want = theirs(torch.tensor([prompt])).logits[0]
@@ -167,7 +167,7 @@ def test_llm_generates_from_the_file_and_from_its_directory(files):
     want = [o.token_ids for o in LLM(str(hf_dir), max_num_seqs=4).generate(
         PROMPTS, params, use_tqdm=False)]
     for model in (str(file), str(file.parent)):  # the directory holds one .gguf
-        llm = LLM(model, max_num_seqs=4)
+        llm = LLM(model, max_num_seqs=4, quantization="gguf")  # float activations
         got = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.token_ids for o in got] == want
     # a text prompt goes through the file's own tokenizer, both ways

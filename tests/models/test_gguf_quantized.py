@@ -7,7 +7,8 @@ of its block type (cbatch.models.gguf.quantized):
   order), and the quantized kernels ran;
 - a projection whose shards are of different types (Q4_K_M keeps attn_v at 6 bits) runs as
   a StackedLinear, one kernel per run of one type;
-- ``quantization="w4a8"`` quantizes the 4-bit layers' inputs to int8 (llama.cpp's route)."""
+- by default (and with ``quantization="w4a8"``) the 4-bit layers' inputs are quantized to
+  int8 (llama.cpp's route); ``quantization="gguf"`` keeps every layer's inputs float."""
 
 import pytest
 import torch
@@ -64,20 +65,20 @@ def test_each_quantized_weight_is_ggufs_dequantize(files):
         assert torch.equal(dense(module), theirs[name].weight), name
 
 
-@pytest.mark.parametrize("method", [None, "w4a8"])
+@pytest.mark.parametrize("method", ["gguf", None, "w4a8"])
 def test_logits_are_the_dequantized_checkpoints(files, method):
     arch, file, hf_dir, _ = files
     ours = load_model(str(file), quantization=method)
     ref = load_model(str(hf_dir))
     layers = [m for m in ours.modules() if isinstance(m, QuantizedLinear)]
     int4 = [m for m in layers if m.bits == 4]
-    assert int4 and all((m.act_bits == 8) == (method == "w4a8") for m in int4)
+    assert int4 and all((m.act_bits == 8) == (method != "gguf") for m in int4)
     assert all(m.act_bits is None for m in layers if m.bits == 8)
     before = quantized_calls()
     got, want = logits(ours), logits(ref)
     if quantized.available("w8a16"):
         assert quantized_calls() > before
-    if method is None:  # fp32 sums in another order
+    if method == "gguf":  # fp32 sums in another order
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:  # x rounded to int8 per group of 32 in the 4-bit layers
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
@@ -86,9 +87,10 @@ def test_logits_are_the_dequantized_checkpoints(files, method):
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
 def test_every_block_type_runs_as_one_layer(tmp_path, qtype):
     """A llama file whose 2-D tensors are all ``qtype``: q/k/v and gate/up fuse into one
-    quantized layer each, its weights gguf's bitwise."""
+    quantized layer each, its weights gguf's bitwise, its logits with float inputs the float
+    checkpoint's."""
     file, hf_dir, _ = make_files("llama", tmp_path, type_of=lambda name: qtype)
-    ours, ref = load_model(str(file)), load_model(str(hf_dir))
+    ours, ref = load_model(str(file), quantization="gguf"), load_model(str(hf_dir))
     attn = ours.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, QuantizedLinear)
     assert isinstance(ours.lm_head, QuantizedLinear)
