@@ -97,3 +97,27 @@ def test_every_block_type_runs_as_one_layer(tmp_path, qtype):
     for name, module in linears(ours).items():
         assert torch.equal(dense(module), linears(ref)[name].weight), name
     torch.testing.assert_close(logits(ours), logits(ref), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", [None, "w4a8", "gguf"])
+def test_a_tied_quantized_embedding_runs_as_w4a8s_int8_head(tmp_path, method):
+    """A tied file (Qwen2's) whose token_embd is quantized: by default (and with w4a8) its
+    lm_head is quantized as w4a8 quantizes one (int8 per channel, int8 inputs) from the
+    dequantized blocks, the embedding reading its rows from it (no float copy of the
+    vocabulary kept); with "gguf" the head stays the float blocks' own."""
+    from cbatch.layers.embedding import Embedding
+
+    file, hf_dir, _ = make_files("qwen2", tmp_path, type_of=lambda name: "Q8_0")
+    ours, ref = load_model(str(file), quantization=method), load_model(str(hf_dir))
+    embedding = next(m for m in ours.modules() if isinstance(m, Embedding))
+    if method == "gguf":
+        assert isinstance(ours.lm_head, Linear) and embedding.weight is ours.lm_head.weight
+        return
+    assert isinstance(ours.lm_head, QuantizedLinear) and ours.lm_head.kind == "w8a8"
+    assert embedding.weight is None
+    ids = torch.tensor([0, 5, 5, 511])
+    want = ref.model.embed_tokens.weight[ids]  # the file's blocks, dequantized
+    got = embedding(ids)
+    assert ((got - want).abs() <= want.abs().amax(1, keepdim=True) / 254 * 1.001).all()
+    got, want = logits(ours), logits(ref)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cbatch.quantization import QuantizationMethod
+from cbatch.layers.quantization import quantize_head
+from cbatch.quantization import METHODS, QuantizationMethod
 from cbatch.logger import init_logger
-from cbatch.models.gguf.blocks import dequantize_tensor
+from cbatch.models.gguf.blocks import BLOCK_TYPES, dequantize_tensor
 from cbatch.models.gguf.config import model_config
 from cbatch.models.gguf.names import CONFIG_TENSORS, hf_name, to_hf
 from cbatch.models.gguf.quantized import is_quantized_linear, read_layer
@@ -44,8 +45,11 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     quantized to int8 per token and group of 32 at every call, as llama.cpp runs them (the
     other layers as they are): on an outlier-channel model as close to the float model as
     float activations (KL 0.1609 against 0.1615 on Q4_0), and 2.5x faster on AVX2
-    (benchmarks/NOTES.md, "GGUF files beside llama-server on the same file"); ``"gguf"``: every
-    layer with float inputs, the dequantized weights' products up to fp32 rounding.
+    (benchmarks/NOTES.md, "GGUF files beside llama-server on the same file"); and a tied lm_head
+    of a quantized embedding (its blocks, dequantized) quantized as ``w4a8`` quantizes it, int8
+    per channel with int8 inputs, the embedding reading its rows (a float copy of a Llama 3
+    vocabulary is 1 GB).  ``"gguf"``: every layer with float inputs, the dequantized weights'
+    products up to fp32 rounding.
     """
     from cbatch.models.loader import _assign, convert_hf_state_dict
 
@@ -61,6 +65,8 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
         config = model_config(f)
         layers: dict[str, Layer] | None = {} if kernels else None
         raw = hf_state_dict(f, config, dtype, layers)
+        quantized_embedding = f.architecture != "gpt2" and \
+            f.qtype("token_embd.weight") in BLOCK_TYPES
         logger.info("%s: %s; %s", path.name, f.describe_types(),
                     f"{len(layers)} linear weights run as they are quantized, the rest in "
                     f"{str(dtype).removeprefix('torch.')}" if layers else
@@ -74,11 +80,14 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
             if config.tie_word_embeddings else None
     with torch.device("meta"):
         model = cls(config, attention_backend)
+    int8 = quantization is None or quantization.name == "w4a8"  # llama.cpp's route
     if layers:
-        if quantization is None or quantization.name == "w4a8":
+        if int8:
             layers = {name: with_int8_activations(one) for name, one in layers.items()}
         install(model, layers, state, path, device, dtype)
     _assign(model, state, path, tied, device, dtype)
+    if layers is not None and int8 and tied and quantized_embedding:
+        quantize_head(model, METHODS["w4a8"].head)
     return model.eval()
 
 
