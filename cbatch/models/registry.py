@@ -110,6 +110,13 @@ def random_llama_configs() -> dict:
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
             tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001)),
+        # TinyLlama/TinyLlama-1.1B-Chat-v1.0's shape: 22 layers, 32 heads over 4 KV heads of
+        # 64, an untied lm_head, Llama 2's vocabulary of 32000
+        "tinyllama-1.1b": ("LlamaForCausalLM", LlamaConfig(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+            num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+            max_position_embeddings=2048, rms_norm_eps=1e-5, rope=default_rope,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
     }
     # the same shapes with outlier channels (:data:`OUTLIER_CHANNELS`)
     shapes.update({f"{name}-outliers": shapes[name] for name in OUTLIER_SHAPES})

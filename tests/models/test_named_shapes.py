@@ -1,8 +1,9 @@
 """The ``random:`` shapes of models people run on CPUs (SmolLM2-360M, Qwen2.5-0.5B,
-Llama-3.2-1B, Llama-3.2-3B): each is the real checkpoint's ``config.json`` read by cbatch's
-loader, and each architecture (Qwen2's q/k/v bias, Llama 3's rope scaling, tied embeddings,
-GQA) matches transformers on the same random checkpoint, saved by transformers with those
-configs cut down to two narrow layers and a small vocabulary (heads, head_dim and rope kept)."""
+Llama-3.2-1B, Llama-3.2-3B, TinyLlama-1.1B): each is the real checkpoint's ``config.json``
+read by cbatch's loader, and each architecture (Qwen2's q/k/v bias, Llama 3's rope scaling,
+tied embeddings, GQA) matches transformers on the same random checkpoint, saved by
+transformers with those configs cut down to two narrow layers and a small vocabulary (heads,
+head_dim and rope kept)."""
 
 import dataclasses
 
@@ -53,6 +54,13 @@ REAL = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256}),
+    "tinyllama-1.1b": (1_100_048_384, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 2048,
+        "intermediate_size": 5632, "max_position_embeddings": 2048,
+        "num_attention_heads": 32, "num_hidden_layers": 22, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "vocab_size": 32000}),
 }
 # cut down for the parity test: few layers, a small vocabulary, narrow (hidden_size: 8 per
 # head, as transformers wants a multiple of the heads; head_dim stays the real one, 64 where
@@ -78,7 +86,8 @@ def test_named_shape_is_the_real_checkpoint_config(name):
     with torch.device("meta"):
         model = cls(named)
     assert sum(p.numel() for p in model.parameters()) == num_params
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == \
+        raw["tie_word_embeddings"]
 
 
 @pytest.fixture(scope="module", params=list(REAL))
