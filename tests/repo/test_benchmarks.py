@@ -328,3 +328,20 @@ def test_gemm_share_times_the_loop_of_a_one_call_model():
     assert 0 < share < 1
     assert cpu.kernel_paths().get("decoder_layers.cpu", 0) == before  # the loop ran
     assert llm.engine.model.cpu_layers is bound
+
+
+def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
+    """Every run of the cell is timed on the one engine, with the thread counts its steps
+    took (on at most the allowed CPUs), and written as it ends."""
+    from benchmarks import bench_spread
+    from cbatch.core.cpu.threads import allowed_cpus
+
+    out = tmp_path / "spread.jsonl"
+    rows = bench_spread.main(["--model", "random:llama-tiny", "--dtype", "float32",
+                              "--scale", "0.125", "--runs", "2", "--out", str(out)])
+    assert [r["run"] for r in rows] == [0, 1] and len(out.read_text().splitlines()) == 2
+    for r in rows:
+        assert r["wall_s"] > 0 and sum(r["steps_by_threads"].values()) > 0
+        assert all(1 <= n <= len(allowed_cpus()) for n in r["steps_by_threads"])
+    # the same workload, scheduled alike: as many steps each run
+    assert len({sum(r["steps_by_threads"].values()) for r in rows}) == 1

@@ -1,0 +1,92 @@
+"""One cell run again and again: how far its slowest run is from its fastest, and how many
+threads each run's steps took (issue 72: "no run at half speed on a quiet machine").
+
+    python benchmarks/bench_spread.py --model random:tinyllama-1.1b --quantization w4a8 \\
+        --workload seed --runs 10 [--temperature 0.8 --top-p 0.95] [--out spread.jsonl]
+
+One engine, built and warmed once (as ``bench_throughput.py`` builds its cbatch engine), then
+the workload ``--runs`` times, the prefix cache emptied before each: per run its wall time and
+how many of its steps ran on each thread count (``Engine.stats().steps_by_threads``: the
+adaptive thread policy's choices, :mod:`cbatch.core.cpu.threads`), and the share of the
+machine other processes took meanwhile (``/proc/stat``).  The last line: the slowest run over
+the fastest (issue 72's target on a quiet machine: at most 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_throughput import _settle, make_workload  # noqa: E402
+from cbatch import LLM  # noqa: E402
+from cbatch.core.cpu.threads import _busy_seconds, allowed_cpus  # noqa: E402
+from cbatch.quantization import ONLINE  # noqa: E402
+
+
+BATCH = {"seed": 8, "longtail": 64}  # cbatch.workloads' batch sizes
+
+
+def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
+    """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share."""
+    llm.engine.block_manager.reset_prefix_cache()
+    before = dict(llm.engine.stats().steps_by_threads)
+    _settle()
+    busy0, mine0 = _busy_seconds(cpus), time.process_time()
+    start = time.perf_counter()
+    llm.generate(wl.prompts, wl.params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    busy1, mine1 = _busy_seconds(cpus), time.process_time()
+    after = llm.engine.stats().steps_by_threads
+    steps = {n: after[n] - before.get(n, 0) for n in sorted(after) if after[n] > before.get(n, 0)}
+    others = None if busy0 is None or busy1 is None else \
+        max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (wall * len(cpus))
+    return {"wall_s": wall, "steps_by_threads": steps, "others_share": others}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:smollm2-360m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", choices=ONLINE, default=None)
+    parser.add_argument("--workload", choices=["seed", "longtail"], default="seed")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--out", help="append one JSON line per run here")
+    args = parser.parse_args(argv)
+
+    batch = BATCH[args.workload]  # the workload's batch, as bench_throughput.py's engine
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=batch)
+    wl = make_workload(args.workload, llm.tokenizer, llm.engine.model.config.vocab_size, args)
+    assert wl.batch_size == batch, (wl.batch_size, batch)
+    wl.prompts = [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in wl.prompts]
+    llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
+    cpus = allowed_cpus()
+    what = (f"{args.model} {args.quantization or args.dtype} {args.workload}"
+            + (f" T {args.temperature} top-p {args.top_p}" if args.temperature else " greedy"))
+    print(f"{what}: {args.runs} runs on {len(cpus)} CPUs", flush=True)
+    rows = []
+    for i in range(args.runs):
+        row = {"cell": what, "run": i, **run_once(llm, wl, cpus)}
+        rows.append(row)
+        share = "?" if row["others_share"] is None else f"{100 * row['others_share']:.1f}%"
+        print(f"  run {i}: {row['wall_s']:.2f} s, steps by threads {row['steps_by_threads']}, "
+              f"others took {share} of the machine", flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    walls = [r["wall_s"] for r in rows]
+    print(f"slowest / fastest: {max(walls) / min(walls):.3f} ({max(walls):.2f} / "
+          f"{min(walls):.2f} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
