@@ -65,3 +65,15 @@ def test_the_header_reads_as_gguf_reads_it(tmp_path, alignment):
         for t in theirs.tensors:
             assert f.qtype(t.name) == t.tensor_type.name
             assert bytes(f.raw(t.name).numpy()) == t.data.tobytes()
+
+
+def test_a_value_type_gguf_does_not_define_is_named(tmp_path):
+    """A metadata value of a type number past GGUF's 12 is refused, naming the file."""
+    import struct
+
+    path = tmp_path / "odd.gguf"
+    key = b"general.architecture"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<I", 99) + b"\0" * 16)
+    with pytest.raises(ValueError, match=f"{path} is damaged: a metadata value of type 99"):
+        GGUFFile(path)

@@ -26,7 +26,7 @@ from cbatch.models.gguf.config import model_config
 from cbatch.models.gguf.names import CONFIG_TENSORS, hf_name, to_hf
 from cbatch.models.gguf.quantized import is_quantized_linear, read_layer
 from cbatch.models.quantized_checkpoint import install
-from cbatch.models.quantized_checkpoint.layer import Layer
+from cbatch.models.quantized_checkpoint.layer import Layer, finite
 from cbatch.models.gguf.reader import ARCHITECTURES, GGUFFile
 from cbatch.models.registry import model_class
 
@@ -105,7 +105,8 @@ def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype,
     """Every parameter tensor of ``f`` under its Hugging Face name, dequantized (fp32, bitwise
     gguf's) and cast to ``dtype`` as the checkpoint loader would cast it; or, where
     ``layers`` is given, the quantized linears into it as :class:`Layer` (Hugging Face's
-    layer names) instead."""
+    layer names) instead.  A NaN or inf (a value, or a block's scale or min) is refused,
+    naming the tensor and the file."""
     heads, kv_heads = config.num_heads, config.num_kv_heads
     state = {}
     for name in f.tensor_names:
@@ -119,9 +120,14 @@ def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype,
             _check_gpt2_head(f)
             continue  # cbatch's GPT-2 ties its head to the embedding
         if layers is not None and is_quantized_linear(f, name):
-            layers[key.removesuffix(".weight")] = read_layer(f, name, heads, kv_heads)
+            layer = read_layer(f, name, heads, kv_heads)
+            for values in (layer.scales, layer.mins):  # the levels are integers
+                if values is not None:
+                    finite(values, name, f.path)
+            layers[key.removesuffix(".weight")] = layer
             continue
-        tensor = dequantize_tensor(f.raw(name), f.qtype(name), f.shape(name))
+        tensor = finite(dequantize_tensor(f.raw(name), f.qtype(name), f.shape(name)), name,
+                        f.path)
         state[key] = to_hf(f.architecture, name, tensor, heads, kv_heads).to(dtype)
     return state
 

@@ -164,6 +164,8 @@ def _open(path: Path):
         header = read_header(mapped)
     except Truncated as e:
         raise ValueError(f"{damaged} ({e})") from None
+    except ValueError as e:  # a value type GGUF does not define
+        raise ValueError(f"{path} is damaged: {e}") from None
     kinds = {}
     for t in header.tensors:
         try:
