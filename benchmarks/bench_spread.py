@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_throughput import _settle, make_workload  # noqa: E402
+from benchmarks.bench_throughput import make_workload, settle  # noqa: E402
 from cbatch import LLM  # noqa: E402
-from cbatch.core.cpu.threads import _busy_seconds, allowed_cpus  # noqa: E402
+from cbatch.core.cpu.threads import busy_seconds, allowed_cpus  # noqa: E402
 from cbatch.quantization import ONLINE  # noqa: E402
 
 
@@ -34,12 +34,12 @@ def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
     """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share."""
     llm.engine.block_manager.reset_prefix_cache()
     before = dict(llm.engine.stats().steps_by_threads)
-    _settle()
-    busy0, mine0 = _busy_seconds(cpus), time.process_time()
+    settle()
+    busy0, mine0 = busy_seconds(cpus), time.process_time()
     start = time.perf_counter()
     llm.generate(wl.prompts, wl.params, use_tqdm=False)
     wall = time.perf_counter() - start
-    busy1, mine1 = _busy_seconds(cpus), time.process_time()
+    busy1, mine1 = busy_seconds(cpus), time.process_time()
     after = llm.engine.stats().steps_by_threads
     steps = {n: after[n] - before.get(n, 0) for n in sorted(after) if after[n] > before.get(n, 0)}
     others = None if busy0 is None or busy1 is None else \

@@ -93,7 +93,7 @@ def weight_bytes_of(model) -> int:
     return quantized + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _settle() -> None:
+def settle() -> None:
     """Before every timed run, whichever the engine: collect, then freeze what is alive, so
     that full garbage collections do not walk the models (cbatch's Engine does this itself
     at start; here every engine gets it, in any order)."""
@@ -114,7 +114,7 @@ def run_cbatch(args, wl, policy, prefix_caching=True, batch_invariant=False
         llm.engine.block_manager.reset_prefix_cache()  # the timed run finds nothing cached
         before = llm.engine.stats()
     clock = StepClock(llm.engine.runner) if policy == "fcfs" and on_cpu(args) else None
-    _settle()
+    settle()
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, wl.params, use_tqdm=not args.no_progress)
     wall = time.perf_counter() - start
@@ -393,7 +393,7 @@ def run_hf_generate(args, wl, hf) -> tuple[dict, list]:
     ids_all = [p if isinstance(p, list) else None for p in wl.prompts]
     per, tokens = [], []
     sampling = hf_sampling(args)  # seeds torch once for the whole run
-    _settle()
+    settle()
     start = time.perf_counter()
     size = args.max_num_seqs or wl.batch_size
     batches = range(0, len(ids_all), size)
@@ -428,7 +428,7 @@ def run_hf_continuous(args, wl, hf) -> tuple[dict, list]:
     manager = hf.init_continuous_batching(generation_config=gen_cfg)
     manager.start()
     try:
-        _settle()
+        settle()
         start = time.perf_counter()
         ids = [manager.add_request(p, request_id=str(i), max_new_tokens=sp.max_tokens,
                                    record_timestamps=True)

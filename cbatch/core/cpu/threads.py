@@ -49,7 +49,7 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _busy_seconds(cpus: list[int]) -> float | None:
+def busy_seconds(cpus: list[int]) -> float | None:
     """CPU seconds spent busy (not idle, not waiting on I/O) on ``cpus`` since boot."""
     try:
         with open("/proc/stat") as f:
@@ -72,9 +72,9 @@ class ThreadPolicy:
     def __init__(self, threads: int | None = None, adaptive: bool = True):
         self.fixed = threads
         self.cpus = allowed_cpus()
-        self.adaptive = adaptive and threads is None and _busy_seconds(self.cpus) is not None
+        self.adaptive = adaptive and threads is None and busy_seconds(self.cpus) is not None
         self.free_cores = float(len(self.cpus))  # estimate from the last completed sample
-        self._last = (time.monotonic(), _busy_seconds(self.cpus) or 0.0, time.process_time())
+        self._last = (time.monotonic(), busy_seconds(self.cpus) or 0.0, time.process_time())
         self._last_step_end = self._last[0]  # (monotonic; made: idle since)
         self.steps_by_threads: collections.Counter[int] = collections.Counter()
 
@@ -83,7 +83,7 @@ class ThreadPolicy:
         t0, busy0, mine0 = self._last
         if now - t0 < SAMPLE_S:  # /proc/stat is read only once per sample, not every step
             return
-        busy, mine = _busy_seconds(self.cpus), time.process_time()
+        busy, mine = busy_seconds(self.cpus), time.process_time()
         if busy is None:
             return
         if now - self._last_step_end > STALE_S:  # the engine sat idle: every core again

@@ -24,7 +24,7 @@ class FakeClock:
     def __init__(self, monkeypatch, cpus=2):
         self.now = self.busy = self.mine = 0.0
         monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: list(range(cpus)))
-        monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cpus: self.busy)
+        monkeypatch.setattr(cpu_threads, "busy_seconds", lambda cpus: self.busy)
         monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.mine)
 
