@@ -274,11 +274,9 @@ def _own_memory(model: nn.Module, mapped: set[int]) -> nn.Module:
     the whole file's pages in the process) into memory of their own.  What quantization and
     the fused projections replaced is then released with the file (issue 74: a bf16
     checkpoint quantized to w4a8 held 2.1 GB of file pages for 0.7 GB of weights)."""
-    seen: set[int] = set()
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in seen and t.untyped_storage().data_ptr() in mapped:
+    for t in (*model.parameters(), *model.buffers()):  # a tied weight once, then not mapped
+        if t.untyped_storage().data_ptr() in mapped:
             t.data = t.data.clone()
-        seen.add(id(t))
     return model
 
 
