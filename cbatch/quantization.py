@@ -6,7 +6,8 @@ A :class:`Scheme` says how one linear layer runs: ``bits`` of its weight, its ``
 (k per scale; None: one scale per output channel) and ``act_bits`` (None: x as it is; 8: x
 quantized to int8 at every call).  Its :attr:`~Scheme.kind` names the kernel that runs it
 (``cbatch.ops.quantized``): ``"w8a16"`` / ``"w4a16"`` dequantize in registers, ``"w8a8"`` and
-``"w4a8"`` sum int8 x int8 / int4 x int8 products in int32.
+``"w4a8"`` sum int8 x int8 / int4 x int8 products in int32, and ``"w8a8g"`` (W8A8 per group:
+int8 weights in groups, x int8 per token and group as W4A8's; llama.cpp's Q8_0 route) too.
 
 A :class:`QuantizationMethod` is either *online* (it quantizes a float checkpoint's decoder
 linears at load into its ``scheme``; ``head``: the lm_head's scheme where it is quantized
@@ -35,9 +36,19 @@ class Scheme:
             raise ValueError(f"a quantized layer's bits must be 4 or 8 and its act_bits None or "
                              f"8, got bits={self.bits!r}, act_bits={self.act_bits!r}")
 
+    @classmethod
+    def of(cls, bits: int, group_size: int, act_bits: int | None, in_features: int) -> Scheme:
+        """The scheme of a weight of ``in_features`` k in groups of ``group_size``: an int8
+        group as long as the row is one per output channel (None), as W8A8's kernel takes it."""
+        per_channel = bits == 8 and group_size >= in_features
+        return cls(bits, None if per_channel else group_size, act_bits)
+
     @property
     def kind(self) -> str:
-        """The kernel's name: ``w{bits}a{act_bits or 16}``."""
+        """The kernel's name: ``w{bits}a{act_bits or 16}``, and ``w8a8g`` for int8 weights in
+        groups with int8 activations."""
+        if self.bits == 8 and self.act_bits and self.group_size is not None:
+            return "w8a8g"
         return f"w{self.bits}a{self.act_bits or 16}"
 
     @property
@@ -45,8 +56,10 @@ class Scheme:
         """What this scheme's kernel takes of a weight, a phrase."""
         if self.act_bits is None:
             return f"int{self.bits} weights"
-        return "symmetric int8 with one scale per output channel" if self.bits == 8 else \
-            "int4 in groups of a multiple of 32 k, with zero points or without"
+        if self.bits == 4:
+            return "int4 in groups of a multiple of 32 k, with zero points or without"
+        return "symmetric int8 with one scale per output channel" if self.group_size is None \
+            else "int8 in groups of a multiple of 16 k"
 
     def refusal(self, in_features: int, zero_points: bool) -> str | None:
         """Why this scheme's kernel cannot run a weight of ``in_features`` k in these groups
@@ -54,15 +67,17 @@ class Scheme:
         if self.act_bits is None:
             return None
         per_channel = self.group_size is None or self.group_size >= in_features
-        if self.bits == 8 and (not per_channel or zero_points) or self.bits == 4 and (
-                (in_features if per_channel else self.group_size) % 32):
-            return f"{self.kind.upper()} takes {self.requirement}"
-        return None
+        if self.bits == 8:
+            bad = zero_points if per_channel else self.group_size % 16
+        else:
+            bad = (in_features if per_channel else self.group_size) % 32
+        return f"{self.kind.upper()} takes {self.requirement}" if bad else None
 
     def describe(self, in_features: int | None = None) -> str:
-        """``int4 g128``, ``w8a8``, ``w4a8 g32``: the phrase an engine's description uses
-        (int4's groups always named; int8's where they are not the whole row)."""
-        name = self.kind if self.act_bits else f"int{self.bits}"
+        """``int4 g128``, ``w8a8``, ``w4a8 g32``, ``w8a8 g32``: the phrase an engine's
+        description uses (int4's groups always named; int8's where they are not the whole
+        row)."""
+        name = f"w{self.bits}a8" if self.act_bits else f"int{self.bits}"
         per_channel = self.group_size is None or (self.bits == 8 and in_features is not None
                                                   and self.group_size >= in_features)
         return name if per_channel else f"{name} g{self.group_size}"

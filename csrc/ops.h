@@ -98,8 +98,10 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x, const at::Tensor& qwei
 // a block in one byte) in quads of k; scales: float32 [G, N16]; group_size a multiple of 32;
 // zeros: None (symmetric: 8) or int8 [G, N16] in [0, 15], the nibbles then the weight's own
 // unsigned integers; mins: None or float32 [G, N16] (zeros None): w = s_w u - m, each group's
-// term less fl(m * fl(Sx * s_x)), Sx the row's sum of its q over the group.  Supported on x86
-// with AVX2 and FMA (AVX512-VNNI's vpdpbusd where present).
+// term less fl(m * fl(Sx * s_x)), Sx the row's sum of its q over the group.  An int8 qweight
+// [N16 / 16, 8 ceil(K / 32), 64] holds 8-bit weights instead (W8A8 per group, llama.cpp's Q8_0
+// route: columns 0..7 then 8..15 of each quad of k, signed, zero point 0; group_size a multiple
+// of 16).  Supported on x86 with AVX2 and FMA (AVX512-VNNI's vpdpbusd where present, for int4).
 at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                      const at::Tensor& scales, int64_t group_size,
                                      int64_t out_features,

@@ -31,7 +31,8 @@ from cbatch.ops import cpu, layer_ops, quantized
 
 # a linear layer's kind, as csrc/cpu/decoder_layers.cpp numbers them
 PACKED, QUANTIZED, W8A8, W4A8 = 0, 1, 2, 3
-KINDS = {"w8a16": QUANTIZED, "w4a16": QUANTIZED, "w8a8": W8A8, "w4a8": W4A8}
+KINDS = {"w8a16": QUANTIZED, "w4a16": QUANTIZED, "w8a8": W8A8, "w4a8": W4A8,
+         "w8a8g": W4A8}  # W8A8 per group: W4A8's op on an int8 qweight
 
 
 @dataclass
@@ -44,7 +45,8 @@ class BoundLayers:
     tensors: list[torch.Tensor | None]
     ints: list[int]
     final_norm: torch.Tensor
-    w4a8: bool  # W4A8 layers: their kernel needs AVX2 at every call (CBATCH_CPU_ISA may cap)
+    w4a8: bool  # W4A8 (or W8A8 per group) layers: their kernel needs AVX2 at every call
+    # (CBATCH_CPU_ISA may cap)
 
 
 def linear_slots(module) -> tuple[list, list[int]] | str:

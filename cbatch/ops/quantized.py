@@ -10,7 +10,9 @@ A kind (:attr:`cbatch.quantization.Scheme.kind`) names the arithmetic:
 - ``"w8a8"``: x to int8 per token, int8 x int8 sums in int32 (``cbatch::quantized_linear_w8a8``;
   Triton ``scaled_int8_quant`` then ``w8a8_linear``);
 - ``"w4a8"``: x to int8 per token and per group, int4 x int8 sums in int32 per group
-  (``cbatch::quantized_linear_w4a8``; CPU only).
+  (``cbatch::quantized_linear_w4a8``; CPU only);
+- ``"w8a8g"``: W8A8 per group, int8 weights in groups and x as W4A8's, int8 x int8 sums in
+  int32 per group (the same op on an int8 qweight; CPU only, AVX2 on every CPU).
 
 :func:`available` and :func:`isa` say whether and how the C++ kernel of a kind runs here (the
 tests assert through them, and through :func:`cbatch.ops.cpu.kernel_paths`, that it ran);
@@ -29,7 +31,8 @@ from cbatch.ops.backends import triton_available
 from cbatch.ops.checks import check_no_meta_mix
 from cbatch.ops.cpu import cpu_isa
 
-KINDS = ("w8a16", "w4a16", "w8a8", "w4a8")
+KINDS = ("w8a16", "w4a16", "w8a8", "w4a8", "w8a8g")
+GROUPED_A8 = ("w4a8", "w8a8g")  # x int8 per group: cbatch::quantized_linear_w4a8, CPU only
 
 
 @functools.cache
@@ -41,9 +44,10 @@ def _cpu_kernels() -> bool:
 
 
 def available(kind: str) -> bool:
-    """Whether cbatch's C++ CPU kernel of ``kind`` runs here (W4A8's needs AVX2, which
-    ``$CBATCH_CPU_ISA`` may cap); elsewhere that kind runs the pure-torch reference."""
-    if kind == "w4a8":
+    """Whether cbatch's C++ CPU kernel of ``kind`` runs here (W4A8's and W8A8 per group's
+    need AVX2, which ``$CBATCH_CPU_ISA`` may cap); elsewhere that kind runs the pure-torch
+    reference."""
+    if kind in GROUPED_A8:
         return _cpu_kernels() and "avx2" in cpu_isa().split()
     return _cpu_kernels()
 
@@ -53,9 +57,12 @@ def isa(kind: str, dtype: torch.dtype = torch.float32) -> str:
     ``$CBATCH_CPU_ISA``'s cap), or "" where it does not run: W8A16 / W4A16 ``"avx512"`` or
     ``"avx2"`` (``"avx512bf16"``: W4A16 on a bf16 x, ``vdpbf16ps``); W8A8 / W4A8
     ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpmaddwd``, ``vpmaddubsw``), and calls
-    of 8 rows and more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`)."""
+    of 8 rows and more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`); W8A8 per
+    group ``"avx2"`` (``vpsignb``, ``vpmaddubsw``) on every CPU."""
     if not available(kind):
         return ""
+    if kind == "w8a8g":
+        return "avx2"
     features = cpu_isa().split()
     if kind in ("w8a8", "w4a8"):
         return "avx512vnni" if "avx512vnni" in features else "avx2"
@@ -82,7 +89,8 @@ def linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: torch.Tens
            zeros: torch.Tensor | None, group_size: int, out_features: int,
            bias: torch.Tensor | None, mins: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight packed for ``kind``
-    (:mod:`cbatch.layers.quantization.weight`: ``pack``; ``pack_w8a8``; ``pack_w4a8``): the
+    (:mod:`cbatch.layers.quantization.weight`: ``pack``; ``pack_w8a8``; ``pack_w4a8``;
+    ``pack_w8a8g``): the
     Triton GEMMs where :func:`on_triton`, cbatch's CPU kernel where :func:`available`, else
     the reference.
 
@@ -92,7 +100,7 @@ def linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: torch.Tens
     ``group_size`` and ``zeros`` are unused by W8A8 (symmetric, one group per column)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if on_triton(x) and kind != "w4a8":
+    if on_triton(x) and kind not in GROUPED_A8:
         return triton_linear(x, kind, qweight, scales, zeros, group_size, out_features, bias,
                              mins)
     cpu = x.is_cpu and available(kind)
@@ -101,7 +109,7 @@ def linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: torch.Tens
             raise ValueError("W8A8 takes symmetric int8 weights: no mins")
         op = torch.ops.cbatch.quantized_linear_w8a8 if cpu else reference.quantized_linear_w8a8
         return op(x, qweight, scales, out_features, bias)
-    if kind == "w4a8":
+    if kind in GROUPED_A8:  # the qweight's dtype tells the kernel its bits
         op = torch.ops.cbatch.quantized_linear_w4a8 if cpu else reference.quantized_linear_w4a8
         return op(x, qweight, scales, group_size, out_features, bias, zeros, mins)
     op = torch.ops.cbatch.quantized_linear if cpu else reference.quantized_linear
@@ -124,8 +132,8 @@ def triton_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scales: tor
         x_q, x_scale = triton_ops.scaled_int8_quant(x)
         return triton_ops.w8a8_linear(x_q, x_scale, qweight, scales, out_features, bias,
                                       x.dtype)
-    if kind == "w4a8":
-        raise ValueError("W4A8 has no Triton kernel (quantization='w4a8' runs on the CPU)")
+    if kind in GROUPED_A8:
+        raise ValueError(f"{kind.upper()} has no Triton kernel (it runs on the CPU)")
     return triton_ops.quantized_linear(x, qweight, scales, zeros, 4 if kind == "w4a16" else 8,
                                        group_size, out_features, bias, mins)
 

@@ -233,6 +233,16 @@ def unpack_w4a8(qweight: torch.Tensor, out_features: int, in_features: int) -> t
     return q[:out_features, :in_features] - 8
 
 
+def unpack_w8a8g(qweight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """int32 ``q [N, K]`` from the 8-bit layout of ``cbatch::quantized_linear_w4a8``
+    (:func:`cbatch.layers.quantization.weight.pack_w8a8g`): int8 ``[N16 / 16, Q, 64]``, byte
+    ``[b, i, 32 half + 4 j + t]`` holding ``q[16 b + 8 half + j, 4 i + t]``."""
+    blocks, quads, _ = qweight.shape
+    q = qweight.view(blocks, quads, 2, 8, 4).to(torch.int32)  # [b, i, half, j, t]
+    q = q.permute(0, 2, 3, 1, 4).reshape(blocks * 16, quads * 4)
+    return q[:out_features, :in_features]
+
+
 def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           group_size: int, out_features: int, bias: torch.Tensor | None,
                           zeros: torch.Tensor | None = None, mins: torch.Tensor | None = None
@@ -244,6 +254,8 @@ def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit for bit.  qweight:
     :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``; zeros: None (the weight's
     integers are the nibbles less 8) or int8 ``[G, N16]`` (the nibbles less ``zeros[g, n]``).
+    An int8 qweight holds 8-bit weights (:func:`unpack_w8a8g`'s layout; W8A8 per group): the
+    integers as they are (zero point 0), or less ``zeros[g, n]``; the rest alike.
 
     mins: None, or fp32 ``[G, N16]`` (``zeros`` None; ``W = s_w u - m``, u the nibble in
     0..15 as it is): ``S`` is then ``sum xq u`` and each group's term is
@@ -256,10 +268,13 @@ def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     M, K = x.shape
     N, G = out_features, scales.shape[0]
     pad = G * group_size - K
-    q = torch.nn.functional.pad(unpack_w4a8(qweight, N, K), (0, pad)).view(N, G, group_size)
-    if zeros is not None or mins is not None:  # the nibble is q + 8, less z (mins: less 0)
-        z = 0 if zeros is None else zeros[:, :N].t().to(torch.int32)[:, :, None]
-        q = q + 8 - z
+    if qweight.dtype == torch.int8:  # 8-bit: the stored integer, zero point 0
+        stored, zero = unpack_w8a8g(qweight, N, K), 0
+    else:  # 4-bit: the nibble, zero point 8
+        stored, zero = unpack_w4a8(qweight, N, K) + 8, 8
+    q = torch.nn.functional.pad(stored, (0, pad)).view(N, G, group_size)
+    z = zero if zeros is None else zeros[:, :N].t().to(torch.int32)[:, :, None]
+    q = q - (0 if mins is not None else z)  # mins: the stored integer as it is
     xq, sx = quantize_per_group(x, group_size)
     xq = torch.nn.functional.pad(xq, (0, pad)).view(M, G, group_size)
     S = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # [M, N, G], exact

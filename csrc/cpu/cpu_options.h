@@ -46,6 +46,7 @@ enum class CpuPath : int {
   kQuantizedLinearW4A8Vnni,
   kQuantizedLinearW4A8Avx2,
   kQuantizedLinearW4A8Amx,  // AMX-INT8 tiles (or their model)
+  kQuantizedLinearW8A8GroupedAvx2,  // W4A8's op on 8-bit weights (W8A8 per group)
   kGreedyHeadInt8Avx512Vnni,
   kGreedyHeadInt8Avx2,
   kGreedyHeadBf16Avx512,

@@ -48,6 +48,19 @@
 // Paths (tiles of 16 columns): AVX512-VNNI where present (vpdpbusd on 256-bit vectors, up to 8
 // rows a tile), else AVX2 (vpmaddubsw, 4 rows a tile); from 8 rows AMX-INT8 tiles where the CPU
 // has them and group_size is a multiple of 64; the same integers, the same output bits.
+//
+// 8-bit weights in groups (W8A8 per group, llama.cpp's Q8_0 x Q8_0 route; an int8 qweight):
+// int8 [N16 / 16, Q, 64], byte [b, i, 4 j + t] = q[16 b + j, 4 i + t] and byte [b, i, 32 + 4 j
+// + t] = q[16 b + 8 + j, 4 i + t] (j < 8; 0 past K): a quad's 64 bytes are one cache line, the
+// first 32 columns 0..7, the last 32 columns 8..15, each column's 4 k in a 4-byte lane.  q is
+// the weight's own signed integer (zero point 0; zeros[g, n] subtracted as above where given;
+// with mins the stored 0..31 of Q5_1 / Q5_K).  vpmaddubsw wants one unsigned operand, so each
+// product q x is formed as |q| sign(x, q) (vpabsb, vpsignb: x negated where q < 0, 0 where q
+// is 0; |q| <= 128 read unsigned, |x| <= 127, so neither overflows), and each int16 pair (at
+// most 2 * 128 * 127 = 32512) is widened into int32 at once (vpmaddwd with ones): the same
+// exact S as above.  group_size a multiple of 16 (Q6_K's sub-blocks), x quantized per group
+// alike.  AVX2 on every CPU (no VNNI or AMX tile for it yet: a CPU with AVX512-VNNI runs the
+// AVX2 tile, counted as quantized_linear.w8a8g.avx2).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -81,6 +94,7 @@ struct W4A8Args {
   const float* wmin;    // [G, N16] mins (wzero null), or null
   const float* xsum_scaled;  // [M, G] fl(xsum * s_x) (with mins; else null)
   int64_t N16;
+  int32_t zero;         // the zero point without wzero or wmin: 8 (4-bit), 0 (8-bit)
   const float* bias;    // [N] fp32 or null
   float* out;           // [M, N] fp32 (an fp32 x), or null
   c10::BFloat16* out_bf16;  // [M, N] (a bf16 x: each fp32 result rounded as torch rounds it)
@@ -120,7 +134,7 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 }
 
 // Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
-// order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z 8 or each
+// order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z a.zero or each
 // column's zero point; with mins z 0 and the term less rounded(fl(m * xsum_scaled)).
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
@@ -140,7 +154,7 @@ CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t b
     const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
     const __m256i shift0 = z ? _mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum))
-                             : _mm256_set1_epi32(mn ? 0 : 8 * xsum),
+                             : _mm256_set1_epi32(mn ? 0 : a.zero * xsum),
                   shift1 = z ? _mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)) : shift0;
     __m256 t0 = _mm256_mul_ps(
         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift0)), sw0), sx);
@@ -238,6 +252,43 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
       for (int r = 0; r < R; ++r) {
         s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(h[r][0], ones));
         s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(h[r][1], ones));
+      }
+    }
+    add_group<R>(a, m, block, g, s, y);
+  }
+  store_tile<R>(a, m, block, y);
+}
+
+// 8-bit weights (the header's last paragraph): per quad the block's two 32-byte halves, their
+// magnitudes once for the tile's rows, and per row and half |q| sign(x, q) in int16 pairs,
+// widened into the group's int32 sums at once.
+template <int R>
+CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
+  const int64_t Q = a.Q;
+  const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + block * Q * 64;
+  const int8_t* x = a.xq + m * Q * 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 y[kRows][2];  // [row][half]: the sum over groups so far
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i s[kRows][2];  // [row][half]: this group's int32 sums
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    const int64_t end = std::min((g + 1) * a.GQ, Q);
+    for (int64_t i = g * a.GQ; i < end; ++i) {
+      const int8_t* quad = w + i * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(quad) + 2048, _MM_HINT_T0);
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+      const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32));
+      const __m256i u0 = _mm256_abs_epi8(q0), u1 = _mm256_abs_epi8(q1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
+        const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, q0));
+        const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, q1));
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
       }
     }
     add_group<R>(a, m, block, g, s, y);
@@ -428,9 +479,12 @@ void run_amx(const W4A8Args& a) {
 }
 #undef CBATCH_VNNI
 
-template <bool kVnni, int R>
+// kBits 8: tile_int8 (AVX2 on every CPU); kBits 4: the VNNI or the AVX2 tile.
+template <bool kVnni, int kBits, int R>
 void tile(const W4A8Args& a, int64_t m, int64_t block) {
-  if constexpr (kVnni) {
+  if constexpr (kBits == 8) {
+    tile_int8<R>(a, m, block);
+  } else if constexpr (kVnni) {
     tile_vnni<R>(a, m, block);
   } else {
     tile_avx2<R>(a, m, block);
@@ -438,32 +492,32 @@ void tile(const W4A8Args& a, int64_t m, int64_t block) {
 }
 
 // Rows [m, m + n) of one block of columns in one tile, n below the path's rows a tile.
-template <bool kVnni, int R = (kVnni ? kVnniRows : kRows) - 1>
+template <bool kVnni, int kBits, int R = (kVnni ? kVnniRows : kRows) - 1>
 void last_tile(const W4A8Args& a, int64_t m, int64_t block, int64_t n) {
   if constexpr (R > 0) {
-    if (n == R) return tile<kVnni, R>(a, m, block);
-    last_tile<kVnni, R - 1>(a, m, block, n);
+    if (n == R) return tile<kVnni, kBits, R>(a, m, block);
+    last_tile<kVnni, kBits, R - 1>(a, m, block, n);
   }
 }
 
 // Rows [m0, m1) of one block of columns: AVX2 kRows at a time, VNNI kVnniRows, then the rest
 // in one tile.
-template <bool kVnni>
+template <bool kVnni, int kBits>
 void item(const W4A8Args& a, int64_t block, int64_t m0, int64_t m1) {
   constexpr int kTileRows = kVnni ? kVnniRows : kRows;
   int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<kVnni, kTileRows>(a, m, block);
-  last_tile<kVnni>(a, m, block, m1 - m);
+  for (; m + kTileRows <= m1; m += kTileRows) tile<kVnni, kBits, kTileRows>(a, m, block);
+  last_tile<kVnni, kBits>(a, m, block, m1 - m);
 }
 
 // Chunks of rows, each over every block of columns, the blocks shared out among threads.
-template <bool kVnni>
+template <bool kVnni, int kBits = 4>
 void run(const W4A8Args& a) {
   const int64_t blocks = a.N16 / kBlock;
   for (int64_t m0 = 0; m0 < a.M; m0 += kChunkRows) {
     const int64_t m1 = std::min(a.M, m0 + kChunkRows);
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) item<kVnni>(a, b, m0, m1);
+      for (int64_t b = begin; b < end; ++b) item<kVnni, kBits>(a, b, m0, m1);
     });
   }
 }
@@ -485,18 +539,23 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
 #endif
   TORCH_CHECK_VALUE(avx2, "cbatch's W4A8 CPU linear runs only on an x86 CPU with AVX2 and FMA");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK_VALUE(group_size >= 32 && group_size % 32 == 0 && group_size <= kMaxGroup,
-                    "W4A8 group_size must be a multiple of 32 in [32, ", kMaxGroup, "], got ",
-                    group_size);
+  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte || qweight.scalar_type() == at::kChar,
+                   "a W4A8 qweight is uint8 (int4 weights) or int8 (int8 weights), got ",
+                   qweight.scalar_type());
+  const int bits = qweight.scalar_type() == at::kChar ? 8 : 4;
+  const int64_t multiple = bits == 8 ? 16 : 32;  // (the header's 8-bit paragraph)
+  TORCH_CHECK_VALUE(group_size >= multiple && group_size % multiple == 0 &&
+                        group_size <= kMaxGroup,
+                    "W4A8 group_size of ", bits, "-bit weights must be a multiple of ",
+                    multiple, " in [", multiple, ", ", kMaxGroup, "], got ", group_size);
   const int64_t N16 = (N + kBlock - 1) / kBlock * kBlock, G = (K + group_size - 1) / group_size;
   const int64_t GQ = group_size / 4, Q = (K + 31) / 32 * kRunQuads;
-  TORCH_CHECK_TYPE(qweight.scalar_type() == at::kByte, "a W4A8 qweight is uint8, got ",
-                   qweight.scalar_type());
+  const int64_t quad_bytes = bits == 8 ? 4 * kBlock : 2 * kBlock;
   TORCH_CHECK_VALUE(qweight.is_contiguous() && qweight.dim() == 3 &&
                         qweight.size(0) == N16 / kBlock && qweight.size(1) == Q &&
-                        qweight.size(2) == 2 * kBlock,
-                    "qweight ", qweight.sizes(), " does not hold W4A8 ", N, " x ", K,
-                    " (expected [", N16 / kBlock, ", ", Q, ", 32])");
+                        qweight.size(2) == quad_bytes,
+                    "qweight ", qweight.sizes(), " does not hold ", bits, "-bit W4A8 ", N,
+                    " x ", K, " (expected [", N16 / kBlock, ", ", Q, ", ", quad_bytes, "])");
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                         scales.dim() == 2 && scales.size(0) == G && scales.size(1) == N16,
                     "scales must be a dense float32 [", G, ", ", N16, "], got ",
@@ -516,7 +575,7 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  const bool tiles = cpu_has_avx512vnni() && M >= kInt8FromRows && GQ % kInt8StepQuads == 0 &&
+  const bool tiles = bits == 4 && cpu_has_avx512vnni() && M >= kInt8FromRows && GQ % kInt8StepQuads == 0 &&
                      Q % kInt8StepQuads == 0 && amx::int8_tiles();
   // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
   const int64_t rows = tiles ? (M + kInt8StepRows - 1) / kInt8StepRows * kInt8StepRows : M;
@@ -528,11 +587,11 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
                    .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .Q = Q,
                    .N = N,
-                   .w = qweight.data_ptr<uint8_t>(), .wscale = scales.data_ptr<float>(),
+                   .w = static_cast<const uint8_t*>(qweight.data_ptr()), .wscale = scales.data_ptr<float>(),
                    .wzero = zeros ? zeros->data_ptr<int8_t>() : nullptr,
                    .wmin = mins ? mins->data_ptr<float>() : nullptr,
                    .xsum_scaled = mins ? xsum_scaled.data_ptr<float>() : nullptr,
-                   .N16 = N16, .bias = bf ? bf->data_ptr<float>() : nullptr,
+                   .N16 = N16, .zero = bits == 8 ? 0 : 8, .bias = bf ? bf->data_ptr<float>() : nullptr,
                    .out = bf16 ? nullptr : out.data_ptr<float>(),
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -543,7 +602,10 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  if (tiles) {
+  if (bits == 8) {
+    count_path(CpuPath::kQuantizedLinearW8A8GroupedAvx2);
+    run<false, 8>(a);
+  } else if (tiles) {
     count_path(CpuPath::kQuantizedLinearW4A8Amx);
     amx::on_tiles([&](auto tiles) { run_amx<decltype(tiles)>(a); });
   } else if (cpu_has_avx512vnni()) {

@@ -7,8 +7,9 @@ of its block type (cbatch.models.gguf.quantized):
   order), and the quantized kernels ran;
 - a projection whose shards are of different types (Q4_K_M keeps attn_v at 6 bits) runs as
   a StackedLinear, one kernel per run of one type;
-- by default (and with ``quantization="w4a8"``) the 4-bit layers' inputs are quantized to
-  int8 (llama.cpp's route); ``quantization="gguf"`` keeps every layer's inputs float."""
+- by default (and with ``quantization="w4a8"``) every layer's inputs are quantized to int8
+  per group (llama.cpp's route: W4A8 on 4-bit levels, W8A8 per group on 8-bit ones);
+  ``quantization="gguf"`` keeps every layer's inputs float."""
 
 import pytest
 import torch
@@ -72,16 +73,15 @@ def test_logits_are_the_dequantized_checkpoints(files, method):
     ref = load_model(str(hf_dir))
     layers = [m for name, m in ours.named_modules()
               if isinstance(m, QuantizedLinear) and name != "lm_head"]  # (a tied one: below)
-    int4 = [m for m in layers if m.bits == 4]
-    assert int4 and all((m.act_bits == 8) == (method != "gguf") for m in int4)
-    assert all(m.act_bits is None for m in layers if m.bits == 8)
+    assert {m.bits for m in layers} == {4, 8}
+    assert all((m.act_bits == 8) == (method != "gguf") for m in layers)  # llama.cpp's route
     before = quantized_calls()
     got, want = logits(ours), logits(ref)
     if quantized.available("w8a16"):
         assert quantized_calls() > before
     if method == "gguf":  # fp32 sums in another order
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    else:  # x rounded to int8 per group of 32 in the 4-bit layers
+    else:  # x rounded to int8 per group of the weight's (32; Q6_K's 16) in every layer
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
@@ -97,7 +97,16 @@ def test_every_block_type_runs_as_one_layer(tmp_path, qtype):
     assert isinstance(ours.lm_head, QuantizedLinear)
     for name, module in linears(ours).items():
         assert torch.equal(dense(module), linears(ref)[name].weight), name
-    torch.testing.assert_close(logits(ours), logits(ref), atol=1e-4, rtol=1e-4)
+    want = logits(ref)
+    torch.testing.assert_close(logits(ours), want, atol=1e-4, rtol=1e-4)
+    # by default every layer takes int8 inputs per group: W4A8 or W8A8 per group
+    default = load_model(str(file))
+    kind = "w4a8" if BLOCK_TYPES[qtype].bits == 4 else "w8a8g"
+    assert {m.kind for m in linears(default).values()} == {kind}
+    before = cpu.kernel_paths().get(f"quantized_linear.{kind}.{quantized.isa(kind)}", 0)
+    assert (logits(default) - want).abs().max() <= 0.05 * want.abs().max()
+    if quantized.available(kind):
+        assert cpu.kernel_paths()[f"quantized_linear.{kind}.{quantized.isa(kind)}"] > before
 
 
 @pytest.mark.parametrize("method", [None, "w4a8", "gguf"])

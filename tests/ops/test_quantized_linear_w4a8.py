@@ -300,7 +300,7 @@ def test_extreme_integers_are_exact():
     ours = _run(x, qweight, qz.scales, gs, N, None, qz.zeros)
     _check(x, q - z[0][:, None], s, gs, None, ours,
            reference.quantized_linear_w4a8(x, qweight, qz.scales, gs, N, None, qz.zeros))
-    with pytest.raises(ValueError, match="group_size must be a multiple of 32 in \\[32, 65536\\]"):
+    with pytest.raises(ValueError, match="must be a multiple of 32 in \\[32, 65536\\]"):
         torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, 2 * gs, N, None)
 
 
@@ -378,10 +378,10 @@ def test_opcheck():
 
 @needs_kernel
 @pytest.mark.parametrize("change,match", [
-    (dict(out_features=40), "does not hold W4A8 40 x 66 \\(expected \\[3, 24, 32\\]\\)"),
+    (dict(out_features=40), "does not hold 4-bit W4A8 40 x 66 \\(expected \\[3, 24, 32\\]\\)"),
     (dict(group_size=64), "scales must be a dense float32 \\[2, 32\\]"),
-    (dict(group_size=48), "group_size must be a multiple of 32"),
-    (dict(qweight=torch.zeros(2, 24, 32, dtype=torch.int8)), "a W4A8 qweight is uint8"),
+    (dict(group_size=48), "4-bit weights must be a multiple of 32"),
+    (dict(qweight=torch.zeros(2, 24, 32, dtype=torch.int16)), "a W4A8 qweight is uint8"),
     (dict(scales=torch.zeros(1, 32)), "scales must be a dense float32 \\[3, 32\\]"),
     (dict(bias=torch.zeros(23)), "bias must be \\[24\\]"),
     (dict(zeros=torch.zeros(3, 32, dtype=torch.int32)), "zeros must be None or a dense int8 "

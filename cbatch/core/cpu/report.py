@@ -76,8 +76,8 @@ def cpu_paths() -> dict[str, str]:
 
 
 def quantized_phrase() -> str:
-    """Where int8 and int4 weights (W8A16, W4A16), W8A8 and W4A8 run: cbatch's kernels and
-    their ISA, or the reference."""
+    """Where int8 and int4 weights (W8A16, W4A16), W8A8, W4A8 and W8A8 per group run:
+    cbatch's kernels and their ISA, or the reference."""
     isa = quantized.isa("w8a16")
     if isa:
         tiles = "; AMX-INT8 tiles from 8 rows" if quantized.amx_int8_tiles() else ""
@@ -88,7 +88,9 @@ def quantized_phrase() -> str:
         return (f"int8, int4: cbatch's kernel ({isa}), dequantized in registers"
                 + (f" (int4 on bf16: {bf16})" if bf16 != isa else "") + "; w8a8: "
                 f"cbatch's kernel ({quantized.isa('w8a8')}{tiles}), int8 dot products; "
-                f"w4a8: {w4a8}")
+                f"w4a8: {w4a8}; w8a8 per group: "
+                + (f"cbatch's kernel ({quantized.isa('w8a8g')})" if w4a8_isa
+                   else "the pure-torch reference"))
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
 
 

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch.layers.module import Module
-from cbatch.layers.quantization.weight import (QuantizedWeight, pack_w4a8, pack_w8a8, quantize,
-                                               unpack_w4a8, unpack_w8a8)
+from cbatch.layers.quantization.weight import (QuantizedWeight, pack_w4a8, pack_w8a8,
+                                               pack_w8a8g, quantize, unpack_w4a8, unpack_w8a8,
+                                               unpack_w8a8g)
 from cbatch.ops import cpu, quantized
 from cbatch.quantization import Scheme
 
@@ -27,7 +28,10 @@ class QuantizedLinear(Module):
     multiple of 32 k, symmetric or with zero points (W4A8, llama.cpp's Q4_0 / Q4_1 x Q8_0
     route; CPU only), x is int8 per token and per group of the weight's k
     (:func:`cbatch.ops.reference.quantize_per_group`) and ``qweight`` is in
-    :func:`~cbatch.layers.quantization.weight.pack_w4a8`'s.  :attr:`weight` unpacks either.
+    :func:`~cbatch.layers.quantization.weight.pack_w4a8`'s; on int8 in groups of a multiple of
+    16 k (W8A8 per group, kind ``"w8a8g"``: llama.cpp's Q8_0 x Q8_0; CPU only, W4A8's kernel)
+    alike, ``qweight`` in :func:`~cbatch.layers.quantization.weight.pack_w8a8g`'s.
+    :attr:`weight` unpacks any of them.
 
     ``forward(x, gelu=None, residual=None)`` as :class:`cbatch.layers.linear.Linear`'s (the
     GELU and the add run after the matmul).  The packed tensors are buffers: they follow
@@ -44,10 +48,11 @@ class QuantizedLinear(Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  act_bits: int | None = None, perm: torch.Tensor | None = None):
         super().__init__()
-        self.scheme = Scheme(weight.bits, weight.group_size, act_bits)
+        self.scheme = Scheme.of(weight.bits, weight.group_size, act_bits, weight.in_features)
         refusal = self.scheme.refusal(weight.in_features, weight.zeros is not None)
         if refusal:
-            raise ValueError(f"act_bits=8 takes {Scheme(8, None, 8).requirement} (W8A8) or "
+            raise ValueError(f"act_bits=8 takes {Scheme(8, None, 8).requirement} (W8A8), "
+                             f"{Scheme(8, 16, 8).requirement} (W8A8 per group) or "
                              f"{Scheme(4, 32, 8).requirement} (W4A8), got bits={weight.bits}, "
                              f"group_size={weight.group_size} of in_features="
                              f"{weight.in_features}"
@@ -61,7 +66,7 @@ class QuantizedLinear(Module):
         self.kind = self.scheme.kind  # read on every call: an attribute, not a property
         self.group_size = weight.group_size
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        pack_for = {"w8a8": pack_w8a8, "w4a8": pack_w4a8}.get(self.kind)
+        pack_for = {"w8a8": pack_w8a8, "w4a8": pack_w4a8, "w8a8g": pack_w8a8g}.get(self.kind)
         self.register_buffer("qweight", weight.qweight if pack_for is None else pack_for(weight))
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
@@ -86,9 +91,10 @@ class QuantizedLinear(Module):
 
     @property
     def weight(self) -> QuantizedWeight:
-        if self.kind == "w4a8":
-            return unpack_w4a8(self.qweight, self.scales, self.group_size, self.out_features,
-                               self.in_features, self.zeros, self.mins)
+        if self.kind in ("w4a8", "w8a8g"):
+            unpack = unpack_w4a8 if self.kind == "w4a8" else unpack_w8a8g
+            return unpack(self.qweight, self.scales, self.group_size, self.out_features,
+                          self.in_features, self.zeros, self.mins)
         if self.kind == "w8a8":
             return unpack_w8a8(self.qweight, self.scales, self.out_features, self.in_features)
         return QuantizedWeight(self.bits, self.group_size, self.out_features, self.in_features,

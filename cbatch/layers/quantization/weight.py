@@ -59,6 +59,15 @@ where there are zero points; with mins nothing, and ``mins[g, n]`` times the row
 sum of x over the group instead).  Half a byte per weight, as int4's own layout.
 :func:`unpack_w4a8` gives the :class:`QuantizedWeight` back (bitwise; zeros and mins stay
 beside it as they are).
+
+W8A8 per group (``QuantizedLinear(..., act_bits=8)`` on int8 in groups; llama.cpp's Q8_0 x Q8_0
+route, run by W4A8's kernel) takes int8 in groups of a multiple of 16 k, symmetric, with zero
+points or with mins, x quantized per token and per group alike, repacked (:func:`pack_w8a8g`):
+int8 ``[N16 / 16, 8 ceil(K / 32), 64]``, byte ``[b, i, 32 half + 4 j + t]`` holding ``q[16 b + 8
+half + j, 4 i + t]`` (0 past K, to a multiple of 32 k): a quad's 64 bytes (one cache line) are
+columns 0..7 then 8..15, each column's 4 k in a 4-byte lane, the integers as they are (the
+kernel forms each product as ``|q| sign(x, q)``).  :func:`unpack_w8a8g` gives the
+:class:`QuantizedWeight` back (bitwise).
 """
 
 from __future__ import annotations
@@ -235,3 +244,27 @@ def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
     packed = bytes_.view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
     return QuantizedWeight(4, group_size, out_features, in_features, packed, scales, zeros,
                            mins)
+
+
+def pack_w8a8g(weight: QuantizedWeight) -> torch.Tensor:
+    """``weight``'s integers in the layout of W8A8 per group (the module docstring); ``weight``
+    int8 in groups of a multiple of 16 k (zero points or mins, if any, stay beside it)."""
+    if weight.bits != 8 or weight.group_size % 16:
+        raise ValueError(f"W8A8 per group takes int8 weights in groups of a multiple of 16 k, "
+                         f"got bits={weight.bits}, group_size={weight.group_size}")
+    blocks, K, _ = weight.qweight.shape
+    quads = -(-K // 32) * 8
+    q = F.pad(weight.qweight, (0, 0, 0, 4 * quads - K))  # [b, k, j], 0 past K
+    q = q.view(blocks, quads, 4, 2, 8).permute(0, 1, 3, 4, 2)  # [b, i, half, j, t]
+    return q.reshape(blocks, quads, 4 * BLOCK).contiguous()
+
+
+def unpack_w8a8g(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 out_features: int, in_features: int, zeros: torch.Tensor | None = None,
+                 mins: torch.Tensor | None = None) -> QuantizedWeight:
+    """The :class:`QuantizedWeight` whose :func:`pack_w8a8g` is ``qweight`` (with ``zeros`` or
+    ``mins``)."""
+    blocks = qweight.shape[0]
+    q = reference.unpack_w8a8g(qweight, blocks * BLOCK, in_features).to(torch.int8)
+    q = q.view(blocks, BLOCK, in_features).permute(0, 2, 1).contiguous()
+    return QuantizedWeight(8, group_size, out_features, in_features, q, scales, zeros, mins)

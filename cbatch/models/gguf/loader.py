@@ -92,10 +92,13 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
 
 
 def with_int8_activations(layer: Layer) -> Layer:
-    """``layer`` with its inputs quantized to int8 where W4A8's kernel runs it (4-bit levels
-    in groups of 32), else as it is."""
+    """``layer`` with its inputs quantized to int8 per token and per group of its k, as
+    llama.cpp quantizes them (W4A8 on 4-bit levels in groups of 32, W8A8 per group on 8-bit
+    ones: Q8_0, Q5_0, Q6_K's groups of 16, Q5_1 and Q5_K's levels with mins), where the
+    kernel takes it; else as it is."""
     int8 = replace(layer, act_bits=8)
-    if layer.bits == 4 and int8.scheme.refusal(layer.q.shape[1], False) is None:
+    if int8.scheme.kind in ("w4a8", "w8a8g") and \
+            int8.scheme.refusal(layer.q.shape[1], layer.zeros is not None) is None:
         return int8
     return layer
 

@@ -125,10 +125,12 @@ def _module(layer: Layer, name: str, bias: torch.Tensor | None, where: Path
 
 
 def _int8_kernel(layer: Layer) -> quant.QuantizationMethod | None:
-    """The method whose kernel runs ``layer``'s own weights with int8 activations, or None."""
+    """The method whose kernel runs ``layer``'s own weights with int8 activations, or None
+    (W8A8 per group is no method's: ``"w8a8"`` takes int8 per output channel)."""
+    int8 = replace(layer, act_bits=8).scheme
     return next((m for m in quant.METHODS.values() if m.runs_checkpoints
-                 and m.scheme.bits == layer.bits and replace(layer, act_bits=8).scheme.refusal(
-                     layer.q.shape[1], layer.zeros is not None) is None), None)
+                 and m.scheme.kind == int8.kind
+                 and int8.refusal(layer.q.shape[1], layer.zeros is not None) is None), None)
 
 
 def suggested_kernel(layers: dict[str, Layer]) -> str | None:

@@ -28,7 +28,7 @@ class Layer:
 
     @property
     def scheme(self) -> Scheme:
-        return Scheme(self.bits, self.group_size, self.act_bits)
+        return Scheme.of(self.bits, self.group_size, self.act_bits, self.q.shape[1])
 
     @property
     def form(self) -> tuple:
