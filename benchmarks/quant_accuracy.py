@@ -12,7 +12,7 @@ Per method, as llama.cpp's ``llama-perplexity --kl-divergence`` reports them:
 
 A method is an online quantization (``int8``, ``int4``, ``w8a8``, ``w4a8``), a dtype
 (``float32``: the reference's own rounding, for scale), or ``gguf:<file>`` (a GGUF file of the
-same weights as cbatch runs it by default: its 4-bit layers with int8 activations;
+same weights as cbatch runs it by default: every layer with int8 activations per group;
 ``gguf:<file>@gguf``: every layer with float activations).  ``random:<shape>-outliers``
 models (cbatch/models/registry.py) carry a few residual channels at 20-50x, as real models do.
 

@@ -137,8 +137,8 @@ METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
                        "weights (W4A16, W8A16, W8A8)"),
     QuantizationMethod("gguf", "a GGUF file's own block types (llama.cpp's Q4_K, Q6_K, Q8_0, "
                        "...), each run exactly by cbatch's quantized kernels on the CPU with "
-                       "float activations (unset, a file's 4-bit layers take int8 ones, as "
-                       "with w4a8); dequantized to float on other devices"),
+                       "float activations (unset, every layer takes int8 ones per group, as "
+                       "llama.cpp runs them); dequantized to float on other devices"),
 )}
 ONLINE = tuple(n for n, m in METHODS.items() if m.online)
 CHECKPOINT = tuple(n for n, m in METHODS.items() if not m.online)

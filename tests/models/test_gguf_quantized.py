@@ -109,25 +109,31 @@ def test_every_block_type_runs_as_one_layer(tmp_path, qtype):
         assert cpu.kernel_paths()[f"quantized_linear.{kind}.{quantized.isa(kind)}"] > before
 
 
-@pytest.mark.parametrize("method", [None, "w4a8", "gguf"])
-def test_a_tied_quantized_embedding_runs_as_w4a8s_int8_head(tmp_path, method):
+@pytest.mark.parametrize("method,qtype", [(None, "Q8_0"), (None, "Q6_K"), (None, "Q4_0"),
+                                          (None, "Q4_K"), ("w4a8", "Q8_0"), ("gguf", "Q8_0")])
+def test_a_tied_quantized_embedding_runs_as_its_own_blocks(tmp_path, method, qtype):
     """A tied file (Qwen2's) whose token_embd is quantized: by default (and with w4a8) its
-    lm_head is quantized as w4a8 quantizes one (int8 per channel, int8 inputs) from the
-    dequantized blocks, the embedding reading its rows from it (no float copy of the
-    vocabulary kept); with "gguf" the head stays the float blocks' own."""
+    lm_head runs the file's blocks with int8 inputs per group (W8A8 per group on Q8_0's and
+    Q6_K's levels, W4A8 on Q4_0's and Q4_K's, mins and all), and the embedding reads its rows
+    from them, bitwise the file's dequantized rows (no float copy of the vocabulary kept); with
+    "gguf" the head stays the float blocks' own."""
     from cbatch.layers.embedding import Embedding
 
-    file, hf_dir, _ = make_files("qwen2", tmp_path, type_of=lambda name: "Q8_0")
+    file, hf_dir, _ = make_files("qwen2", tmp_path, type_of=lambda name: qtype)
     ours, ref = load_model(str(file), quantization=method), load_model(str(hf_dir))
     embedding = next(m for m in ours.modules() if isinstance(m, Embedding))
     if method == "gguf":
         assert isinstance(ours.lm_head, Linear) and embedding.weight is ours.lm_head.weight
         return
-    assert isinstance(ours.lm_head, QuantizedLinear) and ours.lm_head.kind == "w8a8"
+    kind = "w4a8" if BLOCK_TYPES[qtype].bits == 4 else "w8a8g"
+    assert isinstance(ours.lm_head, QuantizedLinear) and ours.lm_head.kind == kind
     assert embedding.weight is None
-    ids = torch.tensor([0, 5, 5, 511])
+    ids = torch.tensor([0, 5, 5, 17, 511])
     want = ref.model.embed_tokens.weight[ids]  # the file's blocks, dequantized
-    got = embedding(ids)
-    assert ((got - want).abs() <= want.abs().amax(1, keepdim=True) / 254 * 1.001).all()
+    assert torch.equal(embedding(ids), want)
+    counter = f"quantized_linear.{kind}.{quantized.isa(kind)}"
+    before = cpu.kernel_paths().get(counter, 0)
     got, want = logits(ours), logits(ref)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    if quantized.available(kind):
+        assert cpu.kernel_paths()[counter] > before

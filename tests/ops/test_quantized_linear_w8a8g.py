@@ -186,3 +186,19 @@ def test_bad_operands_get_a_sentence():
     with pytest.raises(ValueError, match="does not hold 8-bit W4A8 40 x 66 "
                                          "\\(expected \\[3, 24, 64\\]\\)"):
         torch.ops.cbatch.quantized_linear_w4a8(x, qweight, qw.scales, 32, 40, None)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("form", ["symmetric", "zeros", "mins"])
+def test_rows_are_the_dequantized_weights_rows(bits, form):
+    """QuantizedLinear.rows (a tied embedding's lookup from its quantized lm_head) on W8A8 per
+    group and W4A8, symmetric, with zero points or mins: bitwise the dequantized weight's rows,
+    read from the packed layout (columns on both sides of a block's halves, the last one)."""
+    gen = torch.Generator().manual_seed(bits)
+    N, K = 37, 96
+    qw, _ = random_with_mins(N, K, bits, 32, gen) if form == "mins" else \
+        random_quantized(N, K, bits, 32, form == "zeros", gen)
+    layer = QuantizedLinear(qw, act_bits=8)
+    assert layer.kind == ("w8a8g" if bits == 8 else "w4a8")
+    ids = torch.tensor([0, 7, 8, 15, 16, 36, 7])
+    assert torch.equal(layer.rows(ids), qw.dequantize()[ids])

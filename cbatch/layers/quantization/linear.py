@@ -101,15 +101,33 @@ class QuantizedLinear(Module):
                                self.qweight, self.scales, self.zeros, self.mins)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the dequantized weight, fp32 ``[T, in_features]`` (``scales * q``,
-        as :meth:`QuantizedWeight.dequantize`): a tied embedding's lookup.  W8A8 only (the
-        layout a quantized lm_head has), read where they lie: a 4-byte lane of ``qweight`` is
-        one column's four k (:func:`~cbatch.layers.quantization.weight.pack_w8a8`)."""
-        if self.kind != "w8a8":
-            raise ValueError(f"rows() reads the W8A8 layout, not {self.kind}")
-        quads = cpu.packed_rows(self.qweight.view(torch.int32), ids)  # [T, ceil(K / 4)]
-        q = quads.view(torch.uint8)[:, :self.in_features].to(torch.int16) - 128
-        return q * self.scales[0, ids, None]
+        """Rows ``ids`` of the dequantized weight, fp32 ``[T, in_features]``, bitwise
+        :meth:`QuantizedWeight.dequantize`'s: a tied embedding's lookup.  The int8-activation
+        kinds (a quantized lm_head's), read where they lie: a 4-byte lane of ``qweight`` is one
+        column's four k (W8A8's ``q + 128``; W8A8 per group's ``q``; W4A8's nibbles, columns
+        8..15 in the high ones)."""
+        K, kind = self.in_features, self.kind
+        if kind not in ("w8a8", "w8a8g", "w4a8"):
+            raise ValueError(f"rows() reads the int8-activation layouts, not {kind}")
+        if kind == "w8a8":
+            quads = cpu.packed_rows(self.qweight.view(torch.int32), ids)  # [T, ceil(K / 4)]
+            q = quads.view(torch.uint8)[:, :self.in_features].to(torch.int16) - 128
+            return q * self.scales[0, ids, None]
+        if kind == "w8a8g":  # lane n % 16 of block n // 16
+            quads = cpu.packed_rows(self.qweight.view(torch.int32), ids)  # [T, Q]
+            q = quads.view(torch.int8)[:, :K].to(torch.int32)
+        else:  # lane n % 8, its low nibbles columns 0..7 of the block, its high ones 8..15
+            quads = self.qweight.view(torch.int32)[ids // 16, :, ids % 8]  # [T, Q]
+            u = quads.contiguous().view(torch.uint8)[:, :K].to(torch.int32)
+            q = torch.where((ids % 16 < 8)[:, None], u & 15, u >> 4)
+        group = torch.arange(K, device=ids.device) // self.group_size
+        s = self.scales[:, ids].t()[:, group]  # [T, K]
+        if self.mins is not None:
+            return s * q.float() - self.mins[:, ids].t()[:, group]
+        zeros = self.zeros
+        z = (8 if kind == "w4a8" else 0) if zeros is None else \
+            zeros[:, ids].t()[:, group].to(torch.int32)
+        return s * (q - z).float()
 
     def forward(self, x: torch.Tensor, gelu: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

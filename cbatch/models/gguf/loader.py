@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cbatch.layers.quantization import quantize_head
-from cbatch.quantization import METHODS, QuantizationMethod
+from cbatch.layers.embedding import tied_embeddings, weight_holders
+from cbatch.quantization import QuantizationMethod
 from cbatch.logger import init_logger
 from cbatch.models.gguf.blocks import BLOCK_TYPES, dequantize_tensor
 from cbatch.models.gguf.config import model_config
@@ -41,15 +41,15 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     On the CPU the decoder's quantized linears (and an untied quantized lm_head) run on
     cbatch's quantized kernels, each in the exact form of its block type
     (:mod:`cbatch.models.gguf.quantized`); elsewhere, and for GPT-2 files, every tensor is
-    dequantized to ``dtype``.  ``quantization``: None or ``"w4a8"``: the 4-bit layers' inputs
-    quantized to int8 per token and group of 32 at every call, as llama.cpp runs them (the
-    other layers as they are): on an outlier-channel model as close to the float model as
-    float activations (KL 0.1609 against 0.1615 on Q4_0), and 2.5x faster on AVX2
-    (benchmarks/NOTES.md, "GGUF files beside llama-server on the same file"); and a tied lm_head
-    of a quantized embedding (its blocks, dequantized) quantized as ``w4a8`` quantizes it, int8
-    per channel with int8 inputs, the embedding reading its rows (a float copy of a Llama 3
-    vocabulary is 1 GB).  ``"gguf"``: every layer with float inputs, the dequantized weights'
-    products up to fp32 rounding.
+    dequantized to ``dtype``.  ``quantization``: None or ``"w4a8"``: every quantized layer's
+    inputs quantized to int8 per token and per group of its k at every call, as llama.cpp runs
+    them (W4A8 on 4-bit levels, W8A8 per group on 8-bit ones; 2.2-2.5x faster than float
+    inputs on AVX2), and a tied lm_head of a quantized embedding run as the embedding's own
+    blocks, the embedding reading its rows from them (a float copy of a Llama 3 vocabulary is
+    1 GB); on an outlier-channel model Q4_0 stays as close to the float model as with float
+    activations, Q8_0 and Q6_K move about as far as llama.cpp's (benchmarks/NOTES.md,
+    "Quantized weights' accuracy on outlier channels").  ``"gguf"``: every layer with float
+    inputs and a float head, the dequantized weights' products up to fp32 rounding.
     """
     from cbatch.models.loader import _assign, convert_hf_state_dict
 
@@ -57,7 +57,7 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     if quantization is not None and quantization.name not in ("gguf", "w4a8"):
         raise ValueError(f"quantization={quantization.name!r} does not apply to {path}: a GGUF "
                          "file's tensors are quantized by the file itself; leave quantization "
-                         "unset or 'w4a8' (its 4-bit layers with int8 activations), or 'gguf' "
+                         "unset or 'w4a8' (int8 activations per group), or 'gguf' "
                          "(float activations)")
     kernels = torch.device(device).type == "cpu"
     with GGUFFile(path) as f:
@@ -67,6 +67,10 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
         raw = hf_state_dict(f, config, dtype, layers)
         quantized_embedding = f.architecture != "gpt2" and \
             f.qtype("token_embd.weight") in BLOCK_TYPES
+        # a tied quantized embedding's blocks, for the lm_head
+        head = read_layer(f, "token_embd.weight", config.num_heads, config.num_kv_heads) \
+            if layers is not None and quantized_embedding and config.tie_word_embeddings \
+            else None
         logger.info("%s: %s; %s", path.name, f.describe_types(),
                     f"{len(layers)} linear weights run as they are quantized, the rest in "
                     f"{str(dtype).removeprefix('torch.')}" if layers else
@@ -86,9 +90,22 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
             layers = {name: with_int8_activations(one) for name, one in layers.items()}
         install(model, layers, state, path, device, dtype)
     _assign(model, state, path, tied, device, dtype)
-    if layers is not None and int8 and tied and quantized_embedding:
-        quantize_head(model, METHODS["w4a8"].head)
+    if head is not None and int8:
+        tie_head(model, with_int8_activations(head), path, device, dtype)
     return model.eval()
+
+
+def tie_head(model: nn.Module, head: Layer, path: Path, device, dtype) -> None:
+    """``model``'s lm_head as the file's blocks of its tied embedding, ``head``, with int8
+    activations per group (W8A8 per group for Q8_0's and Q6_K's levels, W4A8 for 4-bit
+    ones), the embedding reading its rows from it, as llama.cpp reads ``token_embd`` for
+    both: no float copy of the vocabulary, the file's weights bitwise."""
+    if head.act_bits != 8:  # no int8-activation kernel takes it: the float head stays
+        return
+    embeddings = tied_embeddings(weight_holders(model), model.lm_head)
+    install(model, {"lm_head": head}, {}, path, device, dtype)
+    for embedding in embeddings or ():
+        embedding.tie_quantized(model.lm_head)
 
 
 def with_int8_activations(layer: Layer) -> Layer:
