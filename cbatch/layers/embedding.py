@@ -36,12 +36,12 @@ class Embedding(DirectCall, nn.Embedding):
         if not self.weight.is_meta:
             super().reset_parameters()
 
-    def tie_quantized(self, head: nn.Module) -> None:
-        """Read the rows from ``head`` (a :class:`~cbatch.layers.quantization.QuantizedLinear`,
-        which quantized this embedding's tied weight) from now on, in this weight's dtype;
-        the weight is dropped."""
+    def tie_quantized(self, head: nn.Module, dtype: torch.dtype | None = None) -> None:
+        """Read the rows from ``head`` (a :class:`~cbatch.layers.quantization.QuantizedLinear`
+        holding this embedding's tied weight, quantized) from now on, in ``dtype`` (None: this
+        weight's); the weight is dropped."""
         self.__dict__["quantized_head"] = head  # a reference, not a child module
-        self.__dict__["rows_dtype"] = self.weight.dtype
+        self.__dict__["rows_dtype"] = dtype or self.weight.dtype
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

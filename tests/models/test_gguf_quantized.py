@@ -131,6 +131,8 @@ def test_a_tied_quantized_embedding_runs_as_its_own_blocks(tmp_path, method, qty
     ids = torch.tensor([0, 5, 5, 17, 511])
     want = ref.model.embed_tokens.weight[ids]  # the file's blocks, dequantized
     assert torch.equal(embedding(ids), want)
+    bf16 = load_model(str(file), quantization=method, dtype=torch.bfloat16)  # rows in its dtype
+    assert torch.equal(bf16.model.embed_tokens(ids), want.to(torch.bfloat16))
     counter = f"quantized_linear.{kind}.{quantized.isa(kind)}"
     before = cpu.kernel_paths().get(counter, 0)
     got, want = logits(ours), logits(ref)

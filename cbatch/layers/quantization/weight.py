@@ -225,11 +225,12 @@ def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
     blocks, pairs, _ = weight.qweight.shape
     K = weight.in_features
     quads = -(-K // 32) * 8
-    packed = weight.qweight.to(torch.int32)  # [b, i, j]: k = 2 i (low nibble), 2 i + 1
+    packed = weight.qweight  # uint8 [b, i, j]: k = 2 i (low nibble), 2 i + 1 (in bytes
+    # throughout: a load's largest tensors, 4x smaller than in int32)
     q = torch.stack((packed & 15, packed >> 4), dim=2).view(blocks, 2 * pairs, BLOCK)[:, :K]
     q = F.pad(q, (0, 0, 0, 4 * quads - K), value=8)  # [b, k, j]
     q = q.view(blocks, quads, 4, 2, 8).permute(0, 1, 4, 2, 3)  # [b, i, j, t, half]
-    return (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).reshape(blocks, quads, 2 * BLOCK)
+    return (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, quads, 2 * BLOCK)
 
 
 def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,

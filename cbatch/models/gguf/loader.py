@@ -60,17 +60,15 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                          "unset or 'w4a8' (int8 activations per group), or 'gguf' "
                          "(float activations)")
     kernels = torch.device(device).type == "cpu"
+    int8 = quantization is None or quantization.name == "w4a8"  # llama.cpp's route
     with GGUFFile(path) as f:
         cls = model_class(ARCHITECTURES[f.architecture])
         config = model_config(f)
         layers: dict[str, Layer] | None = {} if kernels else None
-        raw = hf_state_dict(f, config, dtype, layers)
-        quantized_embedding = f.architecture != "gpt2" and \
-            f.qtype("token_embd.weight") in BLOCK_TYPES
-        # a tied quantized embedding's blocks, for the lm_head
-        head = read_layer(f, "token_embd.weight", config.num_heads, config.num_kv_heads) \
-            if layers is not None and quantized_embedding and config.tie_word_embeddings \
-            else None
+        head = tied_head(f, config) if kernels and int8 else None
+        # (a tied head's embedding is never dequantized: it reads its rows from the head)
+        raw = hf_state_dict(f, config, dtype, layers,
+                            skip=frozenset({"token_embd.weight"} if head else ()))
         logger.info("%s: %s; %s", path.name, f.describe_types(),
                     f"{len(layers)} linear weights run as they are quantized, the rest in "
                     f"{str(dtype).removeprefix('torch.')}" if layers else
@@ -84,28 +82,39 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
             if config.tie_word_embeddings else None
     with torch.device("meta"):
         model = cls(config, attention_backend)
-    int8 = quantization is None or quantization.name == "w4a8"  # llama.cpp's route
     if layers:
         if int8:
             layers = {name: with_int8_activations(one) for name, one in layers.items()}
         install(model, layers, state, path, device, dtype)
+    if head is not None:
+        tie_head(model, head, path, device, dtype)
+        tied = None  # the embedding has no weight of its own left to tie
     _assign(model, state, path, tied, device, dtype)
-    if head is not None and int8:
-        tie_head(model, with_int8_activations(head), path, device, dtype)
     return model.eval()
 
 
+def tied_head(f: GGUFFile, config) -> Layer | None:
+    """The blocks of ``f``'s tied quantized embedding as the lm_head's layer, its inputs int8
+    per group (:func:`with_int8_activations`); None for an untied head, a float embedding or
+    GPT-2's (which ties its own), or blocks no int8-activation kernel takes."""
+    if f.architecture == "gpt2" or not config.tie_word_embeddings \
+            or f.qtype("token_embd.weight") not in BLOCK_TYPES:
+        return None
+    head = with_int8_activations(read_layer(f, "token_embd.weight", config.num_heads,
+                                            config.num_kv_heads))
+    return head if head.act_bits == 8 else None
+
+
 def tie_head(model: nn.Module, head: Layer, path: Path, device, dtype) -> None:
-    """``model``'s lm_head as the file's blocks of its tied embedding, ``head``, with int8
-    activations per group (W8A8 per group for Q8_0's and Q6_K's levels, W4A8 for 4-bit
-    ones), the embedding reading its rows from it, as llama.cpp reads ``token_embd`` for
-    both: no float copy of the vocabulary, the file's weights bitwise."""
-    if head.act_bits != 8:  # no int8-activation kernel takes it: the float head stays
-        return
+    """``model``'s lm_head (still on the meta device, tied to its embedding) as ``head``
+    (:func:`tied_head`): int8 activations per group (W8A8 per group for Q8_0's and Q6_K's
+    levels, W4A8 for 4-bit ones), the embedding reading its rows, in ``dtype``, from it, as
+    llama.cpp reads ``token_embd`` for both: no float copy of the vocabulary, ever, and the
+    file's weights bitwise."""
     embeddings = tied_embeddings(weight_holders(model), model.lm_head)
     install(model, {"lm_head": head}, {}, path, device, dtype)
     for embedding in embeddings or ():
-        embedding.tie_quantized(model.lm_head)
+        embedding.tie_quantized(model.lm_head, dtype)
 
 
 def with_int8_activations(layer: Layer) -> Layer:
@@ -121,16 +130,17 @@ def with_int8_activations(layer: Layer) -> Layer:
 
 
 def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype,
-                  layers: dict[str, Layer] | None = None) -> dict[str, torch.Tensor]:
+                  layers: dict[str, Layer] | None = None,
+                  skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Every parameter tensor of ``f`` under its Hugging Face name, dequantized (fp32, bitwise
     gguf's) and cast to ``dtype`` as the checkpoint loader would cast it; or, where
     ``layers`` is given, the quantized linears into it as :class:`Layer` (Hugging Face's
-    layer names) instead.  A NaN or inf (a value, or a block's scale or min) is refused,
-    naming the tensor and the file."""
+    layer names) instead; ``skip``: GGUF names left out.  A NaN or inf (a value, or a
+    block's scale or min) is refused, naming the tensor and the file."""
     heads, kv_heads = config.num_heads, config.num_kv_heads
     state = {}
     for name in f.tensor_names:
-        if name in CONFIG_TENSORS:
+        if name in CONFIG_TENSORS or name in skip:
             continue
         try:
             key = hf_name(f.architecture, name)
