@@ -82,6 +82,12 @@ from cbatch.ops import reference
 BLOCK = 16  # output columns per packed block
 
 
+def _pad(t: torch.Tensor, pads: tuple[int, ...], value: int = 0) -> torch.Tensor:
+    """``F.pad(t, pads, value=value)``, or ``t`` itself where every pad is 0 (``F.pad`` copies
+    even then: a load's largest tensors)."""
+    return F.pad(t, pads, value=value) if any(pads) else t
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A packed quantized weight (see the module docstring for the layout)."""
@@ -148,12 +154,12 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits
     if bits == 8:
         if int(q.min()) < -128 or int(q.max()) > 127:
             raise ValueError("8-bit q must be in [-128, 127]")
-        qp = F.pad(q.to(torch.int8), (0, 0, 0, pad))
-        qweight = qp.view(blocks, BLOCK, K).permute(0, 2, 1).contiguous()
+        qp = _pad(q.to(torch.int8), (0, 0, 0, pad))
+        qweight = qp.reshape(blocks, BLOCK, K).permute(0, 2, 1).contiguous()
     elif bits == 4:
         if int(q.min()) < 0 or int(q.max()) > 15:
             raise ValueError("4-bit q must be in [0, 15]")
-        qp = F.pad(q.to(torch.uint8), (0, K % 2, 0, pad))
+        qp = _pad(q.to(torch.uint8), (0, K % 2, 0, pad))
         bytes_ = qp[:, 0::2] | (qp[:, 1::2] << 4)  # [N16, ceil(K / 2)]
         qweight = bytes_.view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
     else:
@@ -228,7 +234,7 @@ def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
     packed = weight.qweight  # uint8 [b, i, j]: k = 2 i (low nibble), 2 i + 1 (in bytes
     # throughout: a load's largest tensors, 4x smaller than in int32)
     q = torch.stack((packed & 15, packed >> 4), dim=2).view(blocks, 2 * pairs, BLOCK)[:, :K]
-    q = F.pad(q, (0, 0, 0, 4 * quads - K), value=8)  # [b, k, j]
+    q = _pad(q, (0, 0, 0, 4 * quads - K), value=8)  # [b, k, j]
     q = q.view(blocks, quads, 4, 2, 8).permute(0, 1, 4, 2, 3)  # [b, i, j, t, half]
     return (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, quads, 2 * BLOCK)
 
@@ -255,7 +261,7 @@ def pack_w8a8g(weight: QuantizedWeight) -> torch.Tensor:
                          f"got bits={weight.bits}, group_size={weight.group_size}")
     blocks, K, _ = weight.qweight.shape
     quads = -(-K // 32) * 8
-    q = F.pad(weight.qweight, (0, 0, 0, 4 * quads - K))  # [b, k, j], 0 past K
+    q = _pad(weight.qweight, (0, 0, 0, 4 * quads - K))  # [b, k, j], 0 past K
     q = q.view(blocks, quads, 4, 2, 8).permute(0, 1, 3, 4, 2)  # [b, i, half, j, t]
     return q.reshape(blocks, quads, 4 * BLOCK).contiguous()
 
