@@ -143,23 +143,26 @@ def test_online_quantization_of_a_gguf_file_is_refused(llama_file):
         load_model(str(llama_file), quantization="int8")
 
 
-@pytest.mark.parametrize("where, qtype, value", [
-    ("model.norm.weight", "F32", float("nan")),  # a float tensor
-    ("model.layers.0.mlp.down_proj.weight", "Q8_0", float("inf")),  # a block's scale
+@pytest.mark.parametrize("where, name, qtype, value", [
+    ("model.norm.weight", "output_norm.weight", "F32", float("nan")),  # a float tensor
+    ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight", "Q8_0",
+     float("inf")),  # a block's scale
+    ("model.embed_tokens.weight", "token_embd.weight", "Q8_0",
+     float("inf")),  # a tied embedding's block, which the lm_head runs as it is
 ])
-def test_a_tensor_that_is_not_finite_is_named(tmp_path, where, qtype, value):
+def test_a_tensor_that_is_not_finite_is_named(tmp_path, where, name, qtype, value):
     """A NaN or inf in a file's tensor (a float value, or a block's scale) is refused at load,
     naming the tensor and the file: it would make every logit NaN."""
     config = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=64)
+                                      num_key_value_heads=1, max_position_embeddings=64,
+                                      tie_word_embeddings=name == "token_embd.weight")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.get_parameter(where).view(-1)[3] = value
     path = tmp_path / "bad.gguf"
-    write_gguf(model, path, lambda name: qtype if name == "blk.0.ffn_down.weight" else "F16",
+    write_gguf(model, path, lambda tensor: qtype if tensor == name else "F16",
                bpe_vocab("llama-bpe"))
-    name = "output_norm.weight" if qtype == "F32" else "blk.0.ffn_down.weight"
     with pytest.raises(ValueError, match=f"{path}: {name}.* not finite"):
         load_model(str(path))

@@ -100,8 +100,8 @@ def tied_head(f: GGUFFile, config) -> Layer | None:
     if f.architecture == "gpt2" or not config.tie_word_embeddings \
             or f.qtype("token_embd.weight") not in BLOCK_TYPES:
         return None
-    head = with_int8_activations(read_layer(f, "token_embd.weight", config.num_heads,
-                                            config.num_kv_heads))
+    head = with_int8_activations(checked_layer(f, "token_embd.weight", config.num_heads,
+                                               config.num_kv_heads))
     return head if head.act_bits == 8 else None
 
 
@@ -150,16 +150,22 @@ def hf_state_dict(f: GGUFFile, config, dtype: torch.dtype,
             _check_gpt2_head(f)
             continue  # cbatch's GPT-2 ties its head to the embedding
         if layers is not None and is_quantized_linear(f, name):
-            layer = read_layer(f, name, heads, kv_heads)
-            for values in (layer.scales, layer.mins):  # the levels are integers
-                if values is not None:
-                    finite(values, name, f.path)
-            layers[key.removesuffix(".weight")] = layer
+            layers[key.removesuffix(".weight")] = checked_layer(f, name, heads, kv_heads)
             continue
         tensor = finite(dequantize_tensor(f.raw(name), f.qtype(name), f.shape(name)), name,
                         f.path)
         state[key] = to_hf(f.architecture, name, tensor, heads, kv_heads).to(dtype)
     return state
+
+
+def checked_layer(f: GGUFFile, name: str, heads: int, kv_heads: int) -> Layer:
+    """:func:`read_layer`, a NaN or inf in its scales or mins refused naming the tensor and the
+    file (the levels are integers)."""
+    layer = read_layer(f, name, heads, kv_heads)
+    for values in (layer.scales, layer.mins):
+        if values is not None:
+            finite(values, name, f.path)
+    return layer
 
 
 def _check_gpt2_head(f: GGUFFile) -> None:
