@@ -66,6 +66,9 @@ def test_kernel_draws_the_distribution_transformers_warpers_define(temperature, 
     got = _draw_grid(logits, temperature, top_k, top_p, min_p)
     after = cpu.kernel_paths()
     assert sum(after[k] - before[k] for k in after if k.startswith("sample.")) == 1
+    isa = cpu.cpu_isa().split()  # the widest loops here ran (max, weights, mass above t)
+    widest = "avx512" if "avx512" in isa else "avx2" if "avx2" in isa else "generic"
+    assert after[f"sample.{widest}"] == before[f"sample.{widest}"] + 1
     want = _transformers_probs(logits.float(), temperature, top_k, top_p, min_p)
     assert (got - want).abs().max() < 1e-3, (got, want)
     ref = _draw_grid(logits, temperature, top_k, top_p, min_p, kernel=False)
