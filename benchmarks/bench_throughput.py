@@ -56,7 +56,7 @@ from cbatch import LLM, workloads  # noqa: E402
 from cbatch.quantization import ONLINE as QUANTIZATION_METHODS  # noqa: E402
 from cbatch.layers.quantization import QuantizedLinear  # noqa: E402
 from cbatch.models.gpt2 import GPT2LMHeadModel  # noqa: E402
-from cbatch.models.loader import CONV1D_WEIGHTS  # noqa: E402
+from cbatch.models.gpt2 import CONV1D_WEIGHTS  # noqa: E402
 
 COLUMNS = ["workload", "engine", "requests", "output_tokens", "wall_s", "tokens_per_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_vs_continuous",

@@ -26,6 +26,10 @@ from cbatch.layers.module import Module
 from cbatch.layers.step_batch import StepBatch
 from cbatch.models.base import PagedCausalLM
 
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
 # activation -> F.gelu's ``approximate`` (fused into c_fc), or None for ReLU (applied after)
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none", "relu": None}
 
@@ -185,6 +189,31 @@ class GPT2LMHeadModel(PagedCausalLM):
         self.transformer = GPT2Model(config)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+
+    @classmethod
+    def convert_hf_state_dict(cls, raw: dict[str, torch.Tensor], config: GPT2Config
+                              ) -> dict[str, torch.Tensor]:
+        """Map a Hugging Face GPT-2 state dict onto :class:`GPT2LMHeadModel`'s names.
+
+        Accepts both ``GPT2LMHeadModel`` (``transformer.`` prefix) and bare ``GPT2Model``
+        checkpoints; transposes exactly the Conv1D weights, checking each shape.
+        """
+        C, mlp = config.n_embd, config.mlp_dim
+        conv_shapes = {"attn.c_attn.weight": (C, 3 * C), "attn.c_proj.weight": (C, C),
+                       "mlp.c_fc.weight": (C, mlp), "mlp.c_proj.weight": (mlp, C)}
+        out = {}
+        for name, tensor in raw.items():
+            if name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight":
+                continue  # causal-mask buffers; lm_head is tied to wte
+            key = name if name.startswith("transformer.") else f"transformer.{name}"
+            suffix = next((s for s in CONV1D_WEIGHTS if key.endswith(s)), None)
+            if suffix is not None:
+                if tuple(tensor.shape) != conv_shapes[suffix]:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected Conv1D [in, out] = {conv_shapes[suffix]}")
+                tensor = tensor.t()
+            out[key] = tensor
+        return out
 
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into ``kv_cache`` and return the final

@@ -25,14 +25,11 @@ from cbatch import quantization as quant
 from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
 from cbatch.layers.quantization import quantize_head, quantize_model
 from cbatch.logger import init_logger
+from cbatch.models.assign import assign
 from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import MODEL_CONFIGS, GPT2Config, GPT2LMHeadModel
 from cbatch.models.registry import (architecture_of, model_class, outlier_channels,
                                     random_llama_configs)
-
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                  "mlp.c_proj.weight")  # stored [in, out] by HF's Conv1D
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 logger = init_logger(__name__)
 
@@ -74,31 +71,6 @@ def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str,
         return torch.load(path / "pytorch_model.bin", map_location=device, weights_only=True)
     raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin "
                             "(nor shards listed in model.safetensors.index.json)")
-
-
-def convert_hf_state_dict(raw: dict[str, torch.Tensor], config: GPT2Config
-                          ) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face GPT-2 state dict onto :class:`GPT2LMHeadModel`'s names.
-
-    Accepts both ``GPT2LMHeadModel`` (``transformer.`` prefix) and bare ``GPT2Model``
-    checkpoints; transposes exactly the Conv1D weights, checking each shape.
-    """
-    C, mlp = config.n_embd, config.mlp_dim
-    conv_shapes = {"attn.c_attn.weight": (C, 3 * C), "attn.c_proj.weight": (C, C),
-                   "mlp.c_fc.weight": (C, mlp), "mlp.c_proj.weight": (mlp, C)}
-    out = {}
-    for name, tensor in raw.items():
-        if name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight":
-            continue  # causal-mask buffers; lm_head is tied to wte
-        key = name if name.startswith("transformer.") else f"transformer.{name}"
-        suffix = next((s for s in CONV1D_WEIGHTS if key.endswith(s)), None)
-        if suffix is not None:
-            if tuple(tensor.shape) != conv_shapes[suffix]:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected Conv1D [in, out] = {conv_shapes[suffix]}")
-            tensor = tensor.t()
-        out[key] = tensor
-    return out
 
 
 def random_model_names() -> list[str]:
@@ -189,7 +161,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     mapped = {t.untyped_storage().data_ptr() for t in raw_state.values()}
     layers: dict = {}
     if cls is GPT2LMHeadModel:
-        state = convert_hf_state_dict(raw_state, config)
+        state = cls.convert_hf_state_dict(raw_state, config)
         tied = ("lm_head.weight", "transformer.wte.weight")
     else:
         config = _with_generation_eos(config, path)
@@ -212,7 +184,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
                 hint := quantized_checkpoint.suggested_kernel(layers)):
             logger.info("quantization=%r would run these weights with int8 activations, "
                         "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", hint)
-    _assign(model, state, path, tied, device, dtype)
+    assign(model, state, path, tied, device, dtype)
     del raw_state, state, layers
     if found is not None:
         if kernel and quantize_head(model, kernel.head):
@@ -278,28 +250,3 @@ def _own_memory(model: nn.Module, mapped: set[int]) -> nn.Module:
         if t.untyped_storage().data_ptr() in mapped:
             t.data = t.data.clone()
     return model
-
-
-def _assign(model: nn.Module, state: dict[str, torch.Tensor], path: Path,
-            tied: tuple[str, str] | None, device, dtype) -> None:
-    """Check ``state`` against ``model``'s parameters still on the meta device (names and
-    shapes) and assign it, cast to ``dtype`` on ``device``; ``tied``: (parameter, the one it
-    shares its tensor with).  Layers already loaded (quantized ones) are left as they are."""
-    expected = {k: v for k, v in model.state_dict().items()
-                if v.is_meta and (tied is None or k != tied[0])}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the {type(model).__name__} config: "
-                         f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, unexpected "
-                         f"{unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
-                             f"config expects {tuple(expected[name].shape)}")
-        state[name] = tensor.to(device=device, dtype=dtype).contiguous()
-    if tied is not None:
-        state[tied[0]] = state[tied[1]]
-    model.load_state_dict(state, assign=True, strict=False)  # the check above is strict
-    if tied is not None:  # assign=True replaced the parameters: share one tensor again
-        model.lm_head.weight = model.get_parameter(tied[1])

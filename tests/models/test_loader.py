@@ -9,7 +9,7 @@ import torch
 
 from cbatch import LLM, GPT2Config, KVCache, SamplingParams, bytes_per_token, load_model
 from cbatch.core.input_batch import make_step_batch
-from cbatch.models.loader import convert_hf_state_dict
+from cbatch.models.gpt2 import GPT2LMHeadModel
 
 
 def _copy(src, dst):
@@ -32,7 +32,7 @@ def test_bare_gpt2model_checkpoint_names(tiny_hf_model):
     raw = {k.removeprefix("transformer."): v for k, v in tiny_hf_model.state_dict().items()}
     raw["h.0.attn.bias"] = torch.ones(1)
     config = GPT2Config.named("tiny")
-    converted = convert_hf_state_dict(raw, config)
+    converted = GPT2LMHeadModel.convert_hf_state_dict(raw, config)
     assert "transformer.h.0.attn.c_attn.weight" in converted
     assert "transformer.h.0.attn.bias" not in converted
     assert "transformer.h.0.attn.c_attn.bias" in converted

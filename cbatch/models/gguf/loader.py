@@ -6,8 +6,8 @@ the quantized linears become :class:`~cbatch.models.quantized_checkpoint.layer.L
 exact form of their block type (:mod:`cbatch.models.gguf.quantized`) and are installed as
 quantized checkpoints' are (q/k/v and gate/up fused, or stacked where their types differ);
 the other tensors are dequantized to fp32, cast to the model's dtype and handed to what loads
-every Hugging Face checkpoint (``convert_hf_state_dict`` and ``_assign`` of
-:mod:`cbatch.models.loader`).
+every Hugging Face checkpoint (the model class's ``convert_hf_state_dict``, then
+:func:`cbatch.models.assign.assign`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from cbatch.layers.embedding import tied_embeddings, weight_holders
 from cbatch.quantization import QuantizationMethod
 from cbatch.logger import init_logger
+from cbatch.models.assign import assign
 from cbatch.models.gguf.blocks import BLOCK_TYPES, dequantize_tensor
 from cbatch.models.gguf.config import model_config
 from cbatch.models.gguf.names import CONFIG_TENSORS, hf_name, to_hf
@@ -51,8 +52,6 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     "Quantized weights' accuracy on outlier channels").  ``"gguf"``: every layer with float
     inputs and a float head, the dequantized weights' products up to fp32 rounding.
     """
-    from cbatch.models.loader import _assign, convert_hf_state_dict
-
     path = Path(path)
     if quantization is not None and quantization.name not in ("gguf", "w4a8"):
         raise ValueError(f"quantization={quantization.name!r} does not apply to {path}: a GGUF "
@@ -73,11 +72,10 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                     f"{len(layers)} linear weights run as they are quantized, the rest in "
                     f"{str(dtype).removeprefix('torch.')}" if layers else
                     f"dequantized to {str(dtype).removeprefix('torch.')}")
+    state = cls.convert_hf_state_dict(raw, config)
     if f.architecture == "gpt2":
-        state = convert_hf_state_dict(raw, config)
         tied = ("lm_head.weight", "transformer.wte.weight")
     else:
-        state = cls.convert_hf_state_dict(raw, config)
         tied = ("lm_head.weight", "model.embed_tokens.weight") \
             if config.tie_word_embeddings else None
     with torch.device("meta"):
@@ -89,7 +87,7 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     if head is not None:
         tie_head(model, head, path, device, dtype)
         tied = None  # the embedding has no weight of its own left to tie
-    _assign(model, state, path, tied, device, dtype)
+    assign(model, state, path, tied, device, dtype)
     return model.eval()
 
 
