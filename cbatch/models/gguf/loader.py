@@ -30,6 +30,7 @@ from cbatch.models.quantized_checkpoint import install
 from cbatch.models.quantized_checkpoint.layer import Layer, finite
 from cbatch.models.gguf.reader import ARCHITECTURES, GGUFFile
 from cbatch.models.registry import model_class
+from cbatch.ops.quantized import GROUPED_A8
 
 logger = init_logger(__name__)
 
@@ -121,7 +122,7 @@ def with_int8_activations(layer: Layer) -> Layer:
     ones: Q8_0, Q5_0, Q6_K's groups of 16, Q5_1 and Q5_K's levels with mins), where the
     kernel takes it; else as it is."""
     int8 = replace(layer, act_bits=8)
-    if int8.scheme.kind in ("w4a8", "w8a8g") and \
+    if int8.scheme.kind in GROUPED_A8 and \
             int8.scheme.refusal(layer.q.shape[1], layer.zeros is not None) is None:
         return int8
     return layer
