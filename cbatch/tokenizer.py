@@ -278,8 +278,11 @@ def missing_tokenizer_files(path: Path) -> list[str]:
     return [] if complete else missing
 
 
-def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int) -> Tokenizer:
-    """The tokenizer for ``model`` (``EngineConfig.model``).
+def load_tokenizer(model: str, tokenizer: str | None, eos_token_id: int | None = None
+                   ) -> Tokenizer:
+    """The tokenizer for ``model`` (``EngineConfig.model``); ``eos_token_id`` the model's
+    (None: the caller sets it once the model is loaded, as the engine does, which builds
+    the tokenizer while the model loads).
 
     ``tokenizer`` (a directory or hub id) wins when given; otherwise a checkpoint's own files,
     a GGUF file's vocabulary, and a ``random:`` model's byte-level tokenizer.  A checkpoint

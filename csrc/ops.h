@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace cbatch {
@@ -124,6 +125,18 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& packed,
                            const at::Tensor& screen, int64_t out_features, double w_norm,
                            double screen_norm, double error_norm,
                            const std::optional<at::Tensor>& scales, bool amx);
+
+// GGUF's quantized blocks [B, type_size] (uint8) of type qtype ("Q4_K", ...) unpacked → the
+// levels [B, block_size] (uint8; int8 for Q8_0), scales fp32 [B, S] and zero points int8 or
+// mins fp32 [B, S], bitwise cbatch/models/gguf's torch unpackers.  cpu/gguf_blocks.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_unpack_cpu(const at::Tensor& blocks,
+                                                               const std::string& qtype);
+
+// A quantized weight's integers into the kernels' layouts (cbatch/layers/quantization/
+// weight.py's pack, pack_w4a8, pack_w8a8g, bitwise).  cpu/quantized_pack.cpp.
+at::Tensor pack_levels_cpu(const at::Tensor& q, int64_t bits);
+at::Tensor pack_w4a8_cpu(const at::Tensor& qweight, int64_t in_features);
+at::Tensor pack_w8a8g_cpu(const at::Tensor& qweight, int64_t in_features);
 
 // Row argmax of logits [S, V] (dense rows) → int64 [S], as torch.argmax(dim=-1): the first
 // index of the maximum, the first NaN if any.  cpu/argmax.cpp.

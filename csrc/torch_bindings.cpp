@@ -37,6 +37,10 @@ TORCH_LIBRARY(cbatch, m) {
   m.def(
       "greedy_head(Tensor x, Tensor packed, Tensor screen, int out_features, float w_norm, "
       "float screen_norm, float error_norm, Tensor? scales=None, bool amx=False) -> Tensor");
+  m.def("gguf_unpack(Tensor blocks, str qtype) -> (Tensor, Tensor, Tensor)");  // GGUF load
+  m.def("pack_levels(Tensor q, int bits) -> Tensor");  // quantized weights' layouts (load)
+  m.def("pack_w4a8(Tensor qweight, int in_features) -> Tensor");
+  m.def("pack_w8a8g(Tensor qweight, int in_features) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");  // the greedy sampler's row argmax (CPU only)
   m.def(
       "sample(Tensor logits, Tensor rows, Tensor temperature, Tensor top_k, Tensor top_p, "
@@ -79,6 +83,10 @@ TORCH_LIBRARY_IMPL(cbatch, CPU, m) {
   m.impl("quantized_linear_w8a8", &cbatch::quantized_linear_w8a8_cpu);
   m.impl("quantized_linear_w4a8", &cbatch::quantized_linear_w4a8_cpu);
   m.impl("greedy_head", &cbatch::greedy_head_cpu);
+  m.impl("gguf_unpack", &cbatch::gguf_unpack_cpu);
+  m.impl("pack_levels", &cbatch::pack_levels_cpu);
+  m.impl("pack_w4a8", &cbatch::pack_w4a8_cpu);
+  m.impl("pack_w8a8g", &cbatch::pack_w8a8g_cpu);
   m.impl("argmax", &cbatch::argmax_cpu);
   m.impl("sample", &cbatch::sample_cpu);
   m.impl("apply_penalties", &cbatch::apply_penalties_cpu);

@@ -70,6 +70,7 @@ constexpr const char* kCpuPathNames[] = {
     "rotary_embedding.avx2",
     "rotary_embedding.generic",
     "decoder_layers.cpu",
+    "gguf_unpack.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
               "one name per CpuPath");

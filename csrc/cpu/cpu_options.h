@@ -78,6 +78,7 @@ enum class CpuPath : int {
   kRotaryEmbeddingAvx2,
   kRotaryEmbeddingGeneric,
   kDecoderLayersCpu,  // one call of a step's decoder layers (decoder_layers.cpp)
+  kGgufUnpackCpu,  // a GGUF tensor's blocks unpacked at load (gguf_blocks.cpp)
   kCount,
 };
 

@@ -77,9 +77,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbatch.ops import reference
+from cbatch.ops import compiled, reference
 
 BLOCK = 16  # output columns per packed block
+
+
+def _kernel(t: torch.Tensor, kernel: bool) -> bool:
+    """Whether cbatch's C++ packer (csrc/cpu/quantized_pack.cpp: one pass, bitwise the torch
+    code here, which documents the layout and runs without the extension) takes ``t``."""
+    return kernel and t.device.type == "cpu" and "cpu" in compiled.compiled_backends()
 
 
 def _pad(t: torch.Tensor, pads: tuple[int, ...], value: int = 0) -> torch.Tensor:
@@ -144,14 +150,19 @@ class QuantizedWeight:
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-         group_size: int, mins: torch.Tensor | None = None) -> QuantizedWeight:
+         group_size: int, mins: torch.Tensor | None = None, kernel: bool = True
+         ) -> QuantizedWeight:
     """A :class:`QuantizedWeight` from unpacked integers: ``q [N, K]`` (bits 8: -128..127;
     bits 4: 0..15), ``scales [G, N]`` (any float dtype), ``zeros [G, N]`` or None, ``mins
-    [G, N]`` (any float dtype, taken as fp32) or None (with ``zeros`` None)."""
+    [G, N]`` (any float dtype, taken as fp32) or None (with ``zeros`` None).  int8 (bits 8)
+    and uint8 (bits 4) ``q`` go through cbatch's C++ packer unless ``kernel`` is False."""
     N, K = q.shape
     pad = -N % BLOCK
     blocks = (N + pad) // BLOCK
-    if bits == 8:
+    if bits in (4, 8) and q.dtype == (torch.int8 if bits == 8 else torch.uint8) \
+            and _kernel(q, kernel):
+        qweight = torch.ops.cbatch.pack_levels(q.contiguous(), bits)
+    elif bits == 8:
         if int(q.min()) < -128 or int(q.max()) > 127:
             raise ValueError("8-bit q must be in [-128, 127]")
         qp = _pad(q.to(torch.int8), (0, 0, 0, pad))
@@ -221,13 +232,15 @@ def unpack_w8a8(qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
     return QuantizedWeight(8, in_features, out_features, in_features, q, scales)
 
 
-def pack_w4a8(weight: QuantizedWeight) -> torch.Tensor:
+def pack_w4a8(weight: QuantizedWeight, kernel: bool = True) -> torch.Tensor:
     """``weight``'s integers in the W4A8 layout (the module docstring); ``weight`` int4 in
     groups of a multiple of 32 k (its zero points or mins, if any, stay beside it in
-    ``zeros`` or ``mins``)."""
+    ``zeros`` or ``mins``).  ``kernel``: cbatch's C++ packer where it is built."""
     if weight.bits != 4 or weight.group_size % 32:
         raise ValueError(f"W4A8 takes int4 weights in groups of a multiple of 32 k, got "
                          f"bits={weight.bits}, group_size={weight.group_size}")
+    if _kernel(weight.qweight, kernel):
+        return torch.ops.cbatch.pack_w4a8(weight.qweight.contiguous(), weight.in_features)
     blocks, pairs, _ = weight.qweight.shape
     K = weight.in_features
     quads = -(-K // 32) * 8
@@ -253,12 +266,15 @@ def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                            mins)
 
 
-def pack_w8a8g(weight: QuantizedWeight) -> torch.Tensor:
+def pack_w8a8g(weight: QuantizedWeight, kernel: bool = True) -> torch.Tensor:
     """``weight``'s integers in the layout of W8A8 per group (the module docstring); ``weight``
-    int8 in groups of a multiple of 16 k (zero points or mins, if any, stay beside it)."""
+    int8 in groups of a multiple of 16 k (zero points or mins, if any, stay beside it).
+    ``kernel``: cbatch's C++ packer where it is built."""
     if weight.bits != 8 or weight.group_size % 16:
         raise ValueError(f"W8A8 per group takes int8 weights in groups of a multiple of 16 k, "
                          f"got bits={weight.bits}, group_size={weight.group_size}")
+    if _kernel(weight.qweight, kernel):
+        return torch.ops.cbatch.pack_w8a8g(weight.qweight.contiguous(), weight.in_features)
     blocks, K, _ = weight.qweight.shape
     quads = -(-K // 32) * 8
     q = _pad(weight.qweight, (0, 0, 0, 4 * quads - K))  # [b, k, j], 0 past K

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cbatch.ops import compiled
 from cbatch.models.gguf import k_quants, legacy_quants
 from cbatch.models.gguf.block_format import BlockFormat
 
@@ -123,7 +124,7 @@ def unpack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> UnpackedBlo
     K = shape[-1]
     N = int(np.prod(shape[:-1], dtype=np.int64))
     blocks = raw.contiguous().reshape(-1, fmt.type_size)  # [B, type_size], row after row
-    levels, scales, offset = fmt.unpack(blocks)  # [B, block_size], [B, S], [B, S]
+    levels, scales, offset = unpack_blocks(blocks, qtype)  # [B, block_size], [B, S], [B, S]
 
     def per_group(x: torch.Tensor) -> torch.Tensor:  # [B, S] -> [G, N]
         return x.reshape(N, K // fmt.group_size).t().contiguous()
@@ -132,6 +133,18 @@ def unpack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> UnpackedBlo
         (None, per_group(offset))
     return UnpackedBlocks(qtype, fmt.bits, fmt.group_size, levels.reshape(N, K),
                           per_group(scales), zeros, mins)
+
+
+def unpack_blocks(blocks: torch.Tensor, qtype: str, kernel: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks uint8 ``[B, type_size]`` of ``qtype`` → levels ``[B, block_size]``, scales fp32
+    ``[B, S]``, zero points int8 or mins fp32 ``[B, S]`` (:data:`block_format.Unpacker`):
+    cbatch's C++ unpacker (one pass over the bytes, the counter ``gguf_unpack.cpu``) where
+    the extension is built and ``kernel``, else the type's torch unpacker (its module's,
+    which documents the bytes); the same bits either way."""
+    if kernel and blocks.device.type == "cpu" and "cpu" in compiled.compiled_backends():
+        return torch.ops.cbatch.gguf_unpack(blocks, qtype)
+    return BLOCK_TYPES[qtype].unpack(blocks)
 
 
 def dequantize_tensor(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:

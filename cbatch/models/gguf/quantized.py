@@ -66,8 +66,14 @@ def as_layer(blocks: UnpackedBlocks) -> Layer:
         q = blocks.q if blocks.bits == 4 else blocks.q.to(torch.int8)  # 5-bit: 0..31 as int8
         return Layer(q, blocks.scales, None, 4 if blocks.bits == 4 else 8, gs,
                      mins=blocks.mins)
-    if blocks.bits == 4 and bool((blocks.zeros == 8).all()):
+    zero = int(blocks.zeros.flatten()[0])
+    constant = bool((blocks.zeros == zero).all())  # every GGUF type's: 8, 16, 32 or 0
+    if blocks.bits == 4 and constant and zero == 8:
         return Layer(blocks.q, blocks.scales, None, 4, gs)
+    if constant and (blocks.bits < 8 or blocks.q.dtype == torch.int8):
+        # levels below 128 (or int8) less one zero point: one pass in int8
+        q = blocks.q.view(torch.int8)
+        return Layer(q - zero if zero else q, blocks.scales, None, 8, gs)
     zeros = blocks.zeros.t().to(torch.int16)[:, :, None]  # [N, G, 1]
     q = (blocks.q.to(torch.int16).view(N, K // gs, gs) - zeros).view(N, K).to(torch.int8)
     return Layer(q, blocks.scales, None, 8, gs)
