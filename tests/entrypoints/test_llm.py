@@ -188,6 +188,27 @@ def test_a_tokenizer_that_is_not_there_is_one_clear_error(tmp_path):
         LLM("random:tiny", tokenizer="")
 
 
+def test_the_tokenizer_is_built_beside_the_model_and_given_its_eos(tiny_hf_dir, tokenizer_dirs,
+                                                                   monkeypatch):
+    """The engine builds the tokenizer on a thread of its own while the model loads (a GGUF
+    file's takes seconds), then gives it the model's EOS."""
+    import threading
+
+    import cbatch.core.engine as engine
+
+    threads = []
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return load(*args)
+
+    load = engine.load_tokenizer
+    monkeypatch.setattr(engine, "load_tokenizer", recording)
+    llm = LLM(str(tiny_hf_dir), tokenizer=str(tokenizer_dirs[0]))
+    assert len(threads) == 1 and threads[0].startswith("cbatch-tokenizer")
+    assert llm.tokenizer.eos_token_id == llm.engine.model.config.eos_token_id is not None
+
+
 def _has_cuda():
     import torch
 
