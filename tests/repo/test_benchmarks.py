@@ -345,3 +345,26 @@ def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
         assert all(1 <= n <= len(allowed_cpus()) for n in r["steps_by_threads"])
     # the same workload, scheduled alike: as many steps each run
     assert len({sum(r["steps_by_threads"].values()) for r in rows}) == 1
+
+
+def test_bench_ttft_times_each_cells_first_token_per_step_budget(tmp_path, capsys):
+    """One row per round, cell and step budget, each a TTFT that the engine measured (its
+    requests' first tokens, the slowest no sooner than the median, within the call's wall),
+    the prompts new every round; a cell is N or CxN."""
+    from benchmarks import bench_ttft
+
+    out = tmp_path / "ttft.jsonl"
+    rows = bench_ttft.main(["--model", "random:llama-tiny", "--cells", "24", "3x16",
+                            "--reps", "2", "--threads", "1", "--max-num-batched-tokens", "64",
+                            "16", "--out", str(out)])
+    assert [(r["rep"], r["cell"], r["engine"]) for r in rows] == [
+        (rep, cell, f"cbatch (budget {b})") for rep in (0, 1) for cell in ("24", "3x16")
+        for b in (64, 16)]
+    assert len(out.read_text().splitlines()) == 8
+    for r in rows:
+        assert 0 < r["ttft_p50"] <= r["ttft_max"] <= r["wall_s"]
+    assert bench_ttft.prompts_for("3x16", 0, 512) != bench_ttft.prompts_for("3x16", 1, 512)
+    assert [len(p) for p in bench_ttft.prompts_for("3x16", 0, 512)] == [16] * 3
+    assert "TTFT p50" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_ttft.main(["--model", "random:llama-tiny", "--cells", "2xa"])
