@@ -8,8 +8,10 @@ One engine, built and warmed once (as ``bench_throughput.py`` builds its cbatch 
 the workload ``--runs`` times, the prefix cache emptied before each: per run its wall time and
 how many of its steps ran on each thread count (``Engine.stats().steps_by_threads``: the
 adaptive thread policy's choices, :mod:`cbatch.core.cpu.threads`), and the share of the
-machine other processes took meanwhile (``/proc/stat``).  The last line: the slowest run over
-the fastest (issue 72's target on a quiet machine: at most 1.15).
+machine other processes took meanwhile (``/proc/stat``), and the host's memory read measured
+just before it (``read_gb_s``: a sum over 256 MB, ``benchmarks.common.read_bandwidth``).  The
+last line: the slowest run over the fastest (issue 72's target on a quiet machine: at most
+1.15).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 from benchmarks.bench_throughput import make_workload, settle  # noqa: E402
+from benchmarks.common import read_bandwidth  # noqa: E402
 from cbatch import LLM  # noqa: E402
 from cbatch.core.cpu.threads import busy_seconds, allowed_cpus  # noqa: E402
 from cbatch.quantization import ONLINE  # noqa: E402
@@ -31,8 +36,12 @@ BATCH = {"seed": 8, "longtail": 64}  # cbatch.workloads' batch sizes
 
 
 def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
-    """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share."""
+    """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share, and
+    the memory read (GB/s) measured just before it."""
     llm.engine.block_manager.reset_prefix_cache()
+    # the host's memory read just before: a run's speed follows it where the steps stream
+    # their weights (benchmarks/NOTES.md, "The weights' read as a yardstick")
+    read_gb_s = read_bandwidth(torch.device("cpu")) / 1e9
     before = dict(llm.engine.stats().steps_by_threads)
     settle()
     busy0, mine0 = busy_seconds(cpus), time.process_time()
@@ -44,7 +53,8 @@ def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
     steps = {n: after[n] - before.get(n, 0) for n in sorted(after) if after[n] > before.get(n, 0)}
     others = None if busy0 is None or busy1 is None else \
         max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (wall * len(cpus))
-    return {"wall_s": wall, "steps_by_threads": steps, "others_share": others}
+    return {"wall_s": wall, "steps_by_threads": steps, "others_share": others,
+            "read_gb_s": read_gb_s}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -78,7 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row)
         share = "?" if row["others_share"] is None else f"{100 * row['others_share']:.1f}%"
         print(f"  run {i}: {row['wall_s']:.2f} s, steps by threads {row['steps_by_threads']}, "
-              f"others took {share} of the machine", flush=True)
+              f"others took {share} of the machine, read {row['read_gb_s']:.1f} GB/s before",
+              flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -2,6 +2,7 @@
 (these are not speed tests)."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -332,7 +333,8 @@ def test_gemm_share_times_the_loop_of_a_one_call_model():
 
 def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
     """Every run of the cell is timed on the one engine, with the thread counts its steps
-    took (on at most the allowed CPUs), and written as it ends."""
+    took (on at most the allowed CPUs) and the memory read measured before it, and written as
+    it ends."""
     from benchmarks import bench_spread
     from cbatch.core.cpu.threads import allowed_cpus
 
@@ -343,6 +345,7 @@ def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
     for r in rows:
         assert r["wall_s"] > 0 and sum(r["steps_by_threads"].values()) > 0
         assert all(1 <= n <= len(allowed_cpus()) for n in r["steps_by_threads"])
+        assert r["read_gb_s"] > 0.1
     # the same workload, scheduled alike: as many steps each run
     assert len({sum(r["steps_by_threads"].values()) for r in rows}) == 1
 
@@ -368,3 +371,26 @@ def test_bench_ttft_times_each_cells_first_token_per_step_budget(tmp_path, capsy
     assert "TTFT p50" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_ttft.main(["--model", "random:llama-tiny", "--cells", "2xa"])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler for the peak loops")
+def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tmp_path):
+    """The peaks are positive rates (an int8 pair's 64 ops outrun an FMA's 16 on any AVX2
+    core: at least as many a cycle); every linear of layer 0 at every row count has a rate,
+    held to the int8 peak when its kernel takes int8 activations, else to the FMA's."""
+    from benchmarks import bench_peak
+
+    out = tmp_path / "peak.jsonl"
+    result = bench_peak.main(["--model", "random:llama-tiny", "--methods", "none", "w4a8",
+                              "--rows", "8", "16", "--threads", "1", "--reps", "1",
+                              "--out", str(out)])
+    peaks = result["peaks"]
+    assert set(peaks) == {"fma", "int8", "vpmaddubsw"} and min(peaks.values()) > 1e8
+    assert peaks["int8"] > peaks["fma"]
+    rows = result["rows"]
+    assert [(r["method"], r["M"], r["layer"]) for r in rows] == [
+        (m, M, layer) for m in ("none", "w4a8") for M in (8, 16) for layer in bench_peak.LINEARS]
+    for r in rows:
+        assert r["GFLOPs"] > 0 and r["peak"] == ("int8" if r["method"] == "w4a8" else "fma")
+    assert len(out.read_text().splitlines()) == 1 + len(rows)

@@ -1,0 +1,161 @@
+"""Prompt GEMMs against this CPU's measured peak (issue 72 item 1): how close a model's linears
+come, at the row counts of a prompt, to the rate of the instruction they multiply with.
+
+    python benchmarks/bench_peak.py --model random:smollm2-360m --methods none w4a8 w8a8 int4 \\
+        --rows 512 2048 4096 [--threads 2] [--reps 3] [--out peak.jsonl]
+
+**The peaks** (AVX2; ``benchmarks/peak/avx2_loops.c``, compiled here with the system's C
+compiler): each loop of independent register-only chains, run on every thread at once (one
+Python thread each: ctypes lets go of the GIL), its rate the sum over threads: ``fma``
+(``vfmadd231ps``, 16 flops an instruction: the fp32 route, bf16 widened to fp32 on AVX2, and
+int4 with float activations), ``int8`` (``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``, 64 integer
+ops a pair: W8A8, W4A8, W8A8 per group), and ``vpmaddubsw`` alone.  Best of ``--reps``.
+
+**The linears**: the model loaded by cbatch (``LLM``: packed and placed as a step runs them)
+under each method; layer 0's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` called
+on ``M`` rows of x (fp32), the best of ``--reps`` calls after one warm-up; ``GFLOP/s = 2 M N K /
+t`` and its fraction of the peak of the instruction its kernel multiplies with (``int8`` for the
+int8-activation kinds, ``fma`` for the rest).  On a CPU with AVX-512 the kernels take other
+instructions: the fractions are printed only on AVX2 (``CBATCH_CPU_ISA=avx2`` forces that path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LOOPS = Path(__file__).resolve().parent / "peak" / "avx2_loops.c"
+# per loop: (C function, its return type, ops per iteration: 12 FMAs x 16 flops, 5 pairs x 64
+# integer ops (32 multiply-adds), 5 vpmaddubsw x 64)
+PEAKS = {"fma": ("fma_loop", ctypes.c_float, 12 * 16),
+         "int8": ("int8_loop", ctypes.c_int, 5 * 64),
+         "vpmaddubsw": ("maddubs_loop", ctypes.c_int, 5 * 64)}
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def compile_loops(where: Path) -> ctypes.CDLL:
+    """``avx2_loops.c`` as a shared library (cc -O2 -mavx2 -mfma)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("no C compiler (cc or gcc) to build benchmarks/peak/avx2_loops.c")
+    lib = where / "avx2_loops.so"
+    subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(LOOPS), "-o",
+                    str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def peak(lib: ctypes.CDLL, name: str, threads: int, seconds: float = 0.3) -> float:
+    """Ops a second of loop ``name`` on ``threads`` threads at once."""
+    function, restype, per_iteration = PEAKS[name]
+    fn = getattr(lib, function)
+    fn.restype, fn.argtypes = restype, [ctypes.c_long]
+    fn(1000)
+    n = 1000
+    while True:  # iterations for about `seconds` on one thread
+        start = time.perf_counter()
+        fn(n)
+        if time.perf_counter() - start > seconds / 4:
+            break
+        n *= 4
+    n = int(n * seconds / max(time.perf_counter() - start, 1e-9))
+    barrier = threading.Barrier(threads + 1)
+
+    def worker():
+        barrier.wait()
+        fn(n)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in pool:
+        t.join()
+    return threads * n * per_iteration / (time.perf_counter() - start)
+
+
+def route(module) -> str:
+    """The peak a linear's kernel is held to: int8 for the int8-activation kinds."""
+    return "int8" if getattr(module, "kind", None) in ("w8a8", "w4a8", "w8a8g") else "fma"
+
+
+def linears(args, method: str, peaks: dict[str, float], avx2: bool) -> list[dict]:
+    import torch
+
+    import cbatch
+
+    llm = cbatch.LLM(args.model, dtype=torch.float32, threads=args.threads,
+                     quantization=None if method == "none" else method,
+                     num_blocks=8, block_size=16)
+    layer = llm.engine.model.model.layers[0]
+    modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    rows = []
+    with torch.no_grad():
+        for M in args.rows:
+            for name, module in modules.items():
+                N, K = module.out_features, module.in_features
+                x = torch.randn(M, K)
+                module(x)  # warm-up
+                best = float("inf")
+                for _ in range(args.reps):
+                    start = time.perf_counter()
+                    module(x)
+                    best = min(best, time.perf_counter() - start)
+                rate = 2 * M * N * K / best
+                kind = route(module)
+                rows.append({"model": args.model, "method": method, "layer": name, "M": M,
+                             "N": N, "K": K, "kernel": getattr(module, "kind", "dense"),
+                             "ms": best * 1e3, "GFLOPs": rate / 1e9, "peak": kind,
+                             "of_peak": rate / peaks[kind] if avx2 else None})
+                print(json.dumps(rows[-1]), flush=True)
+    del llm
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random:smollm2-360m")
+    ap.add_argument("--methods", nargs="+", default=["none", "w4a8", "w8a8", "int4"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 4096])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="append the rows as JSON lines")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from cbatch.ops import cpu
+
+    isa = cpu.cpu_isa()
+    avx2 = isa.split() == ["avx2"]  # the kernels' only multiply instructions are these
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = compile_loops(Path(tmp))
+        peaks = {name: max(peak(lib, name, args.threads) for _ in range(args.reps))
+                 for name in PEAKS}
+    for name, rate in peaks.items():
+        print(f"peak {name}: {rate / 1e9:.1f} G ops/s on {args.threads} threads")
+    rows = [row for method in args.methods for row in linears(args, method, peaks, avx2)]
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"peaks": peaks, "threads": args.threads, "isa": isa}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print(f"\n{'method':<7} {'layer':<13} {'M':>5} {'kernel':<7} {'ms':>8} {'GFLOP/s':>8} "
+          f"{'of peak':>8}")
+    for r in rows:
+        share = f"{r['of_peak']:.0%} {r['peak']}" if r["of_peak"] is not None else "-"
+        print(f"{r['method']:<7} {r['layer']:<13} {r['M']:>5} {r['kernel']:<7} {r['ms']:>8.2f} "
+              f"{r['GFLOPs']:>8.1f} {share:>8}")
+    return {"peaks": peaks, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
