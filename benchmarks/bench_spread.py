@@ -7,17 +7,18 @@ threads each run's steps took (issue 72: "no run at half speed on a quiet machin
 One engine, built and warmed once (as ``bench_throughput.py`` builds its cbatch engine), then
 the workload ``--runs`` times, the prefix cache emptied before each: per run its wall time and
 how many of its steps ran on each thread count (``Engine.stats().steps_by_threads``: the
-adaptive thread policy's choices, :mod:`cbatch.core.cpu.threads`), and the share of the
-machine other processes took meanwhile (``/proc/stat``), and the host's memory read measured
-just before it (``read_gb_s``: a sum over 256 MB, ``benchmarks.common.read_bandwidth``).  The
-last line: the slowest run over the fastest (issue 72's target on a quiet machine: at most
-1.15).
+adaptive thread policy's choices, :mod:`cbatch.core.cpu.threads`), the shares of the machine
+that other processes and the hypervisor (``steal``) took meanwhile (both from
+``/proc/stat``), and the host's memory read measured just before it (``read_gb_s``: a sum over
+256 MB, ``benchmarks.common.read_bandwidth``).  The last line: the slowest run over the
+fastest (issue 72's target on a quiet machine: at most 1.15).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,20 @@ from cbatch.quantization import ONLINE  # noqa: E402
 BATCH = {"seed": 8, "longtail": 64}  # cbatch.workloads' batch sizes
 
 
+def steal_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds the hypervisor ran something else while ``cpus`` wanted to run (the
+    ``steal`` column of ``/proc/stat``) since boot; None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = {f"cpu{c}" for c in cpus}
+    ticks = sum(int(line.split()[8]) for line in lines if line.split()[:1]
+                and line.split()[0] in wanted)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
     """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share, and
     the memory read (GB/s) measured just before it."""
@@ -44,17 +59,18 @@ def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
     read_gb_s = read_bandwidth(torch.device("cpu")) / 1e9
     before = dict(llm.engine.stats().steps_by_threads)
     settle()
-    busy0, mine0 = busy_seconds(cpus), time.process_time()
+    busy0, mine0, steal0 = busy_seconds(cpus), time.process_time(), steal_seconds(cpus)
     start = time.perf_counter()
     llm.generate(wl.prompts, wl.params, use_tqdm=False)
     wall = time.perf_counter() - start
-    busy1, mine1 = busy_seconds(cpus), time.process_time()
+    busy1, mine1, steal1 = busy_seconds(cpus), time.process_time(), steal_seconds(cpus)
     after = llm.engine.stats().steps_by_threads
     steps = {n: after[n] - before.get(n, 0) for n in sorted(after) if after[n] > before.get(n, 0)}
     others = None if busy0 is None or busy1 is None else \
         max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (wall * len(cpus))
+    stolen = None if steal0 is None or steal1 is None else (steal1 - steal0) / (wall * len(cpus))
     return {"wall_s": wall, "steps_by_threads": steps, "others_share": others,
-            "read_gb_s": read_gb_s}
+            "steal_share": stolen, "read_gb_s": read_gb_s}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -87,9 +103,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = {"cell": what, "run": i, **run_once(llm, wl, cpus)}
         rows.append(row)
         share = "?" if row["others_share"] is None else f"{100 * row['others_share']:.1f}%"
+        stolen = "?" if row["steal_share"] is None else f"{100 * row['steal_share']:.1f}%"
         print(f"  run {i}: {row['wall_s']:.2f} s, steps by threads {row['steps_by_threads']}, "
-              f"others took {share} of the machine, read {row['read_gb_s']:.1f} GB/s before",
-              flush=True)
+              f"others took {share} of the machine, the hypervisor {stolen}, read "
+              f"{row['read_gb_s']:.1f} GB/s before", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
