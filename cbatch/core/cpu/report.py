@@ -13,7 +13,7 @@ from cbatch import envs
 from cbatch.core.cpu.memory import huge_pages_available
 from cbatch.core.cpu.threads import ThreadPolicy
 from cbatch.models import cpu_layers
-from cbatch.ops import cpu, quantized
+from cbatch.ops import compiled, cpu, quantized
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,7 +60,8 @@ def _attention() -> str:
 def cpu_paths() -> dict[str, str]:
     """The CPU paths live here, a phrase each: ``isa`` (what the C++ kernels use, after
     ``$CBATCH_CPU_ISA``), ``attention``, ``linear`` (the route of each dtype), ``greedy
-    screen`` (the lm_head's screen of each dtype), ``decoder layers`` (a Llama-family
+    screen`` (the lm_head's screen of each dtype), ``quantized linear``, ``loading`` (who
+    unpacks and packs quantized weights), ``decoder layers`` (a Llama-family
     model's, in one C++ call a step or op by op), ``huge pages`` and ``threads``."""
     return {
         "isa": isa_phrase(),
@@ -68,6 +69,7 @@ def cpu_paths() -> dict[str, str]:
         "linear": ", ".join(f"{_name(d)} {_route(d)}" for d in DTYPES),
         "greedy screen": ", ".join(f"{_name(d)} {_screen(d)}" for d in DTYPES),
         "quantized linear": quantized_phrase(),
+        "loading": loading_phrase(),
         "decoder layers": layers_phrase(),
         "huge pages": "on" if huge_pages_available() else
                       "off" + (" (CBATCH_HUGE_PAGES=0)" if not envs.CBATCH_HUGE_PAGES else ""),
@@ -92,6 +94,15 @@ def quantized_phrase() -> str:
                 + (f"cbatch's kernel ({quantized.isa('w8a8g')})" if w4a8_isa
                    else "the pure-torch reference"))
     return "int8, int4, w8a8, w4a8: the pure-torch reference (no AVX2 or AVX-512 kernel here)"
+
+
+def loading_phrase() -> str:
+    """Who unpacks a GGUF file's blocks and packs quantized weights at load: cbatch's C++
+    (csrc/cpu/gguf_blocks.cpp, quantized_pack.cpp; one pass each) or, without the extension,
+    the torch code that documents them."""
+    if "cpu" in compiled.compiled_backends():
+        return "GGUF blocks unpacked and quantized weights packed by cbatch's C++, one pass each"
+    return "GGUF blocks and quantized weights: the torch code (no extension)"
 
 
 def layers_phrase() -> str:

@@ -30,7 +30,9 @@ def test_version_lists_the_cpu_fast_paths():
     section = out.stdout.split("cpu fast paths:\n", 1)[1].splitlines()
     names = [line.split("  ")[1].strip() for line in section]
     assert names == ["isa", "attention", "linear", "greedy screen", "quantized linear",
-                     "decoder layers", "huge pages", "threads"]
+                     "loading", "decoder layers", "huge pages", "threads"]
+    loading = section[names.index("loading")]
+    assert ("cbatch's C++" in loading) == ("cpu" in compiled.compiled_backends())
     assert f"float32 {cpu.cpu_linear_route(torch.float32)}" in out.stdout
     line = section[names.index("quantized linear")]
     tiles = "; AMX-INT8 tiles from 8 rows" if quantized.amx_int8_tiles() else ""
