@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 from benchmarks.bench_throughput import make_workload, settle  # noqa: E402
 from benchmarks.common import read_bandwidth  # noqa: E402
 from cbatch import LLM  # noqa: E402
-from cbatch.core.cpu.threads import busy_seconds, allowed_cpus  # noqa: E402
+from cbatch.core.cpu.threads import allowed_cpus, busy_seconds, stat_seconds  # noqa: E402
 from cbatch.quantization import ONLINE  # noqa: E402
 
 
@@ -37,17 +36,9 @@ BATCH = {"seed": 8, "longtail": 64}  # cbatch.workloads' batch sizes
 
 
 def steal_seconds(cpus: list[int]) -> float | None:
-    """CPU seconds the hypervisor ran something else while ``cpus`` wanted to run (the
-    ``steal`` column of ``/proc/stat``) since boot; None where unreadable."""
-    try:
-        with open("/proc/stat") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    wanted = {f"cpu{c}" for c in cpus}
-    ticks = sum(int(line.split()[8]) for line in lines if line.split()[:1]
-                and line.split()[0] in wanted)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    """The hypervisor's ``steal`` of ``cpus`` since boot, seconds (None where unreadable)."""
+    seconds = stat_seconds(cpus)
+    return None if seconds is None else seconds["steal"]
 
 
 def run_once(llm: LLM, wl, cpus: list[int]) -> dict:

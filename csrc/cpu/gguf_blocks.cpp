@@ -96,19 +96,21 @@ void q5_1(const uint8_t* b, Out o) {
   fifth_bits(b + 4, o.q);
 }
 
-void q4_k(const uint8_t* b, Out o) {
+// Q4_K's and Q5_K's scales d * sc and mins dmin * m, one per sub-block of 32.
+inline void k_scales(const uint8_t* b, Out o) {
   const float d = fp16(b), dmin = fp16(b + 2);
   uint8_t sc[8], mn[8];
   scales_and_mins(b + 4, sc, mn);
   for (int j = 0; j < 8; ++j) o.s[j] = d * static_cast<float>(sc[j]), o.m[j] = dmin * mn[j];
+}
+
+void q4_k(const uint8_t* b, Out o) {
+  k_scales(b, o);
   nibbles(b + 16, 128, 32, o.q);
 }
 
 void q5_k(const uint8_t* b, Out o) {
-  const float d = fp16(b), dmin = fp16(b + 2);
-  uint8_t sc[8], mn[8];
-  scales_and_mins(b + 4, sc, mn);
-  for (int j = 0; j < 8; ++j) o.s[j] = d * static_cast<float>(sc[j]), o.m[j] = dmin * mn[j];
+  k_scales(b, o);
   nibbles(b + 48, 128, 32, o.q);
   const uint8_t* qh = b + 16;  // bit s of qh[i]: the fifth bit of element i of sub-block s
   for (int s = 0; s < 8; ++s) {

@@ -49,21 +49,35 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def busy_seconds(cpus: list[int]) -> float | None:
-    """CPU seconds spent busy (not idle, not waiting on I/O) on ``cpus`` since boot."""
+STAT_COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def stat_seconds(cpus: list[int]) -> dict[str, float] | None:
+    """CPU seconds ``cpus`` spent in each of :data:`STAT_COLUMNS` since boot (``/proc/stat``;
+    ``steal``: what the hypervisor ran instead of this guest); None where unreadable."""
     try:
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
     wanted = {f"cpu{c}" for c in cpus}
-    ticks = 0
+    ticks = [0] * len(STAT_COLUMNS)
     for line in lines:
         fields = line.split()
         if fields and fields[0] in wanted:
-            values = [int(v) for v in fields[1:8]]  # user nice system idle iowait irq softirq
-            ticks += sum(values) - values[3] - values[4]
-    return ticks / os.sysconf("SC_CLK_TCK")
+            for i, value in enumerate(fields[1:1 + len(STAT_COLUMNS)]):
+                ticks[i] += int(value)
+    hz = os.sysconf("SC_CLK_TCK")
+    return {name: t / hz for name, t in zip(STAT_COLUMNS, ticks)}
+
+
+def busy_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds spent busy (not idle, not waiting on I/O, not stolen) on ``cpus`` since
+    boot."""
+    seconds = stat_seconds(cpus)
+    if seconds is None:
+        return None
+    return sum(seconds[c] for c in ("user", "nice", "system", "irq", "softirq"))
 
 
 class ThreadPolicy:
