@@ -274,11 +274,12 @@ def test_version_names_the_version_and_the_live_backends():
     rows = {line.split()[0]: line.split()[1] for line in lines[3:end]}
     assert rows == {name: "live" if status.available else "off"
                     for name, status in ops.available_backends().items()}
-    # isa, attention, linear, greedy screen, quantized linear, decoder layers, huge pages,
-    # threads
-    assert len(lines) == end + 9
+    # isa, attention, linear, greedy screen, quantized linear, loading, decoder layers, huge
+    # pages, threads
+    assert len(lines) == end + 10
     assert lines[end + 5].split()[:2] == ["quantized", "linear"]
-    assert lines[end + 6].split()[:2] == ["decoder", "layers"]
+    assert lines[end + 6].split()[0] == "loading"
+    assert lines[end + 7].split()[:2] == ["decoder", "layers"]
 
 
 def test_every_flag_has_help_and_its_default_shown():
