@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import itertools
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +43,10 @@ from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import ConstraintError, StructuredOutputs
 from cbatch.core.worker import build_worker
-from cbatch.models.loader import load_model
+from cbatch.models.loader import load_model_and_tokenizer
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
-from cbatch.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, prompt_token_ids,
-                              tokenize_bad_words)
+from cbatch.tokenizer import ByteTokenizer, prompt_token_ids, tokenize_bad_words
 
 logger = init_logger(__name__)
 
@@ -94,33 +92,14 @@ class Engine:
 
     def __init__(self, model: str | nn.Module = DEFAULT_MODEL, **kwargs):
         start, built = time.perf_counter(), isinstance(model, nn.Module)
-        pool = None  # builds the tokenizer while the model loads (a model loaded by name)
         if built:  # an engine around a model already built
             config = EngineConfig.for_model(model, **kwargs)
             tokenizer = ByteTokenizer(model.config.eos_token_id)
         else:
             config = EngineConfig(model=model, **kwargs)
             torch.manual_seed(config.seed)
-            # A GGUF file's tokenizer is seconds of Python (transformers' converter over its
-            # vocabulary) and the model's load mostly torch's kernels, which leave the GIL:
-            # the two side by side (benchmarks/NOTES.md, "Loading a model: cold start and
-            # memory after load").
-            pool = ThreadPoolExecutor(1, thread_name_prefix="cbatch-tokenizer")
-            tokenizer = pool.submit(load_tokenizer, config.model, config.tokenizer)
-        try:
-            self._build(start, built, config, model, tokenizer)
-        finally:
-            if pool is not None:  # (on an error: the tokenizer's thread is not waited for)
-                pool.shutdown(wait=False, cancel_futures=True)
-
-    def _build(self, start: float, built: bool, config: EngineConfig, model: str | nn.Module,
-               tokenizer: Tokenizer | Future[Tokenizer]) -> None:
-        """The rest of ``__init__``: ``model`` loaded if named, ``tokenizer`` awaited (once
-        the model, its KV pool and runner are built) if it is being built beside them."""
-        if not built:
-            model = load_model(config.model, config.device, config.torch_dtype, config.seed,
-                               config.attention_backend, config.quantization)
-        self.config, self.model = config, model
+            model, tokenizer = load_model_and_tokenizer(config)
+        self.config, self.model, self.tokenizer = config, model, tokenizer
         self.max_model_len = config.max_model_len or model.config.max_model_len
         if self.max_model_len > model.config.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
@@ -138,10 +117,6 @@ class Engine:
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_tokens,
                                        config.scheduling_policy)
-        if isinstance(tokenizer, Future):
-            tokenizer = tokenizer.result()
-            tokenizer.eos_token_id = model.config.eos_token_id
-        self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer, model.config.eos_token_id)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size,
                                             model.config.eos_token_id, config)

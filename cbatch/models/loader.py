@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from cbatch.logger import init_logger
 from cbatch.models.assign import assign
 from cbatch.models import quantized_checkpoint
 from cbatch.models.gpt2 import MODEL_CONFIGS, GPT2Config, GPT2LMHeadModel
+from cbatch.tokenizer import Tokenizer, load_tokenizer
 from cbatch.models.registry import (architecture_of, model_class, outlier_channels,
                                     random_llama_configs)
 
@@ -76,6 +78,21 @@ def load_state_dict(path: Path, device: torch.device | str = "cpu") -> dict[str,
 def random_model_names() -> list[str]:
     """Every ``random:<name>``: GPT-2's sizes and the Llama family's."""
     return sorted(MODEL_CONFIGS) + sorted(random_llama_configs())
+
+
+def load_model_and_tokenizer(config) -> tuple[nn.Module, Tokenizer]:
+    """The model and the tokenizer that ``config`` (an ``EngineConfig``) names, the tokenizer
+    built on a thread of its own while the model loads, then given the model's EOS: a GGUF
+    file's tokenizer is seconds of Python (transformers' converter over its vocabulary) and
+    the model's load mostly torch's kernels, which leave the GIL (benchmarks/NOTES.md,
+    "Loading a model: cold start and memory after load")."""
+    with ThreadPoolExecutor(1, thread_name_prefix="cbatch-tokenizer") as pool:
+        building = pool.submit(load_tokenizer, config.model, config.tokenizer)
+        model = load_model(config.model, config.device, config.torch_dtype, config.seed,
+                           config.attention_backend, config.quantization)
+        tokenizer = building.result()
+    tokenizer.eos_token_id = model.config.eos_token_id
+    return model, tokenizer
 
 
 def load_model(name_or_path: str, device: torch.device | str = "cpu",

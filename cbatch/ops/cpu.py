@@ -62,6 +62,13 @@ def _onednn_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def load_kernels(t: torch.Tensor) -> bool:
+    """Whether cbatch's C++ load-time passes take ``t`` (a CPU tensor, the extension built):
+    GGUF blocks unpacked (csrc/cpu/gguf_blocks.cpp) and quantized weights packed
+    (quantized_pack.cpp), each bitwise the torch code that documents it."""
+    return t.device.type == "cpu" and "cpu" in compiled.compiled_backends()
+
+
 def route_available(route: str, dtype: torch.dtype) -> bool:
     """Whether ``route`` runs ``dtype`` on this CPU with this build."""
     if route == "cbatch":

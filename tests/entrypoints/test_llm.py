@@ -194,7 +194,7 @@ def test_the_tokenizer_is_built_beside_the_model_and_given_its_eos(tiny_hf_dir, 
     file's takes seconds), then gives it the model's EOS."""
     import threading
 
-    import cbatch.core.engine as engine
+    import cbatch.models.loader as loader
 
     threads = []
 
@@ -202,8 +202,8 @@ def test_the_tokenizer_is_built_beside_the_model_and_given_its_eos(tiny_hf_dir, 
         threads.append(threading.current_thread().name)
         return load(*args)
 
-    load = engine.load_tokenizer
-    monkeypatch.setattr(engine, "load_tokenizer", recording)
+    load = loader.load_tokenizer
+    monkeypatch.setattr(loader, "load_tokenizer", recording)
     llm = LLM(str(tiny_hf_dir), tokenizer=str(tokenizer_dirs[0]))
     assert len(threads) == 1 and threads[0].startswith("cbatch-tokenizer")
     assert llm.tokenizer.eos_token_id == llm.engine.model.config.eos_token_id is not None

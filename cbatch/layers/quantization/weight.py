@@ -77,15 +77,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbatch.ops import compiled, reference
+from cbatch.ops import cpu, reference
 
 BLOCK = 16  # output columns per packed block
-
-
-def _kernel(t: torch.Tensor, kernel: bool) -> bool:
-    """Whether cbatch's C++ packer (csrc/cpu/quantized_pack.cpp: one pass, bitwise the torch
-    code here, which documents the layout and runs without the extension) takes ``t``."""
-    return kernel and t.device.type == "cpu" and "cpu" in compiled.compiled_backends()
 
 
 def _pad(t: torch.Tensor, pads: tuple[int, ...], value: int = 0) -> torch.Tensor:
@@ -160,7 +154,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits
     pad = -N % BLOCK
     blocks = (N + pad) // BLOCK
     if bits in (4, 8) and q.dtype == (torch.int8 if bits == 8 else torch.uint8) \
-            and _kernel(q, kernel):
+            and kernel and cpu.load_kernels(q):
         qweight = torch.ops.cbatch.pack_levels(q.contiguous(), bits)
     elif bits == 8:
         if int(q.min()) < -128 or int(q.max()) > 127:
@@ -239,7 +233,7 @@ def pack_w4a8(weight: QuantizedWeight, kernel: bool = True) -> torch.Tensor:
     if weight.bits != 4 or weight.group_size % 32:
         raise ValueError(f"W4A8 takes int4 weights in groups of a multiple of 32 k, got "
                          f"bits={weight.bits}, group_size={weight.group_size}")
-    if _kernel(weight.qweight, kernel):
+    if kernel and cpu.load_kernels(weight.qweight):
         return torch.ops.cbatch.pack_w4a8(weight.qweight.contiguous(), weight.in_features)
     blocks, pairs, _ = weight.qweight.shape
     K = weight.in_features
@@ -273,7 +267,7 @@ def pack_w8a8g(weight: QuantizedWeight, kernel: bool = True) -> torch.Tensor:
     if weight.bits != 8 or weight.group_size % 16:
         raise ValueError(f"W8A8 per group takes int8 weights in groups of a multiple of 16 k, "
                          f"got bits={weight.bits}, group_size={weight.group_size}")
-    if _kernel(weight.qweight, kernel):
+    if kernel and cpu.load_kernels(weight.qweight):
         return torch.ops.cbatch.pack_w8a8g(weight.qweight.contiguous(), weight.in_features)
     blocks, K, _ = weight.qweight.shape
     quads = -(-K // 32) * 8

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cbatch.ops import compiled
+from cbatch.ops import cpu
 from cbatch.models.gguf import k_quants, legacy_quants
 from cbatch.models.gguf.block_format import BlockFormat
 
@@ -142,7 +142,7 @@ def unpack_blocks(blocks: torch.Tensor, qtype: str, kernel: bool = True
     cbatch's C++ unpacker (one pass over the bytes, the counter ``gguf_unpack.cpu``) where
     the extension is built and ``kernel``, else the type's torch unpacker (its module's,
     which documents the bytes); the same bits either way."""
-    if kernel and blocks.device.type == "cpu" and "cpu" in compiled.compiled_backends():
+    if kernel and cpu.load_kernels(blocks):
         return torch.ops.cbatch.gguf_unpack(blocks, qtype)
     return BLOCK_TYPES[qtype].unpack(blocks)
 
