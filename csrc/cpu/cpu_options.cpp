@@ -71,6 +71,7 @@ constexpr const char* kCpuPathNames[] = {
     "rotary_embedding.generic",
     "decoder_layers.cpu",
     "gguf_unpack.cpu",
+    "quantized_pack.cpu",
 };
 static_assert(std::size(kCpuPathNames) == static_cast<size_t>(CpuPath::kCount),
               "one name per CpuPath");

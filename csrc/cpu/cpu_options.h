@@ -79,6 +79,7 @@ enum class CpuPath : int {
   kRotaryEmbeddingGeneric,
   kDecoderLayersCpu,  // one call of a step's decoder layers (decoder_layers.cpp)
   kGgufUnpackCpu,  // a GGUF tensor's blocks unpacked at load (gguf_blocks.cpp)
+  kQuantizedPackCpu,  // a quantized weight packed at load (quantized_pack.cpp)
   kCount,
 };
 

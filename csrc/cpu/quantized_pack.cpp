@@ -3,7 +3,8 @@
 // documents every layout and stays the reference) permute bytes through several tensors; on a
 // GGUF file those passes were the largest share of the load left after unpacking the blocks
 // (benchmarks/NOTES.md, "Loading a model: cold start and memory after load").  Bitwise the
-// torch functions' output (tests/layers/test_quantized_pack.py).
+// torch functions' output (tests/layers/test_quantized_pack.py); each call counted
+// (quantized_pack.cpu).
 //
 //   pack_levels:  q [N, K] (int8 for 8 bits; uint8 0..15 for 4) → qweight [N16 / 16, K, 16]
 //                 int8, or [N16 / 16, ceil(K / 2), 16] uint8 (k = 2i low nibble, 2i + 1 high)
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "cpu_options.h"
 
 namespace cbatch {
 namespace {
@@ -69,6 +71,7 @@ at::Tensor pack_levels_cpu(const at::Tensor& q, int64_t bits) {
     if (top > 15) out_of_range = true;
   });
   TORCH_CHECK_VALUE(!out_of_range, "4-bit q must be in [0, 15]");
+  count_path(CpuPath::kQuantizedPackCpu);
   return out;
 }
 
@@ -101,6 +104,7 @@ at::Tensor pack_w4a8_cpu(const at::Tensor& qweight, int64_t in_features) {
       }
     }
   });
+  count_path(CpuPath::kQuantizedPackCpu);
   return out;
 }
 
@@ -129,6 +133,7 @@ at::Tensor pack_w8a8g_cpu(const at::Tensor& qweight, int64_t in_features) {
       }
     }
   });
+  count_path(CpuPath::kQuantizedPackCpu);
   return out;
 }
 

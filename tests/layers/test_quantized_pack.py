@@ -7,11 +7,18 @@ import pytest
 import torch
 
 from cbatch.layers.quantization.weight import pack, pack_w4a8, pack_w8a8g
+from cbatch.ops import cpu
 from tests.helpers import needs_cpu_ext
 
 pytestmark = needs_cpu_ext
 
 SHAPES = [(1, 32), (15, 33), (17, 64), (33, 100), (48, 2)]
+PATH = "quantized_pack.cpu"
+
+
+def packs() -> int:
+    """How many weights cbatch's C++ packers have packed in this process."""
+    return cpu.kernel_paths().get(PATH, 0)
 
 
 def levels(bits: int, N: int, K: int, seed: int) -> torch.Tensor:
@@ -26,7 +33,9 @@ def levels(bits: int, N: int, K: int, seed: int) -> torch.Tensor:
 def test_pack_levels_is_the_torch_packing_bitwise(bits, N, K):
     q = levels(bits, N, K, N * K)
     scales = torch.rand(1, N)
+    before = packs()
     ours = pack(q, scales, None, bits, K)
+    assert packs() == before + 1  # the C++ packer ran
     ref = pack(q, scales, None, bits, K, kernel=False)
     assert ours.qweight.dtype == ref.qweight.dtype
     assert torch.equal(ours.qweight, ref.qweight)
@@ -36,13 +45,19 @@ def test_pack_levels_is_the_torch_packing_bitwise(bits, N, K):
 @pytest.mark.parametrize("N, K", SHAPES + [(40, 96)])
 def test_pack_w4a8_is_the_torch_packing_bitwise(N, K):
     weight = pack(levels(4, N, K, N + K), torch.rand(-(-K // 32), N), None, 4, 32)
-    assert torch.equal(pack_w4a8(weight), pack_w4a8(weight, kernel=False))
+    before = packs()
+    ours = pack_w4a8(weight)
+    assert packs() == before + 1
+    assert torch.equal(ours, pack_w4a8(weight, kernel=False))
 
 
 @pytest.mark.parametrize("N, K", SHAPES + [(40, 96)])
 def test_pack_w8a8g_is_the_torch_packing_bitwise(N, K):
     weight = pack(levels(8, N, K, N + K), torch.rand(-(-K // 16), N), None, 8, 16)
-    assert torch.equal(pack_w8a8g(weight), pack_w8a8g(weight, kernel=False))
+    before = packs()
+    ours = pack_w8a8g(weight)
+    assert packs() == before + 1
+    assert torch.equal(ours, pack_w8a8g(weight, kernel=False))
 
 
 def test_four_bit_levels_above_15_are_refused_as_the_torch_packing_refuses_them():

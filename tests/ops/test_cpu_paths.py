@@ -93,7 +93,8 @@ def test_path_names_and_counts():
             "penalties.cpu", "bitmask.cpu", "write_kv_cache.cpu", "rms_norm.avx2",
             "rms_norm.generic", "fused_add_rms_norm.avx2", "fused_add_rms_norm.generic",
             "silu_and_mul.avx2", "silu_and_mul.generic", "rotary_embedding.avx2",
-            "rotary_embedding.generic", "decoder_layers.cpu", "gguf_unpack.cpu"} == set(names)
+            "rotary_embedding.generic", "decoder_layers.cpu", "gguf_unpack.cpu",
+            "quantized_pack.cpu"} == set(names)
 
 
 @pytest.mark.parametrize("isa, attention, amx", [("avx512", "", ""), ("", "fast", ""),
