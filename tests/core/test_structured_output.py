@@ -218,9 +218,10 @@ def test_a_constraint_is_compiled_once_and_cached_within_its_bytes():
     engine = Engine("random:tiny", grammar_cache_bytes=int(2.5 * size))
     pool, structured = engine.structured.pool, engine.structured
     jobs = pool.num_jobs
-    rids = [engine.add_request([1, 2], SamplingParams(max_tokens=8, structured_outputs={
-        "regex": f"{c}{{3}}"})) for c in "aab"]
-    _finish(engine, rids)
+    for batch in ("aa", "b"):  # (one after the other: the cache's order is the order compiles end)
+        rids = [engine.add_request([1, 2], SamplingParams(max_tokens=8, structured_outputs={
+            "regex": f"{c}{{3}}"})) for c in batch]
+        _finish(engine, rids)
     assert pool.num_jobs == jobs + 2  # a{3} once
     assert structured.cached_bytes == 2 * size
     rid = engine.add_request([1, 2], SamplingParams(max_tokens=8,
