@@ -2,7 +2,8 @@
 come, at the row counts of a prompt, to the rate of the instruction they multiply with.
 
     python benchmarks/bench_peak.py --model random:smollm2-360m --methods none w4a8 w8a8 int4 \\
-        --rows 512 2048 4096 [--threads 2] [--reps 3] [--out peak.jsonl]
+        --rows 512 2048 4096 [--attention [--cached 0 6144]] [--threads 2] [--reps 3] \\
+        [--out peak.jsonl]
 
 **The peaks** (AVX2; ``benchmarks/peak/avx2_loops.c``, compiled here with the system's C
 compiler): each loop of independent register-only chains, run on every thread at once (one
@@ -17,19 +18,29 @@ on ``M`` rows of x (fp32), the best of ``--reps`` calls after one warm-up; ``GFL
 t`` and its fraction of the peak of the instruction its kernel multiplies with (``int8`` for the
 int8-activation kinds, ``fma`` for the rest).  On a CPU with AVX-512 the kernels take other
 instructions: the fractions are printed only on AVX2 (``CBATCH_CPU_ISA=avx2`` forces that path).
+
+**The prefill attention** (``--attention``): the model's heads, KV heads and head size through
+the CPU kernel the runner calls (``torch.ops.cbatch.paged_prefill_attention``, fp32), one
+sequence's chunk of ``M`` new tokens over ``--cached`` tokens already in a shuffled paged cache
+(blocks of 16); ``GFLOP/s = 4 H D M (cached + (M + 1) / 2) / t`` (q K^T and P V over each
+row's visible keys) against the FMA peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import shutil
 import subprocess
 import tempfile
 import threading
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOOPS = Path(__file__).resolve().parent / "peak" / "avx2_loops.c"
 # per loop: (C function, its return type, ops per iteration: 12 FMAs x 16 flops, 5 pairs x 64
@@ -120,14 +131,52 @@ def linears(args, method: str, peaks: dict[str, float], avx2: bool) -> list[dict
     return rows
 
 
+def attention(args, peaks: dict[str, float], avx2: bool) -> list[dict]:
+    import torch
+
+    import cbatch
+    from benchmarks.common import paged_inputs
+
+    config = cbatch.LLM(args.model, dtype=torch.float32, num_blocks=8,
+                        block_size=16).engine.model.config
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    rows = []
+    for cached in args.cached:
+        for M in args.rows:
+            _, key_cache, value_cache, tables, cu, lens = paged_inputs(
+                [cached + M], H_kv, D, torch.float32, "cpu", num_new=[M])
+            query = torch.randn(M, H, D)
+            call = functools.partial(torch.ops.cbatch.paged_prefill_attention, query,
+                                     key_cache, value_cache, tables, cu, lens, D ** -0.5)
+            call()  # warm-up
+            best = float("inf")
+            for _ in range(args.reps):
+                start = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - start)
+            rate = 4 * H * D * M * (cached + (M + 1) / 2) / best
+            rows.append({"model": args.model, "method": "attention", "layer": "attention",
+                         "M": M, "cached": cached, "H": H, "H_kv": H_kv, "D": D,
+                         "kernel": "prefill", "ms": best * 1e3, "GFLOPs": rate / 1e9,
+                         "peak": "fma", "of_peak": rate / peaks["fma"] if avx2 else None})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:smollm2-360m")
-    ap.add_argument("--methods", nargs="+", default=["none", "w4a8", "w8a8", "int4"])
+    ap.add_argument("--methods", nargs="*", default=["none", "w4a8", "w8a8", "int4"],
+                    help="the linears' quantizations (none: the fp32 weights)")
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines")
+    ap.add_argument("--attention", action="store_true",
+                    help="also the prefill attention of chunks of --rows tokens")
+    ap.add_argument("--cached", type=int, nargs="+", default=[0],
+                    help="tokens already cached before each attention chunk")
     args = ap.parse_args(argv)
     import torch
 
@@ -143,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, rate in peaks.items():
         print(f"peak {name}: {rate / 1e9:.1f} G ops/s on {args.threads} threads")
     rows = [row for method in args.methods for row in linears(args, method, peaks, avx2)]
+    if args.attention:
+        rows += attention(args, peaks, avx2)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"peaks": peaks, "threads": args.threads, "isa": isa}) + "\n")

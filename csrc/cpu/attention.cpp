@@ -3,11 +3,12 @@
 // h reads KV head h / (H / H_kv) (grouped-query attention).  The item walks the sequence's
 // blocks once; a block's rows for the item's KV heads are contiguous in the cache, so the walk
 // streams memory, and each K/V block serves every row of the tile and every query head of the
-// item that reads it while it is in cache.  fp16/bf16 blocks are widened to fp32 once per
-// block (not once per query row), and every row keeps an online softmax in fp32 (no buffer
-// grows with the context).  A decode token is a tile of one row.  Items are handed out
-// longest first to whichever thread is free.  The step comes in four forms: attention_step.h's
-// one body on 16 lanes (AVX-512) and on 8 (AVX2), AVX512-BF16's, and the portable one (below).
+// item that reads it while it is in cache (on x86, a chunk of 16 keys is transposed once for
+// all of a prompt tile's rows: attention_step.h).  Every row keeps an online softmax in fp32
+// (no buffer grows with the context).  A decode token is a tile of one row.  Items are handed
+// out longest first to whichever thread is free.  The step comes in four forms:
+// attention_step.h's one body on 16 lanes (AVX-512) and on 8 (AVX2), AVX512-BF16's, and the
+// portable one (below, which widens fp16/bf16 blocks to fp32 once per block).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -104,6 +105,18 @@ inline void accumulate(const float* p, const float* v, int64_t stride, int64_t n
 
 constexpr int64_t kTileRows = 16;
 
+// One query row's state in the online softmax (attention_step.h's online_softmax_rows): its
+// query (scaled, fp32), running max m, running sum l and unnormalized output acc[D].
+struct StepRow {
+  const float* q;
+  float *m, *l, *acc;
+};
+
+// Keys per softmax update of the x86 steps: each cache block's keys go through
+// online_softmax_row (as they lie) or online_softmax_rows (transposed: transpose_keys)
+// kChunkKeys at a time.
+constexpr int64_t kChunkKeys = 16;
+
 // Rows [row, row + num_rows) of the query belong to sequence `seq` and sit at positions
 // first_pos, first_pos + 1, ...; row r attends to positions [0, first_pos + r].
 struct Tile {
@@ -118,7 +131,8 @@ struct Item {
 // Per-thread scratch, laid out [query head of the item, row of the tile, ...], for the
 // call's largest item and tile (a decode call's tiles have one row: 16x less to allocate).
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores, k, v;
+  std::vector<float> q, acc, m, l, scores, k, v, kt;
+  int64_t transposed_rows = 0;  // row steps on transposed keys (counted once per call)
   Scratch(int64_t max_heads, int64_t max_rows, int64_t D, int64_t block_size)
       : q(max_heads * max_rows * D),
         acc(max_heads * max_rows * D),
@@ -126,7 +140,8 @@ struct Scratch {
         l(max_heads * max_rows),
         scores(block_size),
         k(block_size * D),
-        v(block_size * D) {}
+        v(block_size * D),
+        kt(kChunkKeys * D) {}
 };
 
 // Adds keys k[i * stride] and values v[i * stride], i < n, to one query row's online softmax
@@ -296,6 +311,71 @@ inline int64_t pair_index(int64_t d, int64_t D) {
   return d / 32 * 32 + d % 2 * 16 + d % 32 / 2;
 }
 
+#ifdef CBATCH_X86
+// kt[d * kChunkKeys + i] = element d of key i as fp32, for the kChunkKeys keys k[i * stride]
+// (those from n on repeat key n - 1: finite lanes, masked out of the scores) and d < D
+// (D % 8 == 0): a chunk transposed for online_softmax_rows, 8 x 8 at a time in registers.
+// (AVX2 also on an AVX-512 CPU: the transpose is a small part of the step.)
+template <typename T>
+CBATCH_AVX2 void transpose_keys(const T* k, int64_t stride, int64_t n, int64_t D, float* kt) {
+  for (int64_t i0 = 0; i0 < kChunkKeys; i0 += 8) {
+    const T* keys[8];
+    for (int i = 0; i < 8; ++i) keys[i] = k + std::min<int64_t>(i0 + i, n - 1) * stride;
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = avx2::load(keys[i] + d0);
+      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // columns c and c + 4 of four rows
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      float* out = kt + d0 * kChunkKeys + i0;
+      for (int c = 0; c < 4; ++c) {  // column c of the eight rows, and column c + 4
+        _mm256_storeu_ps(out + c * kChunkKeys, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+        _mm256_storeu_ps(out + (c + 4) * kChunkKeys,
+                         _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+      }
+    }
+  }
+}
+
+// online_softmax_rows on `step`'s ISA (kAvx2 or kAvx512).
+template <int kRows, typename T>
+inline void step_rows(Step step, const StepRow* rows, const float* kt, const T* v,
+                      int64_t stride, int64_t n, int64_t D) {
+  if (step == Step::kAvx512) return avx512::online_softmax_rows<kRows>(rows, kt, v, stride, n, D);
+  avx2::online_softmax_rows<kRows>(rows, kt, v, stride, n, D);
+}
+
+// online_softmax_row on `step`'s ISA (kAvx2 or kAvx512).
+template <typename T>
+inline void step_row(Step step, const StepRow& row, const T* k, const T* v, int64_t stride,
+                     int64_t n, int64_t D) {
+  if (step == Step::kAvx512) return avx512::online_softmax_row(row, k, v, stride, n, D);
+  avx2::online_softmax_row(row, k, v, stride, n, D);
+}
+
+// rows[0, count) of a chunk, all seeing its n keys: the step's group (12 or 6 rows), then 4,
+// 2 and 1 at a time.
+template <typename T>
+void step_group(Step step, const StepRow* rows, int count, const float* kt, const T* v,
+                int64_t stride, int64_t n, int64_t D) {
+  if (step == Step::kAvx512) {
+    for (; count >= 12; rows += 12, count -= 12) step_rows<12>(step, rows, kt, v, stride, n, D);
+  }
+  for (; count >= 6; rows += 6, count -= 6) step_rows<6>(step, rows, kt, v, stride, n, D);
+  if (count >= 4) step_rows<4>(step, rows, kt, v, stride, n, D), rows += 4, count -= 4;
+  if (count >= 2) step_rows<2>(step, rows, kt, v, stride, n, D), rows += 2, count -= 2;
+  if (count == 1) step_rows<1>(step, rows, kt, v, stride, n, D);
+}
+
+#endif
+
 // out[tile rows, item heads] = softmax(q K^T) V over each row's visible positions.  `group`
 // consecutive query heads share each KV head.
 template <typename T>
@@ -338,28 +418,55 @@ void attend(const T* query, int64_t query_stride, const T* key_cache, const T* v
       const int64_t g_end = std::min(item.head_end, (kv + 1) * group) - item.head_begin;
 #ifdef CBATCH_X86
       if (step != Step::kGeneric) {  // K/V read in place
-        for (int64_t g = g_begin; g < g_end; ++g) {
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
-            if (n <= 0) continue;
-            const int64_t gr = g * R + r;
-            float *q = sc.q.data() + gr * D, *acc = sc.acc.data() + gr * D;
-            if constexpr (std::is_same_v<T, c10::BFloat16>) {
-              if (step == Step::kAvx512Bf16) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (step == Step::kAvx512Bf16) {
+            for (int64_t g = g_begin; g < g_end; ++g) {
+              for (int64_t r = 0; r < R; ++r) {
+                const int64_t n = std::min(block_keys, tile.first_pos + r + 1 - start);
+                if (n <= 0) continue;
+                const int64_t gr = g * R + r;
                 avx512::online_softmax_step_bf16(query_row(g, r), key_cache + offset,
                                                  value_cache + offset, row, n, D, scale,
-                                                 sc.m[gr], sc.l[gr], acc);
-                continue;
+                                                 sc.m[gr], sc.l[gr], sc.acc.data() + gr * D);
               }
             }
-            if (step == Step::kAvx512) {
-              avx512::online_softmax_step(q, key_cache + offset, value_cache + offset, row, n,
-                                          D, sc.m[gr], sc.l[gr], acc);
-            } else {
-              avx2::online_softmax_step(q, key_cache + offset, value_cache + offset, row, n, D,
-                                        sc.m[gr], sc.l[gr], acc);
+            continue;
+          }
+        }
+        // the block's keys kChunkKeys at a time.  A prefill tile's rows that see the whole
+        // chunk go `group` at a time through its keys transposed once for all of them (12 sums
+        // of scores in flight); a decode token's, and those on the causal diagonal, one at a
+        // time through the keys as they lie (a transpose would cost more than one row's dot
+        // products).  The same bits either way (attention_step.h).
+        const int group = step == Step::kAvx512 ? avx512::kGroupRows : avx2::kGroupRows;
+        for (int64_t c0 = 0; c0 < block_keys; c0 += kChunkKeys) {
+          const int64_t chunk_keys = std::min(kChunkKeys, block_keys - c0);
+          if (tile.first_pos + R <= start + c0) break;  // no row sees this chunk
+          const T* keys = key_cache + offset + c0 * row;
+          const T* values = value_cache + offset + c0 * row;
+          const bool transpose = R > 1;
+          if (transpose) transpose_keys(keys, row, chunk_keys, D, sc.kt.data());
+          StepRow rows[12];
+          int num_rows = 0;
+          for (int64_t g = g_begin; g < g_end; ++g) {
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t n = std::min(chunk_keys, tile.first_pos + r + 1 - start - c0);
+              if (n <= 0) continue;
+              const int64_t gr = g * R + r;
+              StepRow& one = rows[num_rows];  // (built in place: no copy to wait on)
+              one.q = sc.q.data() + gr * D, one.acc = sc.acc.data() + gr * D;
+              one.m = &sc.m[gr], one.l = &sc.l[gr];
+              if (n < chunk_keys || !transpose) {
+                step_row(step, one, keys, values, row, n, D);
+              } else if (++num_rows == group) {
+                step_group(step, rows, num_rows, sc.kt.data(), values, row, n, D);
+                sc.transposed_rows += num_rows;
+                num_rows = 0;
+              }
             }
           }
+          step_group(step, rows, num_rows, sc.kt.data(), values, row, chunk_keys, D);
+          sc.transposed_rows += num_rows;
         }
         continue;
       }
@@ -517,7 +624,7 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t max_heads = items.front().head_end - items.front().head_begin;
   const int64_t max_rows = std::max_element(tiles.begin(), tiles.end(), [](const Tile& a,
       const Tile& b) { return a.num_rows < b.num_rows; })->num_rows;
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0}, transposed_rows{0};
   const Job<T> job{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                    query.stride(0), block_tables.size(1), block_tables.data_ptr<int32_t>(), c,
                    group, scale, step, tiles, items, next,
@@ -525,7 +632,9 @@ void run_items(const at::Tensor& query, const at::Tensor& key_cache,
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_heads, max_rows, c.head_dim, c.block_size);
     work_any(job, scratch);
+    transposed_rows += scratch.transposed_rows;
   });
+  if (transposed_rows > 0) count_path(CpuPath::kPrefillAttentionTransposedRows, transposed_rows);
 }
 
 // The path counter of each step (Step's order), for decode and for prefill.

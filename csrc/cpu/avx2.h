@@ -32,7 +32,11 @@ CBATCH_AVX2 CBATCH_INLINE void store(float* p, __m256 v) { _mm256_storeu_ps(p, v
 
 CBATCH_AVX2 CBATCH_INLINE __m256 zero() { return _mm256_setzero_ps(); }
 CBATCH_AVX2 CBATCH_INLINE __m256 set1(float x) { return _mm256_set1_ps(x); }
+CBATCH_AVX2 CBATCH_INLINE __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 CBATCH_AVX2 CBATCH_INLINE __m256 sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
+CBATCH_AVX2 CBATCH_INLINE __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+// Lane 0 of v.
+CBATCH_AVX2 CBATCH_INLINE float first(__m256 v) { return _mm256_cvtss_f32(v); }
 CBATCH_AVX2 CBATCH_INLINE __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 CBATCH_AVX2 CBATCH_INLINE __m256 fmadd(__m256 a, __m256 b, __m256 c) {
   return _mm256_fmadd_ps(a, b, c);
@@ -65,6 +69,15 @@ CBATCH_AVX2 CBATCH_INLINE __m256 sum_each(const __m256 (&v)[8]) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// sum_each's sums computed across vectors: lane i of the result adds lane i of p[0..7] with
+// the additions sum_each makes of v[i]'s lanes, in its order (the two must stay in step:
+// attention_step.h's outer_scores gives dot_scores' bits through it).
+CBATCH_AVX2 CBATCH_INLINE __m256 lanes_sum(const __m256 (&p)[8]) {
+  const __m256 low = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+  const __m256 high = _mm256_add_ps(_mm256_add_ps(p[4], p[5]), _mm256_add_ps(p[6], p[7]));
+  return _mm256_add_ps(low, high);
 }
 
 // e^x as avx512::exp computes it, on 8 lanes; x is clamped to [-87, 88] so that 2^n stays a

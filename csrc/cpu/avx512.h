@@ -48,7 +48,11 @@ CBATCH_AVX512_DOT CBATCH_INLINE void store(c10::BFloat16* p, __m512 v, __mmask16
 
 CBATCH_AVX512 CBATCH_INLINE __m512 zero() { return _mm512_setzero_ps(); }
 CBATCH_AVX512 CBATCH_INLINE __m512 set1(float x) { return _mm512_set1_ps(x); }
+CBATCH_AVX512 CBATCH_INLINE __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 CBATCH_AVX512 CBATCH_INLINE __m512 sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
+CBATCH_AVX512 CBATCH_INLINE __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+// Lane 0 of v.
+CBATCH_AVX512 CBATCH_INLINE float first(__m512 v) { return _mm512_cvtss_f32(v); }
 CBATCH_AVX512 CBATCH_INLINE __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 CBATCH_AVX512 CBATCH_INLINE __m512 fmadd(__m512 a, __m512 b, __m512 c) {
   return _mm512_fmadd_ps(a, b, c);
@@ -84,6 +88,19 @@ CBATCH_AVX512 CBATCH_INLINE __m512 sum_each(const __m512 (&v)[16]) {
   const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
                                  _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// sum_each's sums computed across vectors: lane i of the result adds lane i of p[0..15] with
+// the additions sum_each makes of v[i]'s lanes, in its order: within each 128-bit lane q,
+// (4q + 0 with 4q + 2) + (4q + 1 with 4q + 3), then (q 0 + q 1) + (q 2 + q 3).  (The two must
+// stay in step: attention_step.h's outer_scores gives dot_scores' bits through it.)
+CBATCH_AVX512 CBATCH_INLINE __m512 lanes_sum(const __m512 (&p)[16]) {
+  __m512 q[4];
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm512_add_ps(_mm512_add_ps(p[4 * i], p[4 * i + 2]),
+                         _mm512_add_ps(p[4 * i + 1], p[4 * i + 3]));
+  }
+  return _mm512_add_ps(_mm512_add_ps(q[0], q[1]), _mm512_add_ps(q[2], q[3]));
 }
 
 // e^x, within 2 ulp (x below -104, -inf included, gives 0), times 2^n by vscalefps.

@@ -53,6 +53,7 @@ constexpr const char* kCpuPathNames[] = {
     "prefill_attention.avx512bf16",
     "prefill_attention.avx2",
     "prefill_attention.generic",
+    "prefill_attention.transposed_rows",
     "argmax.avx512",
     "argmax.generic",
     "sample.avx512",

@@ -61,6 +61,7 @@ enum class CpuPath : int {
   kPrefillAttentionAvx512Bf16,
   kPrefillAttentionAvx2,
   kPrefillAttentionGeneric,
+  kPrefillAttentionTransposedRows,  // counts row steps (a row over 16 keys) on transposed keys
   kArgmaxAvx512,
   kArgmaxGeneric,
   kSampleAvx512,

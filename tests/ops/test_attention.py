@@ -135,9 +135,46 @@ def test_cpu_kernel_paths(isa, attention, dtype):
                                                                backend="cpu"), *prefill)
             after = cpu.kernel_paths()
             ran = {k for k in after if after[k] > before[k] and "attention" in k}
-            assert ran == {f"decode_attention.{step}", f"prefill_attention.{step}"}, \
+            # the x86 steps take a prefill tile's rows over each chunk's keys transposed
+            transposed = {"prefill_attention.transposed_rows"} if step in ("avx2", "avx512") \
+                else set()
+            assert ran == {f"decode_attention.{step}", f"prefill_attention.{step}"} | transposed, \
                 (head_dim, ran)
             assert cpu.attention_step(head_dim, dtype) == step
+    finally:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+@pytest.mark.skipif(not STATUS["cpu"].available, reason="C++ extension not built")
+@pytest.mark.parametrize("isa", ["", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_prompt_rows_are_decode_rows_bitwise(isa, dtype):
+    """A prompt row's output is the same bits whichever way the CPU kernel takes it: beside
+    its tile's other rows over the keys transposed (the counter moves), or alone over the keys
+    as they lie, as a decode token at the same position is: the invariant batch-invariant
+    engines rest on.  Chunks of 1, 3, 16, 17 and 40 rows over ragged cached contexts, grouped
+    queries, blocks of 16 and 24 keys (chunks of 16, then 8), head dims 64 and 72."""
+    from cbatch.ops import compiled, cpu
+
+    torch.ops.cbatch.set_cpu_options(isa, "")
+    try:
+        seed = torch.randint(0, 2**31, ()).item()
+        for block_size, (heads, kv_heads, head_dim) in ((16, (6, 2, 64)), (24, (4, 4, 72)),
+                                                        (16, (8, 1, 72))):
+            lens, new = [1, 20, 16, 50, 57], [1, 3, 16, 17, 40]
+            q, kc, vc, tables, cu, seq_lens = paged_inputs(
+                lens, new, heads, head_dim, block_size, dtype, "cpu", seed,
+                num_kv_heads=kv_heads)
+            before = cpu.kernel_paths()["prefill_attention.transposed_rows"]
+            prompt = ops.paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, backend="cpu")
+            # every row as a decode token: its sequence's table, its own position + 1 keys
+            seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
+            pos = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, new)])
+            rows = ops.paged_decode_attention(q, kc, vc, tables[seq].contiguous(),
+                                              (pos + 1).to(torch.int32), backend="cpu")
+            assert torch.equal(rows, prompt), (block_size, heads, kv_heads, head_dim)
+            if cpu.attention_step(head_dim, dtype) in ("avx2", "avx512"):
+                assert cpu.kernel_paths()["prefill_attention.transposed_rows"] > before
     finally:
         torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
 

@@ -88,7 +88,7 @@ def test_path_names_and_counts():
             "decode_attention.avx512", "decode_attention.avx512bf16",
             "decode_attention.avx2", "decode_attention.generic", "prefill_attention.avx512",
             "prefill_attention.avx512bf16", "prefill_attention.avx2",
-            "prefill_attention.generic", "argmax.avx512",
+            "prefill_attention.generic", "prefill_attention.transposed_rows", "argmax.avx512",
             "argmax.generic", "sample.avx512", "sample.avx2", "sample.generic",
             "penalties.cpu", "bitmask.cpu", "write_kv_cache.cpu", "rms_norm.avx2",
             "rms_norm.generic", "fused_add_rms_norm.avx2", "fused_add_rms_norm.generic",

@@ -378,19 +378,22 @@ def test_bench_ttft_times_each_cells_first_token_per_step_budget(tmp_path, capsy
 def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tmp_path):
     """The peaks are positive rates (an int8 pair's 64 ops outrun an FMA's 16 on any AVX2
     core: at least as many a cycle); every linear of layer 0 at every row count has a rate,
-    held to the int8 peak when its kernel takes int8 activations, else to the FMA's."""
+    held to the int8 peak when its kernel takes int8 activations, else to the FMA's; so does
+    the prefill attention of each chunk over each cached length (the FMA's)."""
     from benchmarks import bench_peak
 
     out = tmp_path / "peak.jsonl"
     result = bench_peak.main(["--model", "random:llama-tiny", "--methods", "none", "w4a8",
                               "--rows", "8", "16", "--threads", "1", "--reps", "1",
-                              "--out", str(out)])
+                              "--attention", "--cached", "0", "40", "--out", str(out)])
     peaks = result["peaks"]
     assert set(peaks) == {"fma", "int8", "vpmaddubsw"} and min(peaks.values()) > 1e8
     assert peaks["int8"] > peaks["fma"]
     rows = result["rows"]
     assert [(r["method"], r["M"], r["layer"]) for r in rows] == [
-        (m, M, layer) for m in ("none", "w4a8") for M in (8, 16) for layer in bench_peak.LINEARS]
+        (m, M, layer) for m in ("none", "w4a8") for M in (8, 16) for layer in bench_peak.LINEARS
+    ] + [("attention", M, "attention") for _ in (0, 40) for M in (8, 16)]
+    assert [r["cached"] for r in rows if r["layer"] == "attention"] == [0, 0, 40, 40]
     for r in rows:
         assert r["GFLOPs"] > 0 and r["peak"] == ("int8" if r["method"] == "w4a8" else "fma")
     assert len(out.read_text().splitlines()) == 1 + len(rows)
