@@ -12,7 +12,7 @@ A kind (:attr:`cbatch.quantization.Scheme.kind`) names the arithmetic:
 - ``"w4a8"``: x to int8 per token and per group, int4 x int8 sums in int32 per group
   (``cbatch::quantized_linear_w4a8``; CPU only);
 - ``"w8a8g"``: W8A8 per group, int8 weights in groups and x as W4A8's, int8 x int8 sums in
-  int32 per group (the same op on an int8 qweight; CPU only, AVX2 on every CPU).
+  int32 per group (the same op on an int8 qweight; CPU only, AVX512-VNNI or AVX2).
 
 :func:`available` and :func:`isa` say whether and how the C++ kernel of a kind runs here (the
 tests assert through them, and through :func:`cbatch.ops.cpu.kernel_paths`, that it ran);
@@ -58,13 +58,12 @@ def isa(kind: str, dtype: torch.dtype = torch.float32) -> str:
     ``"avx2"`` (``"avx512bf16"``: W4A16 on a bf16 x, ``vdpbf16ps``); W8A8 / W4A8
     ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpmaddwd``, ``vpmaddubsw``), and calls
     of 8 rows and more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`); W8A8 per
-    group ``"avx2"`` (``vpsignb``, ``vpmaddubsw``) on every CPU."""
+    group ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpsignb``, ``vpmaddubsw``), never
+    AMX tiles."""
     if not available(kind):
         return ""
-    if kind == "w8a8g":
-        return "avx2"
     features = cpu_isa().split()
-    if kind in ("w8a8", "w4a8"):
+    if kind in ("w8a8", "w4a8", "w8a8g"):
         return "avx512vnni" if "avx512vnni" in features else "avx2"
     if kind == "w4a16" and dtype == torch.bfloat16 and "avx512bf16" in features:
         return "avx512bf16"

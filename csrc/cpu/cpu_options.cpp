@@ -39,6 +39,7 @@ constexpr const char* kCpuPathNames[] = {
     "quantized_linear.w4a8.avx2",
     "quantized_linear.w4a8.amx",
     "quantized_linear.w8a8g.avx2",
+    "quantized_linear.w8a8g.avx512vnni",
     "greedy_head.int8.avx512vnni",
     "greedy_head.int8.avx2",
     "greedy_head.bf16.avx512",

@@ -47,6 +47,7 @@ enum class CpuPath : int {
   kQuantizedLinearW4A8Avx2,
   kQuantizedLinearW4A8Amx,  // AMX-INT8 tiles (or their model)
   kQuantizedLinearW8A8GroupedAvx2,  // W4A8's op on 8-bit weights (W8A8 per group)
+  kQuantizedLinearW8A8GroupedVnni,  // the same on AVX512-VNNI (vpdpbusd, the weights flipped)
   kGreedyHeadInt8Avx512Vnni,
   kGreedyHeadInt8Avx2,
   kGreedyHeadBf16Avx512,

@@ -59,8 +59,12 @@
 // is 0; |q| <= 128 read unsigned, |x| <= 127, so neither overflows), and each int16 pair (at
 // most 2 * 128 * 127 = 32512) is widened into int32 at once (vpmaddwd with ones): the same
 // exact S as above.  group_size a multiple of 16 (Q6_K's sub-blocks), x quantized per group
-// alike.  AVX2 on every CPU (no VNNI or AMX tile for it yet: a CPU with AVX512-VNNI runs the
-// AVX2 tile, counted as quantized_linear.w8a8g.avx2).
+// alike.  With AVX512-VNNI the VNNI tile runs these weights too: vpdpbusd wants the weight
+// unsigned, so each quad's bytes are flipped to u = q + 128 (an xor of the top bit, once for
+// the tile's rows) and 128 times the row's sum over the group is subtracted with the zero
+// point's shift (add_group's `offset`): S = sum (q + 128) x - 128 sum x, the same exact
+// integer, so the output is the AVX2 tile's bit for bit (sums at most 255 * 127 *
+// group_size < 2^31).  No AMX tile for 8-bit weights yet.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -135,10 +139,13 @@ CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
 
 // Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
 // order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z a.zero or each
-// column's zero point; with mins z 0 and the term less rounded(fl(m * xsum_scaled)).
+// column's zero point; with mins z 0 and the term less rounded(fl(m * xsum_scaled)).  offset:
+// what the tile added to every stored weight (the VNNI tile's 8-bit flip: 128, else 0), whose
+// offset xsum is subtracted with z's.
 template <int R>
 CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
-                                         const __m256i (*s)[2], __m256 (*y)[2]) {
+                                         const __m256i (*s)[2], __m256 (*y)[2],
+                                         int32_t offset = 0) {
   const float* sw = a.wscale + g * a.N16 + block * kBlock;
   const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
   const int8_t* z = a.wzero ? a.wzero + g * a.N16 + block * kBlock : nullptr;
@@ -153,9 +160,12 @@ CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t b
   for (int r = 0; r < R; ++r) {
     const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
-    const __m256i shift0 = z ? _mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum))
-                             : _mm256_set1_epi32(mn ? 0 : a.zero * xsum),
-                  shift1 = z ? _mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)) : shift0;
+    const __m256i flip = _mm256_set1_epi32(offset * xsum);
+    const __m256i shift0 =
+        z ? _mm256_add_epi32(_mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum)), flip)
+          : _mm256_set1_epi32((mn ? 0 : a.zero * xsum) + offset * xsum);
+    const __m256i shift1 =
+        z ? _mm256_add_epi32(_mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)), flip) : shift0;
     __m256 t0 = _mm256_mul_ps(
         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift0)), sw0), sx);
     __m256 t1 = _mm256_mul_ps(
@@ -304,15 +314,34 @@ CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
 // all of them, and at 8 rows the weights stream while the multiplies run (two tiles of 4 rows
 // took 10% longer: the first streamed the block, the second ran from L1 with nothing in
 // flight).  Up to 4 rows, even and odd quads sum into separate registers (so a one-row tile
-// has 4 chains, not 2, waiting on vpdpbusd's latency), added at the group's end.
+// has 4 chains, not 2, waiting on vpdpbusd's latency), added at the group's end.  8-bit
+// weights (kBits 8) take the same tile: a quad's two 32-byte halves with their top bits
+// flipped (the header's last paragraph) in place of the nibbles, in runs of 4 quads (a group
+// may be 16 k); a run is 256 bytes either way.
 // (AVX2's target too: the tiles' shared helpers inline into it.)
 #define CBATCH_VNNI \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-template <int R>
+
+// Quad i's weights as vpdpbusd's unsigned operand: columns 0..7 (lo) and 8..15 (hi), 4 k each;
+// 8-bit ones as q + 128.
+template <int kBits>
+CBATCH_VNNI CBATCH_INLINE void vnni_quad(const uint8_t* w, int64_t i, __m256i& lo, __m256i& hi) {
+  if constexpr (kBits == 8) {
+    const __m256i flip = _mm256_set1_epi8(-128);
+    lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 64)), flip);
+    hi = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 64 + 32)), flip);
+  } else {
+    unpack(w + i * 32, lo, hi);
+  }
+}
+
+template <int kBits, int R>
 CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
   constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 10-16 chains without
+  constexpr int64_t kQuadBytes = kBits == 8 ? 64 : 32, kRun = 256 / kQuadBytes;
   const int64_t Q = a.Q;
-  const uint8_t* w = a.w + block * Q * 32;
+  const uint8_t* w = a.w + block * Q * kQuadBytes;
   const int8_t* x = a.xq + m * Q * 4;
   __m256 y[kVnniRows][2];  // [row][half]: the sum over groups so far
 #pragma GCC unroll 8
@@ -323,13 +352,13 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
     for (int r = 0; r < R; ++r) {
       for (int p = 0; p < P; ++p) s[p][r][0] = s[p][r][1] = _mm256_setzero_si256();
     }
-    for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
-      prefetch_run(w + i0 * 32);
+    for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRun) {
+      prefetch_run(w + i0 * kQuadBytes);
 #pragma GCC unroll 8
-      for (int j = 0; j < kRunQuads; ++j) {
-        const int64_t i = i0 + j;
+      for (int j = 0; j < kRun; ++j) {
         __m256i lo, hi;
-        unpack(w + i * 32, lo, hi);
+        vnni_quad<kBits>(w, i0 + j, lo, hi);
+        const int64_t i = i0 + j;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
@@ -345,7 +374,7 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
         s[0][r][1] = _mm256_add_epi32(s[0][r][1], s[1][r][1]);
       }
     }
-    add_group<R>(a, m, block, g, s[0], y);
+    add_group<R>(a, m, block, g, s[0], y, kBits == 8 ? 128 : 0);
   }
   store_tile<R>(a, m, block, y);
 }
@@ -479,13 +508,13 @@ void run_amx(const W4A8Args& a) {
 }
 #undef CBATCH_VNNI
 
-// kBits 8: tile_int8 (AVX2 on every CPU); kBits 4: the VNNI or the AVX2 tile.
+// The VNNI tile (4- or 8-bit weights), else AVX2's: tile_int8 for 8 bits, tile_avx2 for 4.
 template <bool kVnni, int kBits, int R>
 void tile(const W4A8Args& a, int64_t m, int64_t block) {
-  if constexpr (kBits == 8) {
+  if constexpr (kVnni) {
+    tile_vnni<kBits, R>(a, m, block);
+  } else if constexpr (kBits == 8) {
     tile_int8<R>(a, m, block);
-  } else if constexpr (kVnni) {
-    tile_vnni<R>(a, m, block);
   } else {
     tile_avx2<R>(a, m, block);
   }
@@ -602,7 +631,10 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  if (bits == 8) {
+  if (bits == 8 && cpu_has_avx512vnni()) {
+    count_path(CpuPath::kQuantizedLinearW8A8GroupedVnni);
+    run<true, 8>(a);
+  } else if (bits == 8) {
     count_path(CpuPath::kQuantizedLinearW8A8GroupedAvx2);
     run<false, 8>(a);
   } else if (tiles) {

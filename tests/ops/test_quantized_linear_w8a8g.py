@@ -6,8 +6,10 @@ exact in the kernel (|q| sign(x, q) in int16 pairs, widened at once) and in the 
 here, from the integers tests/quant_utils.py drew, not from cbatch's packing), x's
 quantization per token and group is reference.quantize_per_group's to the bit, so the output
 is the reference's bit for bit and within gamma_{G+3} (sum_g |S_g s_w s_x| + |b|) of the exact
-value (gamma_{G+4} with mins' extra term), bf16 outputs 2^-8 |y| more.  The 8-bit tile is
-AVX2's on every CPU (no VNNI or AMX tile for it), and each call asserts that it ran.
+value (gamma_{G+4} with mins' extra term), bf16 outputs 2^-8 |y| more.  Each test runs on
+the kernel's native path here (AVX512-VNNI's tile, the weights' top bits flipped, where the CPU
+has it) and again under the avx2 cap (vpsignb, vpmaddubsw), and each call asserts that the
+path it expects ran.  No AMX tile takes 8-bit weights.
 """
 
 import pytest
@@ -22,21 +24,41 @@ from tests.quant_utils import random_quantized, random_with_mins
 
 needs_kernel = pytest.mark.skipif(not quantized.available("w8a8g"),
                                   reason="cbatch's W4A8 CPU kernel (AVX2) does not run here")
-PATH = "quantized_linear.w8a8g.avx2"
+
+
+@pytest.fixture(autouse=True, params=["", "avx2"], ids=["native", "avx2-cap"])
+def isa(request):
+    """Each test on the kernel's native path here, then under the avx2 cap where the native
+    path is not already AVX2's."""
+    from cbatch.ops import compiled
+
+    if request.param == "avx2" and quantized.isa("w8a8g") in ("avx2", ""):
+        pytest.skip("the native path here is already AVX2's")
+    torch.ops.cbatch.set_cpu_options(request.param, "", "off")
+    try:
+        yield request.param
+    finally:
+        torch.ops.cbatch.set_cpu_options(*compiled._cpu_options())
+
+
+def _path():
+    """The counter of the path the kernel takes here now."""
+    return f"quantized_linear.w8a8g.{quantized.isa('w8a8g')}"
 
 
 def _run(x, qweight, scales, group_size, N, bias, zeros=None, mins=None):
-    before = cpu.kernel_paths()[PATH]
+    path = _path()
+    before = cpu.kernel_paths()[path]
     ours = torch.ops.cbatch.quantized_linear_w4a8(x, qweight, scales, group_size, N, bias,
                                                   zeros, mins)
-    assert cpu.kernel_paths()[PATH] == before + 1, PATH
+    assert cpu.kernel_paths()[path] == before + 1, path
     assert ours.dtype == x.dtype and ours.shape == (x.shape[0], N)
     return ours
 
 
 def _rows(K, gen):
-    """Rows 1..9 (AVX2's tiles of 4 and their rests), 33 and 300 (chunks of 64 rows), fp32 and
-    bf16, with a row of zeros and an outlier past the first group."""
+    """Rows 1..9 (AVX2's tiles of 4, VNNI's of 8, and their rests), 33 and 300 (chunks of 64
+    rows), fp32 and bf16, with a row of zeros and an outlier past the first group."""
     for M, dtype in ((1, torch.float32), (2, torch.bfloat16), (3, torch.float32),
                      (4, torch.float32), (5, torch.bfloat16), (9, torch.float32),
                      (33, torch.bfloat16), (300, torch.float32)):
@@ -154,9 +176,9 @@ def test_the_layer_runs_the_kernel():
     layer = QuantizedLinear(qw, torch.randn(24, generator=gen), act_bits=8)
     assert layer.kind == "w8a8g" and "act_bits=8" in repr(layer)
     x = torch.randn(2, 5, 70, generator=gen)
-    before = cpu.kernel_paths()[PATH]
+    before = cpu.kernel_paths()[_path()]
     y = layer(x)
-    assert cpu.kernel_paths()[PATH] == before + 1 and y.shape == (2, 5, 24)
+    assert cpu.kernel_paths()[_path()] == before + 1 and y.shape == (2, 5, 24)
     _check(x.view(10, 70), q, s, 16, layer.bias.detach(), y.view(10, 24),
            reference.quantized_linear_w4a8(x.view(10, 70), layer.qweight, layer.scales, 16,
                                            24, layer.bias))
