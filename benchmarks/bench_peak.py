@@ -5,19 +5,23 @@ come, at the row counts of a prompt, to the rate of the instruction they multipl
         --rows 512 2048 4096 [--attention [--cached 0 6144]] [--threads 2] [--reps 3] \\
         [--out peak.jsonl]
 
-**The peaks** (AVX2; ``benchmarks/peak/avx2_loops.c``, compiled here with the system's C
-compiler): each loop of independent register-only chains, run on every thread at once (one
-Python thread each: ctypes lets go of the GIL), its rate the sum over threads: ``fma``
-(``vfmadd231ps``, 16 flops an instruction: the fp32 route, bf16 widened to fp32 on AVX2, and
-int4 with float activations), ``int8`` (``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``, 64 integer
-ops a pair: W8A8, W4A8, W8A8 per group), and ``vpmaddubsw`` alone.  Best of ``--reps``.
+**The peaks** (``benchmarks/peak/avx2_loops.c``, and ``avx512_loops.c`` where the CPU has
+AVX512-VNNI and AVX512-BF16; compiled here with the system's C compiler): each loop of
+independent register-only chains, run on every thread at once (one Python thread each: ctypes
+lets go of the GIL), its rate the sum over threads.  AVX2: ``fma`` (``vfmadd231ps`` ymm, 16
+flops an instruction: the fp32 route, bf16 widened to fp32 on AVX2, and int4 with float
+activations), ``int8`` (``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``, 64 integer ops a pair:
+W8A8, W4A8, W8A8 per group), and ``vpmaddubsw`` alone.  AVX-512: ``fma512``
+(``vfmadd231ps`` zmm, 32 flops), ``vnni`` (``vpdpbusd`` ymm, 64 integer ops) and ``bf16``
+(``vdpbf16ps`` zmm, 64 flops).  Best of ``--reps``.
 
 **The linears**: the model loaded by cbatch (``LLM``: packed and placed as a step runs them)
 under each method; layer 0's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` called
 on ``M`` rows of x (fp32), the best of ``--reps`` calls after one warm-up; ``GFLOP/s = 2 M N K /
-t`` and its fraction of the peak of the instruction its kernel multiplies with (``int8`` for the
-int8-activation kinds, ``fma`` for the rest).  On a CPU with AVX-512 the kernels take other
-instructions: the fractions are printed only on AVX2 (``CBATCH_CPU_ISA=avx2`` forces that path).
+t`` and its fraction of the peak of the instruction its kernel multiplies with (:func:`route`:
+``int8`` or ``vnni`` for the int8-activation kinds, ``fma`` or ``fma512`` for the rest, by
+the path the kernels take here; ``CBATCH_CPU_ISA=avx2`` forces AVX2's).  Where AMX tiles
+would take the int8 kinds' calls of 8 rows and more, no fraction is given for them.
 
 **The prefill attention** (``--attention``): the model's heads, KV heads and head size through
 the CPU kernel the runner calls (``torch.ops.cbatch.paged_prefill_attention``, fp32), one
@@ -42,30 +46,48 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LOOPS = Path(__file__).resolve().parent / "peak" / "avx2_loops.c"
-# per loop: (C function, its return type, ops per iteration: 12 FMAs x 16 flops, 5 pairs x 64
-# integer ops (32 multiply-adds), 5 vpmaddubsw x 64)
-PEAKS = {"fma": ("fma_loop", ctypes.c_float, 12 * 16),
-         "int8": ("int8_loop", ctypes.c_int, 5 * 64),
-         "vpmaddubsw": ("maddubs_loop", ctypes.c_int, 5 * 64)}
+LOOPS = {"avx2": Path(__file__).resolve().parent / "peak" / "avx2_loops.c",
+         "avx512": Path(__file__).resolve().parent / "peak" / "avx512_loops.c"}
+FLAGS = {"avx2": ["-mavx2", "-mfma"],
+         "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mavx512bf16"]}
+# per loop: (its file, C function, its return type, ops per iteration: 12 FMAs x 16 flops, 5
+# pairs x 64 integer ops (32 multiply-adds), 5 vpmaddubsw x 64; 12 zmm FMAs x 32, 12 ymm
+# vpdpbusd x 64, 12 zmm vdpbf16ps x 64)
+PEAKS = {"fma": ("avx2", "fma_loop", ctypes.c_float, 12 * 16),
+         "int8": ("avx2", "int8_loop", ctypes.c_int, 5 * 64),
+         "vpmaddubsw": ("avx2", "maddubs_loop", ctypes.c_int, 5 * 64),
+         "fma512": ("avx512", "fma512_loop", ctypes.c_float, 12 * 32),
+         "vnni": ("avx512", "vnni_loop", ctypes.c_int, 12 * 64),
+         "bf16": ("avx512", "bf16_loop", ctypes.c_float, 12 * 64)}
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def compile_loops(where: Path) -> ctypes.CDLL:
-    """``avx2_loops.c`` as a shared library (cc -O2 -mavx2 -mfma)."""
+def compile_loops(where: Path, isa: str) -> ctypes.CDLL:
+    """``<isa>_loops.c`` (``avx2`` or ``avx512``) as a shared library (cc -O2 and the ISA's
+    flags)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise SystemExit("no C compiler (cc or gcc) to build benchmarks/peak/avx2_loops.c")
-    lib = where / "avx2_loops.so"
-    subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(LOOPS), "-o",
+        raise SystemExit(f"no C compiler (cc or gcc) to build {LOOPS[isa]}")
+    lib = where / f"{isa}_loops.so"
+    subprocess.run([cc, "-O2", *FLAGS[isa], "-shared", "-fPIC", str(LOOPS[isa]), "-o",
                     str(lib)], check=True)
     return ctypes.CDLL(str(lib))
 
 
-def peak(lib: ctypes.CDLL, name: str, threads: int, seconds: float = 0.3) -> float:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags")
+            for f in line.split(":", 1)[1].split()}
+
+
+def peak(libs: dict[str, ctypes.CDLL], name: str, threads: int, seconds: float = 0.3) -> float:
     """Ops a second of loop ``name`` on ``threads`` threads at once."""
-    function, restype, per_iteration = PEAKS[name]
-    fn = getattr(lib, function)
+    isa, function, restype, per_iteration = PEAKS[name]
+    fn = getattr(libs[isa], function)
     fn.restype, fn.argtypes = restype, [ctypes.c_long]
     fn(1000)
     n = 1000
@@ -92,12 +114,19 @@ def peak(lib: ctypes.CDLL, name: str, threads: int, seconds: float = 0.3) -> flo
     return threads * n * per_iteration / (time.perf_counter() - start)
 
 
-def route(module) -> str:
-    """The peak a linear's kernel is held to: int8 for the int8-activation kinds."""
-    return "int8" if getattr(module, "kind", None) in ("w8a8", "w4a8", "w8a8g") else "fma"
+def route(module, isa: list[str]) -> str | None:
+    """The peak a linear's kernel is held to on the path it takes here (``isa``: the kernels'
+    ISA words after any cap, :func:`cbatch.ops.cpu.cpu_isa`): ``vnni`` or ``int8`` for the
+    int8-activation kinds (None where AMX tiles take them), ``fma512`` or ``fma`` for the rest
+    (an fp32 x)."""
+    if getattr(module, "kind", None) in ("w8a8", "w4a8", "w8a8g"):
+        if "amx-int8" in isa:
+            return None
+        return "vnni" if "avx512vnni" in isa else "int8"
+    return "fma512" if "avx512" in isa else "fma"
 
 
-def linears(args, method: str, peaks: dict[str, float], avx2: bool) -> list[dict]:
+def linears(args, method: str, peaks: dict[str, float], isa: list[str]) -> list[dict]:
     import torch
 
     import cbatch
@@ -121,17 +150,17 @@ def linears(args, method: str, peaks: dict[str, float], avx2: bool) -> list[dict
                     module(x)
                     best = min(best, time.perf_counter() - start)
                 rate = 2 * M * N * K / best
-                kind = route(module)
+                kind = route(module, isa)
                 rows.append({"model": args.model, "method": method, "layer": name, "M": M,
                              "N": N, "K": K, "kernel": getattr(module, "kind", "dense"),
                              "ms": best * 1e3, "GFLOPs": rate / 1e9, "peak": kind,
-                             "of_peak": rate / peaks[kind] if avx2 else None})
+                             "of_peak": rate / peaks[kind] if kind else None})
                 print(json.dumps(rows[-1]), flush=True)
     del llm
     return rows
 
 
-def attention(args, peaks: dict[str, float], avx2: bool) -> list[dict]:
+def attention(args, peaks: dict[str, float], isa: list[str]) -> list[dict]:
     import torch
 
     import cbatch
@@ -141,6 +170,7 @@ def attention(args, peaks: dict[str, float], avx2: bool) -> list[dict]:
                         block_size=16).engine.model.config
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H
+    fma = "fma512" if "avx512" in isa else "fma"
     rows = []
     for cached in args.cached:
         for M in args.rows:
@@ -159,7 +189,7 @@ def attention(args, peaks: dict[str, float], avx2: bool) -> list[dict]:
             rows.append({"model": args.model, "method": "attention", "layer": "attention",
                          "M": M, "cached": cached, "H": H, "H_kv": H_kv, "D": D,
                          "kernel": "prefill", "ms": best * 1e3, "GFLOPs": rate / 1e9,
-                         "peak": "fma", "of_peak": rate / peaks["fma"] if avx2 else None})
+                         "peak": fma, "of_peak": rate / peaks[fma]})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -184,16 +214,18 @@ def main(argv: list[str] | None = None) -> dict:
     from cbatch.ops import cpu
 
     isa = cpu.cpu_isa()
-    avx2 = isa.split() == ["avx2"]  # the kernels' only multiply instructions are these
+    words = isa.split()
+    # the loops this CPU runs, whatever the cap (/proc/cpuinfo's flags)
+    loops = ["avx2"] + (["avx512"] if {"avx512_vnni", "avx512_bf16"} <= cpu_flags() else [])
     with tempfile.TemporaryDirectory() as tmp:
-        lib = compile_loops(Path(tmp))
-        peaks = {name: max(peak(lib, name, args.threads) for _ in range(args.reps))
-                 for name in PEAKS}
+        libs = {name: compile_loops(Path(tmp), name) for name in loops}
+        peaks = {name: max(peak(libs, name, args.threads) for _ in range(args.reps))
+                 for name in PEAKS if PEAKS[name][0] in libs}
     for name, rate in peaks.items():
         print(f"peak {name}: {rate / 1e9:.1f} G ops/s on {args.threads} threads")
-    rows = [row for method in args.methods for row in linears(args, method, peaks, avx2)]
+    rows = [row for method in args.methods for row in linears(args, method, peaks, words)]
     if args.attention:
-        rows += attention(args, peaks, avx2)
+        rows += attention(args, peaks, words)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"peaks": peaks, "threads": args.threads, "isa": isa}) + "\n")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cbatch import ops
-from cbatch.ops import compiled
+from cbatch.ops import compiled, cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -377,9 +377,10 @@ def test_bench_ttft_times_each_cells_first_token_per_step_budget(tmp_path, capsy
                     reason="no C compiler for the peak loops")
 def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tmp_path):
     """The peaks are positive rates (an int8 pair's 64 ops outrun an FMA's 16 on any AVX2
-    core: at least as many a cycle); every linear of layer 0 at every row count has a rate,
-    held to the int8 peak when its kernel takes int8 activations, else to the FMA's; so does
-    the prefill attention of each chunk over each cached length (the FMA's)."""
+    core: at least as many a cycle; AVX-512's loops too where the CPU has VNNI and BF16);
+    every linear of layer 0 at every row count has a rate, held to the int8 peak of the path
+    its kernel takes when it takes int8 activations (vpdpbusd's on VNNI), else to the FMA's
+    (zmm on AVX-512); so does the prefill attention of each chunk over each cached length."""
     from benchmarks import bench_peak
 
     out = tmp_path / "peak.jsonl"
@@ -387,13 +388,19 @@ def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tm
                               "--rows", "8", "16", "--threads", "1", "--reps", "1",
                               "--attention", "--cached", "0", "40", "--out", str(out)])
     peaks = result["peaks"]
-    assert set(peaks) == {"fma", "int8", "vpmaddubsw"} and min(peaks.values()) > 1e8
+    avx512 = {"avx512_vnni", "avx512_bf16"} <= bench_peak.cpu_flags()
+    assert set(peaks) == {"fma", "int8", "vpmaddubsw"} | (
+        {"fma512", "vnni", "bf16"} if avx512 else set()) and min(peaks.values()) > 1e8
     assert peaks["int8"] > peaks["fma"]
+    isa = cpu.cpu_isa().split()
+    int8 = None if "amx-int8" in isa else "vnni" if "avx512vnni" in isa else "int8"
+    fma = "fma512" if "avx512" in isa else "fma"
     rows = result["rows"]
     assert [(r["method"], r["M"], r["layer"]) for r in rows] == [
         (m, M, layer) for m in ("none", "w4a8") for M in (8, 16) for layer in bench_peak.LINEARS
     ] + [("attention", M, "attention") for _ in (0, 40) for M in (8, 16)]
     assert [r["cached"] for r in rows if r["layer"] == "attention"] == [0, 0, 40, 40]
     for r in rows:
-        assert r["GFLOPs"] > 0 and r["peak"] == ("int8" if r["method"] == "w4a8" else "fma")
+        assert r["GFLOPs"] > 0 and r["peak"] == (int8 if r["method"] == "w4a8" else fma)
+        assert (r["of_peak"] is None) == (r["peak"] is None)
     assert len(out.read_text().splitlines()) == 1 + len(rows)
