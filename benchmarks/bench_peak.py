@@ -2,8 +2,8 @@
 come, at the row counts of a prompt, to the rate of the instruction they multiply with.
 
     python benchmarks/bench_peak.py --model random:smollm2-360m --methods none w4a8 w8a8 int4 \\
-        --rows 512 2048 4096 [--attention [--cached 0 6144]] [--threads 2] [--reps 3] \\
-        [--out peak.jsonl]
+        --rows 512 2048 4096 [--dtype bfloat16] [--attention [--cached 0 6144]] [--threads 2] \\
+        [--reps 3] [--out peak.jsonl]
 
 **The peaks** (``benchmarks/peak/avx2_loops.c``, and ``avx512_loops.c`` where the CPU has
 AVX512-VNNI and AVX512-BF16; compiled here with the system's C compiler): each loop of
@@ -16,12 +16,13 @@ W8A8, W4A8, W8A8 per group), and ``vpmaddubsw`` alone.  AVX-512: ``fma512``
 (``vdpbf16ps`` zmm, 64 flops).  Best of ``--reps``.
 
 **The linears**: the model loaded by cbatch (``LLM``: packed and placed as a step runs them)
-under each method; layer 0's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` called
-on ``M`` rows of x (fp32), the best of ``--reps`` calls after one warm-up; ``GFLOP/s = 2 M N K /
-t`` and its fraction of the peak of the instruction its kernel multiplies with (:func:`route`:
-``int8`` or ``vnni`` for the int8-activation kinds, ``fma`` or ``fma512`` for the rest, by
-the path the kernels take here; ``CBATCH_CPU_ISA=avx2`` forces AVX2's).  Where AMX tiles
-would take the int8 kinds' calls of 8 rows and more, no fraction is given for them.
+under each method, in ``--dtype``; layer 0's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and
+``down_proj`` called on ``M`` rows of x (that dtype), the best of ``--reps`` calls after one
+warm-up; ``GFLOP/s = 2 M N K / t`` and its fraction of the peak of the instruction its kernel
+multiplies with, named by the kernel path the warm-up ran (:func:`ran`, the counter that moved;
+:func:`route`: ``int8`` or ``vnni`` for the int8-activation kernels, ``bf16`` for a bf16 x on
+AVX512-BF16, ``fma`` or ``fma512`` for the rest; ``CBATCH_CPU_ISA=avx2`` forces AVX2's).  AMX
+tiles and the pure-torch reference get no fraction.
 
 **The prefill attention** (``--attention``): the model's heads, KV heads and head size through
 the CPU kernel the runner calls (``torch.ops.cbatch.paged_prefill_attention``, fp32), one
@@ -114,24 +115,43 @@ def peak(libs: dict[str, ctypes.CDLL], name: str, threads: int, seconds: float =
     return threads * n * per_iteration / (time.perf_counter() - start)
 
 
-def route(module, isa: list[str]) -> str | None:
-    """The peak a linear's kernel is held to on the path it takes here (``isa``: the kernels'
-    ISA words after any cap, :func:`cbatch.ops.cpu.cpu_isa`): ``vnni`` or ``int8`` for the
-    int8-activation kinds (None where AMX tiles take them), ``fma512`` or ``fma`` for the rest
-    (an fp32 x)."""
-    if getattr(module, "kind", None) in ("w8a8", "w4a8", "w8a8g"):
-        if "amx-int8" in isa:
-            return None
-        return "vnni" if "avx512vnni" in isa else "int8"
-    return "fma512" if "avx512" in isa else "fma"
+def ran(call) -> str:
+    """Call ``call()`` once and name the C++ kernel path it ran (the counter of
+    :func:`cbatch.ops.cpu.kernel_paths` that moved, e.g. ``linear.avx512`` or
+    ``quantized_linear.w4a8.avx512vnni``; "" where none did: the pure-torch reference)."""
+    from cbatch.ops import cpu
+
+    before = cpu.kernel_paths()
+    call()
+    moved = [name for name, n in cpu.kernel_paths().items() if n != before.get(name, 0)]
+    return moved[0] if moved else ""
 
 
-def linears(args, method: str, peaks: dict[str, float], isa: list[str]) -> list[dict]:
+def route(path: str, dtype) -> str | None:
+    """The peak a kernel path is held to (the instruction it multiplies with): ``vnni``
+    (``vpdpbusd``) or ``int8`` (``vpmaddubsw`` + ``vpmaddwd``) for the int8-activation kernels;
+    ``bf16`` (``vdpbf16ps``) for a bf16 x on AVX512-BF16 (the dense kernel, W4A16);
+    ``fma512`` or ``fma`` for the rest (fp32, bf16 widened on AVX2, W8A16); None on AMX
+    tiles or the reference, which no loop here measures."""
+    import torch
+
+    isa = path.rsplit(".", 1)[-1]
+    if not path or isa == "amx":
+        return None
+    if any(f".{kind}." in path for kind in ("w8a8", "w4a8", "w8a8g")):
+        return "vnni" if isa == "avx512vnni" else "int8"
+    if isa == "avx512bf16" or (path == "linear.avx512" and dtype == torch.bfloat16):
+        return "bf16"
+    return "fma512" if isa == "avx512" else "fma"
+
+
+def linears(args, method: str, peaks: dict[str, float]) -> list[dict]:
     import torch
 
     import cbatch
 
-    llm = cbatch.LLM(args.model, dtype=torch.float32, threads=args.threads,
+    dtype = getattr(torch, args.dtype)
+    llm = cbatch.LLM(args.model, dtype=dtype, threads=args.threads,
                      quantization=None if method == "none" else method,
                      num_blocks=8, block_size=16)
     layer = llm.engine.model.model.layers[0]
@@ -142,17 +162,18 @@ def linears(args, method: str, peaks: dict[str, float], isa: list[str]) -> list[
         for M in args.rows:
             for name, module in modules.items():
                 N, K = module.out_features, module.in_features
-                x = torch.randn(M, K)
-                module(x)  # warm-up
+                x = torch.randn(M, K, dtype=dtype)
+                path = ran(functools.partial(module, x))  # and a warm-up
                 best = float("inf")
                 for _ in range(args.reps):
                     start = time.perf_counter()
                     module(x)
                     best = min(best, time.perf_counter() - start)
                 rate = 2 * M * N * K / best
-                kind = route(module, isa)
-                rows.append({"model": args.model, "method": method, "layer": name, "M": M,
-                             "N": N, "K": K, "kernel": getattr(module, "kind", "dense"),
+                kind = route(path, dtype)
+                rows.append({"model": args.model, "method": method, "dtype": args.dtype,
+                             "layer": name, "M": M, "N": N, "K": K,
+                             "kernel": getattr(module, "kind", "dense"), "path": path,
                              "ms": best * 1e3, "GFLOPs": rate / 1e9, "peak": kind,
                              "of_peak": rate / peaks[kind] if kind else None})
                 print(json.dumps(rows[-1]), flush=True)
@@ -160,7 +181,7 @@ def linears(args, method: str, peaks: dict[str, float], isa: list[str]) -> list[
     return rows
 
 
-def attention(args, peaks: dict[str, float], isa: list[str]) -> list[dict]:
+def attention(args, peaks: dict[str, float]) -> list[dict]:
     import torch
 
     import cbatch
@@ -170,7 +191,6 @@ def attention(args, peaks: dict[str, float], isa: list[str]) -> list[dict]:
                         block_size=16).engine.model.config
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H
-    fma = "fma512" if "avx512" in isa else "fma"
     rows = []
     for cached in args.cached:
         for M in args.rows:
@@ -179,7 +199,8 @@ def attention(args, peaks: dict[str, float], isa: list[str]) -> list[dict]:
             query = torch.randn(M, H, D)
             call = functools.partial(torch.ops.cbatch.paged_prefill_attention, query,
                                      key_cache, value_cache, tables, cu, lens, D ** -0.5)
-            call()  # warm-up
+            path = ran(call)  # and a warm-up
+            fma = route(path, torch.float32)
             best = float("inf")
             for _ in range(args.reps):
                 start = time.perf_counter()
@@ -188,7 +209,7 @@ def attention(args, peaks: dict[str, float], isa: list[str]) -> list[dict]:
             rate = 4 * H * D * M * (cached + (M + 1) / 2) / best
             rows.append({"model": args.model, "method": "attention", "layer": "attention",
                          "M": M, "cached": cached, "H": H, "H_kv": H_kv, "D": D,
-                         "kernel": "prefill", "ms": best * 1e3, "GFLOPs": rate / 1e9,
+                         "kernel": "prefill", "path": path, "ms": best * 1e3, "GFLOPs": rate / 1e9,
                          "peak": fma, "of_peak": rate / peaks[fma]})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -200,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", nargs="*", default=["none", "w4a8", "w8a8", "int4"],
                     help="the linears' quantizations (none: the fp32 weights)")
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 4096])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's and x's dtype (bfloat16: vdpbf16ps on AVX512-BF16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines")
@@ -214,7 +237,6 @@ def main(argv: list[str] | None = None) -> dict:
     from cbatch.ops import cpu
 
     isa = cpu.cpu_isa()
-    words = isa.split()
     # the loops this CPU runs, whatever the cap (/proc/cpuinfo's flags)
     loops = ["avx2"] + (["avx512"] if {"avx512_vnni", "avx512_bf16"} <= cpu_flags() else [])
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,9 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
                  for name in PEAKS if PEAKS[name][0] in libs}
     for name, rate in peaks.items():
         print(f"peak {name}: {rate / 1e9:.1f} G ops/s on {args.threads} threads")
-    rows = [row for method in args.methods for row in linears(args, method, peaks, words)]
+    rows = [row for method in args.methods for row in linears(args, method, peaks)]
     if args.attention:
-        rows += attention(args, peaks, words)
+        rows += attention(args, peaks)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"peaks": peaks, "threads": args.threads, "isa": isa}) + "\n")

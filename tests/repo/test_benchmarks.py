@@ -378,10 +378,19 @@ def test_bench_ttft_times_each_cells_first_token_per_step_budget(tmp_path, capsy
 def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tmp_path):
     """The peaks are positive rates (an int8 pair's 64 ops outrun an FMA's 16 on any AVX2
     core: at least as many a cycle; AVX-512's loops too where the CPU has VNNI and BF16);
-    every linear of layer 0 at every row count has a rate, held to the int8 peak of the path
-    its kernel takes when it takes int8 activations (vpdpbusd's on VNNI), else to the FMA's
-    (zmm on AVX-512); so does the prefill attention of each chunk over each cached length."""
+    every linear of layer 0 at every row count has a rate and the kernel path its call ran,
+    held to the int8 peak of that path when it takes int8 activations (vpdpbusd's on VNNI),
+    else to the FMA's (zmm on AVX-512); so does the prefill attention of each chunk over each
+    cached length.  A bf16 x on AVX512-BF16 is held to vdpbf16ps's."""
     from benchmarks import bench_peak
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert [bench_peak.route(path, dtype) for path, dtype in [
+        ("linear.avx512", bf16), ("linear.avx512", fp32), ("linear.bf16.avx2", bf16),
+        ("quantized_linear.w4.avx512bf16", bf16), ("quantized_linear.w8.avx512", bf16),
+        ("quantized_linear.w8a8g.avx512vnni", fp32), ("quantized_linear.w8a8.avx2", fp32),
+        ("quantized_linear.w4a8.amx", fp32), ("linear.amx", bf16), ("", fp32)]] == [
+        "bf16", "fma512", "fma", "bf16", "fma512", "vnni", "int8", None, None, None]
 
     out = tmp_path / "peak.jsonl"
     result = bench_peak.main(["--model", "random:llama-tiny", "--methods", "none", "w4a8",
@@ -393,14 +402,22 @@ def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tm
         {"fma512", "vnni", "bf16"} if avx512 else set()) and min(peaks.values()) > 1e8
     assert peaks["int8"] > peaks["fma"]
     isa = cpu.cpu_isa().split()
-    int8 = None if "amx-int8" in isa else "vnni" if "avx512vnni" in isa else "int8"
+    int8 = "vnni" if "avx512vnni" in isa else "int8"
     fma = "fma512" if "avx512" in isa else "fma"
     rows = result["rows"]
     assert [(r["method"], r["M"], r["layer"]) for r in rows] == [
         (m, M, layer) for m in ("none", "w4a8") for M in (8, 16) for layer in bench_peak.LINEARS
     ] + [("attention", M, "attention") for _ in (0, 40) for M in (8, 16)]
     assert [r["cached"] for r in rows if r["layer"] == "attention"] == [0, 0, 40, 40]
-    for r in rows:
-        assert r["GFLOPs"] > 0 and r["peak"] == (int8 if r["method"] == "w4a8" else fma)
+    for r in rows:  # each held to the peak of the path its call ran (AMX tiles: none)
+        assert r["GFLOPs"] > 0 and r["path"]
+        if r["method"] == "w4a8":
+            assert r["path"].startswith("quantized_linear.w4a8.")
+            assert r["peak"] == (None if r["path"].endswith(".amx") else int8)
+        elif r["method"] == "none":
+            assert r["path"].startswith("linear.") and r["peak"] == (
+                None if r["path"] == "linear.amx" else fma)
+        else:
+            assert r["path"].startswith("prefill_attention.") and r["peak"] == fma
         assert (r["of_peak"] is None) == (r["peak"] is None)
     assert len(out.read_text().splitlines()) == 1 + len(rows)
