@@ -9,22 +9,30 @@ the workload ``--runs`` times, the prefix cache emptied before each: per run its
 how many of its steps ran on each thread count (``Engine.stats().steps_by_threads``: the
 adaptive thread policy's choices, :mod:`cbatch.core.cpu.threads`), the shares of the machine
 that other processes and the hypervisor (``steal``) took meanwhile (both from
-``/proc/stat``), and the host's memory read measured just before it (``read_gb_s``: a sum over
-256 MB, ``benchmarks.common.read_bandwidth``).  The last line: the slowest run over the
-fastest (issue 72's target on a quiet machine: at most 1.15).
+``/proc/stat``), the host's memory read measured just before it (``read_gb_s``: a sum over
+256 MB, ``benchmarks.common.read_bandwidth``), and what the cores compute just before and
+just after it (``fma_before`` / ``fma_after``, GFLOP/s: ``bench_peak.py``'s register-only
+``vfmadd231ps`` loop on every allowed CPU at once for 0.2 s; no memory, so it moves only with
+the cores' own speed: a sibling thread or a vCPU descheduled on the host, which this guest
+neither counts as its own processes nor, always, as ``steal``; None without a C compiler).
+The last line: the slowest run over the fastest (issue 72's target on a quiet machine: at
+most 1.15).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
+from benchmarks import bench_peak  # noqa: E402
 from benchmarks.bench_throughput import make_workload, settle  # noqa: E402
 from benchmarks.common import read_bandwidth  # noqa: E402
 from cbatch import LLM  # noqa: E402
@@ -41,27 +49,48 @@ def steal_seconds(cpus: list[int]) -> float | None:
     return None if seconds is None else seconds["steal"]
 
 
-def run_once(llm: LLM, wl, cpus: list[int]) -> dict:
-    """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share, and
-    the memory read (GB/s) measured just before it."""
+def fma_probe(cpus: list[int]):
+    """A function measuring the cores' fp32 FMA rate now (GFLOP/s on ``len(cpus)`` threads,
+    0.2 s; the loop built once into a temporary directory); without a C compiler the
+    function returns None."""
+    where = tempfile.TemporaryDirectory()
+    try:
+        libs = {"avx2": bench_peak.compile_loops(Path(where.name), "avx2")}
+    except (SystemExit, OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
+        print(f"no FMA probe: {e}", file=sys.stderr)
+        return lambda: None
+
+    def rate() -> float:
+        return bench_peak.peak(libs, "fma", len(cpus), seconds=0.2) / 1e9
+
+    rate.directory = where  # the loop's library stays until the probe goes
+    return rate
+
+
+def run_once(llm: LLM, wl, cpus: list[int], probe=lambda: None) -> dict:
+    """One timed run of ``wl``: wall seconds, steps by thread count, others' CPU share, the
+    memory read (GB/s) measured just before it, and ``probe()`` just before and after."""
     llm.engine.block_manager.reset_prefix_cache()
     # the host's memory read just before: a run's speed follows it where the steps stream
     # their weights (benchmarks/NOTES.md, "The weights' read as a yardstick")
     read_gb_s = read_bandwidth(torch.device("cpu")) / 1e9
     before = dict(llm.engine.stats().steps_by_threads)
     settle()
+    fma_before = probe()
     busy0, mine0, steal0 = busy_seconds(cpus), time.process_time(), steal_seconds(cpus)
     start = time.perf_counter()
     llm.generate(wl.prompts, wl.params, use_tqdm=False)
     wall = time.perf_counter() - start
     busy1, mine1, steal1 = busy_seconds(cpus), time.process_time(), steal_seconds(cpus)
+    fma_after = probe()
     after = llm.engine.stats().steps_by_threads
     steps = {n: after[n] - before.get(n, 0) for n in sorted(after) if after[n] > before.get(n, 0)}
     others = None if busy0 is None or busy1 is None else \
         max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (wall * len(cpus))
     stolen = None if steal0 is None or steal1 is None else (steal1 - steal0) / (wall * len(cpus))
     return {"wall_s": wall, "steps_by_threads": steps, "others_share": others,
-            "steal_share": stolen, "read_gb_s": read_gb_s}
+            "steal_share": stolen, "read_gb_s": read_gb_s, "fma_before": fma_before,
+            "fma_after": fma_after}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -86,18 +115,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     wl.prompts = [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in wl.prompts]
     llm.generate(wl.prompts[:2], wl.params[:2], use_tqdm=False)  # warm-up
     cpus = allowed_cpus()
+    probe = fma_probe(cpus)
     what = (f"{args.model} {args.quantization or args.dtype} {args.workload}"
             + (f" T {args.temperature} top-p {args.top_p}" if args.temperature else " greedy"))
     print(f"{what}: {args.runs} runs on {len(cpus)} CPUs", flush=True)
     rows = []
     for i in range(args.runs):
-        row = {"cell": what, "run": i, **run_once(llm, wl, cpus)}
+        row = {"cell": what, "run": i, **run_once(llm, wl, cpus, probe)}
         rows.append(row)
         share = "?" if row["others_share"] is None else f"{100 * row['others_share']:.1f}%"
         stolen = "?" if row["steal_share"] is None else f"{100 * row['steal_share']:.1f}%"
+        fma = "?" if row["fma_before"] is None else \
+            f"{row['fma_before']:.0f} / {row['fma_after']:.0f}"
         print(f"  run {i}: {row['wall_s']:.2f} s, steps by threads {row['steps_by_threads']}, "
               f"others took {share} of the machine, the hypervisor {stolen}, read "
-              f"{row['read_gb_s']:.1f} GB/s before", flush=True)
+              f"{row['read_gb_s']:.1f} GB/s before, FMA {fma} GFLOP/s before / after",
+              flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -333,8 +333,8 @@ def test_gemm_share_times_the_loop_of_a_one_call_model():
 
 def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
     """Every run of the cell is timed on the one engine, with the thread counts its steps
-    took (on at most the allowed CPUs) and the memory read measured before it, and written as
-    it ends."""
+    took (on at most the allowed CPUs), the memory read measured before it and the cores' FMA
+    rate before and after it (where a C compiler builds the loop), and written as it ends."""
     from benchmarks import bench_spread
     from cbatch.core.cpu.threads import allowed_cpus
 
@@ -346,6 +346,8 @@ def test_bench_spread_repeats_a_cell_and_counts_its_threads(tmp_path):
         assert r["wall_s"] > 0 and sum(r["steps_by_threads"].values()) > 0
         assert all(1 <= n <= len(allowed_cpus()) for n in r["steps_by_threads"])
         assert r["read_gb_s"] > 0.1 and (r["steal_share"] is None or r["steal_share"] >= 0)
+        if shutil.which("cc") or shutil.which("gcc"):
+            assert r["fma_before"] > 1 and r["fma_after"] > 1  # GFLOP/s
     # the same workload, scheduled alike: as many steps each run
     assert len({sum(r["steps_by_threads"].values()) for r in rows}) == 1
 
