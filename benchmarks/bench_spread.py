@@ -51,20 +51,15 @@ def steal_seconds(cpus: list[int]) -> float | None:
 
 def fma_probe(cpus: list[int]):
     """A function measuring the cores' fp32 FMA rate now (GFLOP/s on ``len(cpus)`` threads,
-    0.2 s; the loop built once into a temporary directory); without a C compiler the
-    function returns None."""
-    where = tempfile.TemporaryDirectory()
+    0.2 s; the loop built once, its library loaded before its directory goes); without a C
+    compiler the function returns None."""
     try:
-        libs = {"avx2": bench_peak.compile_loops(Path(where.name), "avx2")}
+        with tempfile.TemporaryDirectory() as where:
+            libs = {"avx2": bench_peak.compile_loops(Path(where), "avx2")}
     except (SystemExit, OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
         print(f"no FMA probe: {e}", file=sys.stderr)
         return lambda: None
-
-    def rate() -> float:
-        return bench_peak.peak(libs, "fma", len(cpus), seconds=0.2) / 1e9
-
-    rate.directory = where  # the loop's library stays until the probe goes
-    return rate
+    return lambda: bench_peak.peak(libs, "fma", len(cpus), seconds=0.2) / 1e9
 
 
 def run_once(llm: LLM, wl, cpus: list[int], probe=lambda: None) -> dict:
