@@ -101,3 +101,19 @@ def test_a_fused_projection_with_a_missing_shard_names_it(tmp_path):
                                          "\\(its layer's k_proj is there\\)") as info:
         load_model(str(tmp_path / "gptq"))
     assert str(path) in str(info.value)
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    """The check sums in fp32 (one pass); a sum that overflows on finite values falls through
+    to the exact check, which accepts them, and a NaN among them is still found."""
+    from pathlib import Path
+
+    from cbatch.models.quantized_checkpoint.layer import finite
+
+    big = torch.full((8, 4), 3e38)
+    assert not torch.isfinite(big.sum())
+    assert finite(big, "w", Path("f")) is big
+    big[5, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"f: w holds 1 values that are not finite \(the "
+                                         r"first at \(5, 2\)"):
+        finite(big, "w", Path("f"))
