@@ -193,12 +193,13 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     with torch.device("meta"):
         model = cls(config, attention_backend)
     if found is not None:
+        hint = quantized_checkpoint.suggested_kernel(layers) \
+            if kernel is None and torch.device(device).type == "cpu" else None
         count = quantized_checkpoint.install(model, layers, state, where, device, dtype,
-                                             kernel)
+                                             kernel)  # (consumes layers)
         logger.info("loaded %d quantized linear layers (%s%s)", count, found,
                     f", run as {kernel.name}" if kernel else "")
-        if kernel is None and torch.device(device).type == "cpu" and (
-                hint := quantized_checkpoint.suggested_kernel(layers)):
+        if hint:
             logger.info("quantization=%r would run these weights with int8 activations, "
                         "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", hint)
     assign(model, state, path, tied, device, dtype)

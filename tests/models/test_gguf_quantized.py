@@ -139,3 +139,21 @@ def test_a_tied_quantized_embedding_runs_as_its_own_blocks(tmp_path, method, qty
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     if quantized.available(kind):
         assert cpu.kernel_paths()[counter] > before
+
+
+def test_each_quantized_layer_goes_to_huge_pages_as_it_loads(tmp_path):
+    """On the CPU the loader places each quantized layer's packed tensors as soon as the layer
+    is made (cbatch.models.quantized_checkpoint.install), so one layer's unpacked and packed
+    copies are freed before the next is read: after ``load_model`` alone, with no engine,
+    every quantized layer is placed, and where Linux gives huge pages its qweight and scales
+    lie in one of HugePages' chunks."""
+    from cbatch.core.cpu.memory import CHUNK, HUGE_PAGE, huge_pages_available
+
+    file, _, _ = make_files("llama", tmp_path, type_of=lambda name: "Q4_0")
+    model = load_model(str(file))
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) > 2 and all(m.placed for m in layers)
+    if huge_pages_available():
+        for m in layers:
+            for t in (m.qweight, m.scales):
+                assert t.untyped_storage().nbytes() == CHUNK + HUGE_PAGE

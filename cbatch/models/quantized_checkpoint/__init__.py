@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from cbatch import quantization as quant
+from cbatch.core.cpu.memory import HugePages
+from cbatch.core.cpu.packing import place_quantized
 from cbatch.layers.quantization import QuantizedLinear, pack
 from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.models.llama import fuse_shards
@@ -160,35 +162,50 @@ def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.T
     """Replace each quantized layer's :class:`Linear` in ``model`` (Hugging Face names in
     ``layers``; q/k/v and gate/up fused as the model fuses them) by a QuantizedLinear, its
     bias taken from ``state`` (our names); the number replaced.  ``kernel``: a method whose
-    kernel runs each layer, its inputs quantized to int8 (:func:`with_int8_activations`)."""
+    kernel runs each layer, its inputs quantized to int8 (:func:`with_int8_activations`).
+
+    ``layers`` is consumed (emptied): each layer's unpacked integers are freed once its
+    module is made, and on the CPU its packed tensors go to huge pages right away
+    (:func:`cbatch.core.cpu.packing.place_quantized`, which the model runner would do later),
+    so that the memory a layer frees is reused by the next instead of every layer's
+    unpacked, packed and placed copies being alive at once (benchmarks/NOTES.md, "Loading a
+    model: cold start and memory after load")."""
     try:
         fused = fuse_shards(layers)
     except ValueError as e:
         raise ValueError(f"{where}: quantized {e}; cbatch fuses the shards of a projection "
                          "into one layer of one kind") from None
-    for target, found in fused.items():
+    layers.clear()
+    place = HugePages().copy if torch.device(device).type == "cpu" else None
+    count = len(fused)
+    for target in list(fused):
+        found = fused.pop(target)
         runs = _runs(found) if isinstance(found, list) else [[found]]
-        layers = [_fuse(run) for run in runs]
+        del found
+        shards = [_fuse(run) for run in runs]
         if kernel is not None:
-            layers = [with_int8_activations(one, target, kernel, where) for one in layers]
+            shards = [with_int8_activations(one, target, kernel, where) for one in shards]
         try:
             linear = model.get_submodule(target)
         except AttributeError:
             raise ValueError(f"{where}: the checkpoint quantizes {target}, which "
                              f"{type(model).__name__} does not have") from None
-        N = sum(one.q.shape[0] for one in layers)
-        if (N, layers[0].q.shape[1]) != (linear.out_features, linear.in_features):
-            raise ValueError(f"{where}: quantized {target} is {(N, layers[0].q.shape[1])}, "
+        N = sum(one.q.shape[0] for one in shards)
+        if (N, shards[0].q.shape[1]) != (linear.out_features, linear.in_features):
+            raise ValueError(f"{where}: quantized {target} is {(N, shards[0].q.shape[1])}, "
                              f"the config expects {(linear.out_features, linear.in_features)}")
         bias = state.pop(f"{target}.bias", None)
         if (bias is None) != (linear.bias is None):
             raise ValueError(f"{where}: {target}'s bias is "
                              f"{'missing' if bias is None else 'unexpected'} (the config "
                              f"{'has' if bias is None else 'has no'} one)")
-        biases = [None] * len(layers) if bias is None else \
-            bias.to(device=device, dtype=dtype).split([one.q.shape[0] for one in layers])
-        modules = [_module(one, target, b, where) for one, b in zip(layers, biases)]
+        biases = [None] * len(shards) if bias is None else \
+            bias.to(device=device, dtype=dtype).split([one.q.shape[0] for one in shards])
+        modules = [_module(one, target, b, where) for one, b in zip(shards, biases)]
+        del shards, runs
         parent, _, child = target.rpartition(".")
-        setattr(model.get_submodule(parent), child,
-                modules[0] if len(modules) == 1 else StackedLinear(modules))
-    return len(fused)
+        module = modules[0] if len(modules) == 1 else StackedLinear(modules)
+        if place is not None:
+            place_quantized(module, place)
+        setattr(model.get_submodule(parent), child, module)
+    return count
