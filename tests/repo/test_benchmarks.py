@@ -209,6 +209,28 @@ def test_serving_burst_quick(tmp_path):
     assert served["output_tok_per_s"] > 0 and offline["output_tok_per_s"] > 0
 
 
+def test_serving_burst_runs_llama_server_with_room_for_the_burst():
+    """llama-server gets a slot per prompt (at most --max-num-seqs), each with room for its
+    prompt and output; a binary without its .gguf is refused, and so is vLLM's client."""
+    from benchmarks import bench_serving_burst as b
+
+    class Args:
+        llama_server, llama_model, served_model_name = "llama-server", "m.gguf", "model"
+        llama_args = "--threads-http 1"
+        num_prompts, max_num_seqs, input_len, output_len = 32, 64, 1024, 128
+
+    cmd = b.llama_server_command(Args, 8123)
+    flag = {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+    assert cmd[:3] == ["llama-server", "-m", "m.gguf"] and "--kv-unified" not in cmd
+    assert flag["--parallel"] == "32" and flag["--port"] == "8123"
+    assert int(flag["--ctx-size"]) >= 32 * (1024 + 128) and cmd[-2:] == ["--threads-http", "1"]
+    with pytest.raises(SystemExit):
+        b.main(["--llama-server", "llama-server", "--no-progress"])
+    with pytest.raises(SystemExit):  # vLLM's client miscounts llama-server's tokens
+        b.main(["--llama-server", "llama-server", "--llama-model", "m.gguf", "--client",
+                "vllm", "--vllm-python", "python", "--vllm-model", "m", "--no-progress"])
+
+
 @pytest.mark.slow
 def test_spec_decode_quick(tmp_path):
     """Every method's greedy outputs equal the plain engine's; the replay ceiling's drafts
@@ -402,7 +424,10 @@ def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tm
     avx512 = {"avx512_vnni", "avx512_bf16"} <= bench_peak.cpu_flags()
     assert set(peaks) == {"fma", "int8", "vpmaddubsw"} | (
         {"fma512", "vnni", "bf16"} if avx512 else set()) and min(peaks.values()) > 1e8
-    assert peaks["int8"] > peaks["fma"]
+    # integer ops a second against the FMA's FLOPs: 1.9x on Zen 3 (NOTES.md, "Prompt GEMMs
+    # against the measured peak"), 0.97x on the KVM EPYC of 2026-12-07 (42.7 against 43.9 G
+    # on one thread); a count off by 2x a pair would fall below half
+    assert peaks["int8"] > 0.5 * peaks["fma"]
     isa = cpu.cpu_isa().split()
     int8 = "vnni" if "avx512vnni" in isa else "int8"
     fma = "fma512" if "avx512" in isa else "fma"
