@@ -26,15 +26,15 @@ process, start-up and dataset included).
         --num-prompts 32 --input-len 1024 --output-len 128
 
 With ``--client vllm`` the tokenizer that makes vLLM's random prompts is ``--vllm-model``'s
-(each server counts the text with its own).  llama-server runs as
-``benchmarks/peers/bench_llama_cpp.py`` starts it: 2 threads, one slot per prompt (at most
-``--max-num-seqs``), continuous batching, a KV cache of each slot's own (llama-server's
-default for a given ``--parallel``: with ``--kv-unified``, as bench_llama_cpp.py runs it,
-every slot's decode attends over the whole shared cache, masked, and 64 slots of 256 tokens
-decoded at 4.8 s a step here), no prompt cache in RAM; it takes this script's client only: vLLM's (0.32.0) reads a stream's token
-count from a usage chunk without choices, and llama-server sends its usage beside the last
-choice, so vLLM's client re-tokenizes the text instead (random weights' text re-tokenizes to
-other counts).
+(each server counts the text with its own).  llama-server runs with 2 threads, one slot per
+prompt (at most ``--max-num-seqs``), continuous batching, a KV cache of each slot's own
+(llama-server's default for a given ``--parallel``; with ``--kv-unified``, which
+``benchmarks/peers/bench_llama_cpp.py`` passes, every slot's decode attends over the whole
+shared cache, masked: 64 slots of 256 tokens decoded at 4.8 s a step here, against 1.8 s),
+no prompt cache in RAM.  llama-server takes this script's
+client only: vLLM's (0.32.0) reads a stream's token count from a usage chunk without choices,
+and llama-server sends its usage beside the last choice, so vLLM's client re-tokenizes the
+text instead (random weights' text re-tokenizes to other counts).
 """
 
 from __future__ import annotations
