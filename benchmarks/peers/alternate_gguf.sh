@@ -11,7 +11,8 @@
 # TYPE: f16, Q4_K_M, Q4_0, Q8_0 (Q5_K_M, Q6_K for smollm2-360m-outliers).  cbatch runs
 # bench_throughput.py --model <file> --dtype float32 --engines cbatch-continuous (QUANT
 # adds --quantization QUANT, SAMPLE the sampling flags, as alternate_quant.sh); then
-# llama-server (bench_llama_cpp.py, REPS reps, default 2) on the same file.  bench_throughput.py
+# llama-server (bench_llama_cpp.py, REPS reps, default 2; KV_UNIFIED=1 shares one KV cache among
+# its slots, as the runs before 2026-12-07 did) on the same file.  bench_throughput.py
 # takes no workload file: it builds `seed` from the model's tokenizer (for a .gguf, the
 # file's vocabulary, not random:'s byte ids that workloads-<shape>.json holds) and `longtail`
 # from the vocabulary size (the same ids as workloads-<shape>.json).  So llama-server gets
@@ -66,7 +67,7 @@ for name in "${names[@]}"; do
       [ -n "${SCALE:-}" ] && scale_down=(--scale-down "${SCALE_DOWN:-8}")
       python3 benchmarks/peers/bench_llama_cpp.py --server "$peers/llama.cpp/build/bin/llama-server" \
         --model "$file" --workloads "$workloads" --workload "$workload" --reps "${REPS:-2}" \
-        ${scale_down[@]+"${scale_down[@]}"} ${sample[@]+"${sample[@]}"} 2>&1 |
+        ${KV_UNIFIED:+--kv-unified} ${scale_down[@]+"${scale_down[@]}"} ${sample[@]+"${sample[@]}"} 2>&1 |
         grep -E "^rep|RESULT|mismatch|exited" | sed "s/^/llama.cpp-$type /" ;;
     openvino) echo "openvino: OpenVINO GenAI 2026.4.1 refuses these files (map::at); skipped" ;;
     *) echo "unknown peer $name (llamacpp, openvino)" >&2; exit 2 ;;

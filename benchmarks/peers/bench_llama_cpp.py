@@ -9,7 +9,10 @@ Runs with any Python 3 (standard library only; see benchmarks/peers/README.md fo
 Model: a GGUF of a random-weight checkpoint (make_random_checkpoint.py, then llama.cpp's
 convert_hf_to_gguf.py --outtype f16, then llama-quantize to Q8_0 or Q4_0).  The server starts
 with --parallel = the workload's batch size (as max_num_seqs elsewhere), continuous batching,
-a unified KV cache big enough for every slot's longest request, 2 threads.  Every request
+a KV cache of each slot's own big enough for its longest request (llama-server's default for a
+given --parallel; ``--kv-unified`` shares one cache, as the runs before 2026-12-07 did: every
+slot's decode then attends over all of it, masked, which cost llama-server 2.4x at 64 slots in
+benchmarks/NOTES.md, "Serving long prompts beside llama-server"), 2 threads.  Every request
 goes to /completion at once, each on its own connection (the server queues those beyond its
 slots): the token-id prompt (no BOS added to an id array), n_predict = max_tokens exactly
 (ignore_eos; the response's token ids are counted), greedy (temperature 0), or with
@@ -90,6 +93,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--scale-down", type=int, default=0, help="keep only the first N requests")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-unified", action="store_true",
+                    help="one KV cache shared by every slot (the runs before 2026-12-07)")
     ap.add_argument("--port", type=int, default=8097)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="cache_prompt false: no slot reuses a previous prompt's KV")
@@ -108,7 +113,8 @@ def main():
     per_slot = -(-(longest + 16) // 256) * 256  # room for each slot's longest request
     cmd = [args.server, "-m", args.model, "--host", "127.0.0.1", "--port", str(args.port),
            "--threads", str(args.threads), "--threads-batch", str(args.threads),
-           "--parallel", str(parallel), "--cont-batching", "--kv-unified",
+           "--parallel", str(parallel), "--cont-batching",
+           *(["--kv-unified"] if args.kv_unified else []),
            "--ctx-size", str(per_slot * parallel), "--cache-ram", "0", "--no-webui",
            "--slot-save-path", tempfile.mkdtemp(prefix="llama-slots-")]  # enables erase
     url = f"http://127.0.0.1:{args.port}"
