@@ -42,7 +42,7 @@ from cbatch.core.spec_decode.decoder import SpeculativeDecoder
 from cbatch.core.static import StaticScheduler
 from cbatch.core.stats import EngineStats, StepCounters
 from cbatch.core.structured_output import ConstraintError, StructuredOutputs
-from cbatch.core.worker import build_worker
+from cbatch.core.worker import build_worker, weight_place
 from cbatch.models.loader import load_model_and_tokenizer
 from cbatch.outputs import RequestOutput
 from cbatch.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ class Engine:
         else:
             config = EngineConfig(model=model, **kwargs)
             torch.manual_seed(config.seed)
-            model, tokenizer = load_model_and_tokenizer(config)
+            model, tokenizer = load_model_and_tokenizer(config, weight_place(config.device))
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.max_model_len = config.max_model_len or model.config.max_model_len
         if self.max_model_len > model.config.max_model_len:

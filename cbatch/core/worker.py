@@ -15,9 +15,11 @@ from torch import nn
 
 from cbatch.config import EngineConfig
 from cbatch.core.block_manager import BlockManager
+from cbatch.core.cpu.memory import HugePages
 from cbatch.core.cpu.model_runner import CPUModelRunner
 from cbatch.core.model_runner import ModelRunner
 from cbatch.layers.kv_cache import KVCache, num_kv_blocks
+from cbatch.layers.quantization import Place
 
 
 @dataclass
@@ -49,6 +51,13 @@ class Worker:
                     graph_capture_s=self.runner.graph_capture_s,
                     graph_memory_bytes=self.runner.graph_memory_bytes,
                     steps_by_threads=self.runner.steps_by_threads())
+
+
+def weight_place(device: torch.device | str) -> Place | None:
+    """Where the runner of ``device`` keeps a model's weights, for the loader to move each
+    quantized layer there as it makes it (``load_model``'s ``place``): a CPU runner's huge
+    pages (:class:`HugePages`); None elsewhere."""
+    return HugePages().copy if torch.device(device).type == "cpu" else None
 
 
 def model_runner_class(device: torch.device | str) -> type[ModelRunner]:

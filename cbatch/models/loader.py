@@ -24,7 +24,7 @@ from torch import nn
 
 from cbatch import quantization as quant
 from cbatch.hub import find_gguf_file, resolve_checkpoint_dir
-from cbatch.layers.quantization import quantize_head, quantize_model
+from cbatch.layers.quantization import Place, quantize_head, quantize_model
 from cbatch.logger import init_logger
 from cbatch.models.assign import assign
 from cbatch.models import quantized_checkpoint
@@ -80,8 +80,10 @@ def random_model_names() -> list[str]:
     return sorted(MODEL_CONFIGS) + sorted(random_llama_configs())
 
 
-def load_model_and_tokenizer(config) -> tuple[nn.Module, Tokenizer]:
-    """The model and the tokenizer that ``config`` (an ``EngineConfig``) names, the tokenizer
+def load_model_and_tokenizer(config, place: Place | None = None
+                             ) -> tuple[nn.Module, Tokenizer]:
+    """The model and the tokenizer that ``config`` (an ``EngineConfig``) names (``place``:
+    :func:`load_model`'s), the tokenizer
     built on a thread of its own while the model loads, then given the model's EOS: a GGUF
     file's tokenizer is seconds of Python (transformers' converter over its vocabulary) and
     the model's load mostly torch's kernels, which leave the GIL (benchmarks/NOTES.md,
@@ -89,7 +91,7 @@ def load_model_and_tokenizer(config) -> tuple[nn.Module, Tokenizer]:
     with ThreadPoolExecutor(1, thread_name_prefix="cbatch-tokenizer") as pool:
         building = pool.submit(load_tokenizer, config.model, config.tokenizer)
         model = load_model(config.model, config.device, config.torch_dtype, config.seed,
-                           config.attention_backend, config.quantization)
+                           config.attention_backend, config.quantization, place)
         tokenizer = building.result()
     tokenizer.eos_token_id = model.config.eos_token_id
     return model, tokenizer
@@ -98,7 +100,8 @@ def load_model_and_tokenizer(config) -> tuple[nn.Module, Tokenizer]:
 def load_model(name_or_path: str, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, seed: int = 0,
                attention_backend: str | None = None,
-               quantization: str | quant.QuantizationMethod | None = None) -> nn.Module:
+               quantization: str | quant.QuantizationMethod | None = None,
+               place: Place | None = None) -> nn.Module:
     """Build a model and load its weights.
 
     ``name_or_path`` is ``random:<name>`` (a name from :func:`random_model_names`, with
@@ -118,6 +121,11 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
     kernel runs the checkpoint's own weights, their inputs quantized to int8 at every call,
     where the layers hold what that kernel takes, and its ``head`` scheme quantizes the
     lm_head as the online method does.  Where each method runs: its record's ``check_run``.
+
+    ``place``: where the model runner will keep the weights (a CPU runner's huge pages,
+    :func:`cbatch.core.worker.weight_place`); each quantized layer of a quantized checkpoint
+    or GGUF file moves there as soon as it is made, so that loading never holds every layer's
+    unpacked and packed copies at once.  None: the runner moves them when it is built.
     """
     method = quant.get(quantization)  # the one check of the name; a record passes as it is
     what = f"({str(dtype).removeprefix('torch.')}, {device}" + \
@@ -146,7 +154,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         from cbatch.models.gguf.loader import load_gguf_model
 
         logger.info("loading %s %s ...", gguf_file, what)
-        return load_gguf_model(gguf_file, device, dtype, attention_backend, method)
+        return load_gguf_model(gguf_file, device, dtype, attention_backend, method, place)
     path = resolve_checkpoint_dir(name_or_path)  # first: a name that is wrong is one line
     logger.info("loading %s %s ...", name_or_path, what)
     if not (path / "config.json").is_file():
@@ -196,7 +204,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
         hint = quantized_checkpoint.suggested_kernel(layers) \
             if kernel is None and torch.device(device).type == "cpu" else None
         count = quantized_checkpoint.install(model, layers, state, where, device, dtype,
-                                             kernel)  # (consumes layers)
+                                             kernel, place)  # (consumes layers)
         logger.info("loaded %d quantized linear layers (%s%s)", count, found,
                     f", run as {kernel.name}" if kernel else "")
         if hint:

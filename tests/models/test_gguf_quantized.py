@@ -141,19 +141,40 @@ def test_a_tied_quantized_embedding_runs_as_its_own_blocks(tmp_path, method, qty
         assert cpu.kernel_paths()[counter] > before
 
 
-def test_each_quantized_layer_goes_to_huge_pages_as_it_loads(tmp_path):
-    """On the CPU the loader places each quantized layer's packed tensors as soon as the layer
-    is made (cbatch.models.quantized_checkpoint.install), so one layer's unpacked and packed
-    copies are freed before the next is read: after ``load_model`` alone, with no engine,
-    every quantized layer is placed, and where Linux gives huge pages its qweight and scales
-    lie in one of HugePages' chunks."""
+def test_each_quantized_layer_goes_to_huge_pages_as_it_loads(tmp_path, monkeypatch):
+    """On the CPU the loader places each quantized layer's packed tensors where the runner
+    keeps weights as soon as the layer is made (``load_model``'s ``place``,
+    cbatch.models.quantized_checkpoint.install), so one layer's unpacked and packed copies are
+    freed before the next is read: after ``load_model`` alone every quantized layer is placed,
+    and where Linux gives huge pages its qweight and scales lie in one of HugePages' chunks.
+    An engine's load passes its runner's place: its model comes back from loading placed,
+    before any runner exists; without ``place`` the runner places them later."""
+    import cbatch.core.engine as engine_module
     from cbatch.core.cpu.memory import CHUNK, HUGE_PAGE, huge_pages_available
+    from cbatch.core.worker import weight_place
+
+    def quantized(model):
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        assert len(layers) > 2
+        return layers
 
     file, _, _ = make_files("llama", tmp_path, type_of=lambda name: "Q4_0")
-    model = load_model(str(file))
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) > 2 and all(m.placed for m in layers)
+    assert not any(m.placed for m in quantized(load_model(str(file))))
+    layers = quantized(load_model(str(file), place=weight_place("cpu")))
+    assert all(m.placed for m in layers)
     if huge_pages_available():
         for m in layers:
             for t in (m.qweight, m.scales):
                 assert t.untyped_storage().nbytes() == CHUNK + HUGE_PAGE
+
+    loaded = []
+    load = engine_module.load_model_and_tokenizer
+
+    def spy(config, place=None):
+        model, tokenizer = load(config, place)
+        loaded.append([m.placed for m in quantized(model)])
+        return model, tokenizer
+
+    monkeypatch.setattr(engine_module, "load_model_and_tokenizer", spy)
+    engine_module.Engine(str(file), max_num_seqs=2, num_blocks=8)
+    assert len(loaded) == 1 and all(loaded[0])

@@ -83,19 +83,11 @@ def pack_linears(model: nn.Module, batch_invariant: bool = False,
 
 
 def place_quantized(model: nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> int:
-    """Move each :class:`QuantizedLinear`'s packed weight, scales and mins (packed at load,
-    the bytes a decode step streams instead of a dense weight's) to ``place``'s memory (the
-    model runner's huge pages), once; the number of layers moved."""
-    moved = 0
-    with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, QuantizedLinear) and not layer.placed:
-                layer.qweight, layer.scales = place(layer.qweight), place(layer.scales)
-                if layer.mins is not None:
-                    layer.mins = place(layer.mins)
-                layer.placed = True
-                moved += 1
-    return moved
+    """Move each :class:`QuantizedLinear`'s packed tensors (packed at load) to ``place``'s
+    memory (the model runner's huge pages) where the loader has not already
+    (:meth:`QuantizedLinear.place`); the number of layers moved."""
+    return sum(layer.place(place) for layer in model.modules()
+               if isinstance(layer, QuantizedLinear))
 
 
 def unpack_linears(model: nn.Module) -> None:

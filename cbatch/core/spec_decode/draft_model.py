@@ -35,7 +35,7 @@ import torch
 from cbatch.config import EngineConfig, SpeculativeConfig
 from cbatch.core.sampler import SamplingBatch
 from cbatch.core.spec_decode.proposer import Proposer
-from cbatch.core.worker import build_worker
+from cbatch.core.worker import build_worker, weight_place
 from cbatch.logger import init_logger
 from cbatch.models.loader import load_model
 
@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
         cfg = engine_config
         self.k = config.num_speculative_tokens
         self.model = load_model(config.model, cfg.device, cfg.torch_dtype, cfg.seed,
-                                cfg.attention_backend)
+                                cfg.attention_backend, place=weight_place(cfg.device))
         if self.model.config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config: the draft model {config.model!r} has a "
                              f"vocabulary of {self.model.config.vocab_size} tokens, the target "

@@ -18,11 +18,11 @@ from torch import nn
 
 from cbatch.layers.embedding import tied_embeddings, weight_holders
 from cbatch.layers.linear import Linear
-from cbatch.layers.quantization.linear import QuantizedLinear
+from cbatch.layers.quantization.linear import Place, QuantizedLinear
 from cbatch.layers.quantization.weight import QuantizedWeight, pack, quantize
 from cbatch.quantization import QuantizationMethod, Scheme
 
-__all__ = ["QuantizedLinear", "QuantizedWeight", "pack", "quantize", "quantize_head",
+__all__ = ["Place", "QuantizedLinear", "QuantizedWeight", "pack", "quantize", "quantize_head",
            "quantize_model"]
 
 

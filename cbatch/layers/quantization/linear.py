@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,8 @@ from cbatch.layers.quantization.weight import (QuantizedWeight, pack_w4a8, pack_
                                                unpack_w8a8g)
 from cbatch.ops import cpu, quantized
 from cbatch.quantization import Scheme
+
+Place = Callable[[torch.Tensor], torch.Tensor]  # a tensor's copy where a runner keeps weights
 
 
 class QuantizedLinear(Module):
@@ -74,6 +78,18 @@ class QuantizedLinear(Module):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.placed = False  # qweight and scales moved to a CPU runner's huge pages
+
+    def place(self, place: Place) -> bool:
+        """Move the packed weight, scales and mins (the bytes a decode step streams) to
+        ``place``'s memory (a CPU runner's huge pages), once; whether they moved now."""
+        if self.placed:
+            return False
+        with torch.no_grad():
+            self.qweight, self.scales = place(self.qweight), place(self.scales)
+            if self.mins is not None:
+                self.mins = place(self.mins)
+        self.placed = True
+        return True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: Scheme) -> QuantizedLinear:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from cbatch.layers.embedding import tied_embeddings, weight_holders
+from cbatch.layers.quantization import Place
 from cbatch.quantization import QuantizationMethod
 from cbatch.logger import init_logger
 from cbatch.models.assign import assign
@@ -37,7 +38,8 @@ logger = init_logger(__name__)
 
 def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
-                    quantization: QuantizationMethod | None = None) -> nn.Module:
+                    quantization: QuantizationMethod | None = None,
+                    place: Place | None = None) -> nn.Module:
     """The model in GGUF file ``path`` on ``device``, its float tensors in ``dtype``.
 
     On the CPU the decoder's quantized linears (and an untied quantized lm_head) run on
@@ -52,6 +54,7 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     activations, Q8_0 and Q6_K move about as far as llama.cpp's (benchmarks/NOTES.md,
     "Quantized weights' accuracy on outlier channels").  ``"gguf"``: every layer with float
     inputs and a float head, the dequantized weights' products up to fp32 rounding.
+    ``place``: :func:`cbatch.models.loader.load_model`'s.
     """
     path = Path(path)
     if quantization is not None and quantization.name not in ("gguf", "w4a8"):
@@ -84,9 +87,9 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     if layers:
         if int8:
             layers = {name: with_int8_activations(one) for name, one in layers.items()}
-        install(model, layers, state, path, device, dtype)
+        install(model, layers, state, path, device, dtype, place=place)
     if head is not None:
-        tie_head(model, head, path, device, dtype)
+        tie_head(model, head, path, device, dtype, place)
         tied = None  # the embedding has no weight of its own left to tie
     assign(model, state, path, tied, device, dtype)
     return model.eval()
@@ -104,14 +107,15 @@ def tied_head(f: GGUFFile, config) -> Layer | None:
     return head if head.act_bits == 8 else None
 
 
-def tie_head(model: nn.Module, head: Layer, path: Path, device, dtype) -> None:
+def tie_head(model: nn.Module, head: Layer, path: Path, device, dtype,
+             place: Place | None = None) -> None:
     """``model``'s lm_head (still on the meta device, tied to its embedding) as ``head``
     (:func:`tied_head`): int8 activations per group (W8A8 per group for Q8_0's and Q6_K's
     levels, W4A8 for 4-bit ones), the embedding reading its rows, in ``dtype``, from it, as
     llama.cpp reads ``token_embd`` for both: no float copy of the vocabulary, ever, and the
     file's weights bitwise."""
     embeddings = tied_embeddings(weight_holders(model), model.lm_head)
-    install(model, {"lm_head": head}, {}, path, device, dtype)
+    install(model, {"lm_head": head}, {}, path, device, dtype, place=place)
     for embedding in embeddings or ():
         embedding.tie_quantized(model.lm_head, dtype)
 

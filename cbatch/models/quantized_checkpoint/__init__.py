@@ -26,9 +26,7 @@ import torch
 from torch import nn
 
 from cbatch import quantization as quant
-from cbatch.core.cpu.memory import HugePages
-from cbatch.core.cpu.packing import place_quantized
-from cbatch.layers.quantization import QuantizedLinear, pack
+from cbatch.layers.quantization import Place, QuantizedLinear, pack
 from cbatch.layers.stacked_linear import StackedLinear
 from cbatch.models.llama import fuse_shards
 from cbatch.models.quantized_checkpoint.awq import read_awq
@@ -158,25 +156,26 @@ def with_int8_activations(layer: Layer, name: str, kernel: quant.QuantizationMet
 
 
 def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.Tensor],
-            where: Path, device, dtype, kernel: quant.QuantizationMethod | None = None) -> int:
+            where: Path, device, dtype, kernel: quant.QuantizationMethod | None = None,
+            place: Place | None = None) -> int:
     """Replace each quantized layer's :class:`Linear` in ``model`` (Hugging Face names in
     ``layers``; q/k/v and gate/up fused as the model fuses them) by a QuantizedLinear, its
     bias taken from ``state`` (our names); the number replaced.  ``kernel``: a method whose
     kernel runs each layer, its inputs quantized to int8 (:func:`with_int8_activations`).
 
     ``layers`` is consumed (emptied): each layer's unpacked integers are freed once its
-    module is made, and on the CPU its packed tensors go to huge pages right away
-    (:func:`cbatch.core.cpu.packing.place_quantized`, which the model runner would do later),
-    so that the memory a layer frees is reused by the next instead of every layer's
-    unpacked, packed and placed copies being alive at once (benchmarks/NOTES.md, "Loading a
-    model: cold start and memory after load")."""
+    module is made, and ``place`` (where the model runner keeps weights: a CPU runner's huge
+    pages, :func:`cbatch.core.worker.weight_place`) moves its packed tensors there right away
+    (:meth:`QuantizedLinear.place`, which the runner would do later), so that the memory a
+    layer frees is reused by the next instead of every layer's unpacked, packed and placed
+    copies being alive at once (benchmarks/NOTES.md, "Loading a model: cold start and memory
+    after load")."""
     try:
         fused = fuse_shards(layers)
     except ValueError as e:
         raise ValueError(f"{where}: quantized {e}; cbatch fuses the shards of a projection "
                          "into one layer of one kind") from None
     layers.clear()
-    place = HugePages().copy if torch.device(device).type == "cpu" else None
     count = len(fused)
     for target in list(fused):
         found = fused.pop(target)
@@ -206,6 +205,7 @@ def install(model: nn.Module, layers: dict[str, Layer], state: dict[str, torch.T
         parent, _, child = target.rpartition(".")
         module = modules[0] if len(modules) == 1 else StackedLinear(modules)
         if place is not None:
-            place_quantized(module, place)
+            for layer in modules:
+                layer.place(place)
         setattr(model.get_submodule(parent), child, module)
     return count
