@@ -11,6 +11,11 @@ split into ``anon`` (RssAnon: the process's own memory, what a second process wo
 the model's weights (parameters and a quantized layer's packed integers, scales, zeros and
 mins).
 
+A GGUF file's packed model and tokenizer are cached after a first start
+(:mod:`cbatch.file_cache`), so each rep runs cbatch as ``--cache`` says: ``off``
+(``CBATCH_FILE_CACHE=0``: made from the file), ``write`` (an empty cache: made, then written)
+and ``read`` (read back from what ``write`` left), each in a cache folder of the run's own.
+
 ``--llama-server PATH`` adds llama.cpp's row on the same ``.gguf`` (``--model`` must be one):
 the server started with 2 threads, one slot and the same context (``--kv-tokens``), timed from
 its start to its /health and then to its first token (/completion of the same 4 ids, 1
@@ -26,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -51,10 +59,12 @@ def child(args, method: str, started: float) -> dict:
     import torch
 
     import cbatch
+    from cbatch import file_cache
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.bench_decode_step import model_weight_bytes
 
     t1 = time.time()
+    cached = len(list(file_cache.root().glob("model/*/*")))  # entries there before the load
     block_size = 16
     llm = cbatch.LLM(args.model, dtype=getattr(torch, args.dtype), threads=args.threads,
                      num_blocks=args.kv_tokens // block_size, block_size=block_size,
@@ -66,7 +76,8 @@ def child(args, method: str, started: float) -> dict:
     return {"engine": "cbatch", "method": method, "dtype": args.dtype,
             "cold_s": t3 - started, "start_s": t0 - started, "import_s": t1 - t0,
             "load_s": t2 - t1, "first_token_s": t3 - t2,
-            "weights": model_weight_bytes(llm.engine.model), **memory()}
+            "weights": model_weight_bytes(llm.engine.model), "entries_before": cached,
+            **memory()}
 
 
 def _free_port() -> int:
@@ -116,17 +127,29 @@ def llama_server(args) -> dict:
 
 def run(args) -> list[dict]:
     rows = []
-    for rep in range(args.reps):
-        for method in args.methods:
-            started = time.time()
-            out = subprocess.run(
-                [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
-                 "--kv-tokens", str(args.kv_tokens), "--threads", str(args.threads),
-                 "--child", method, str(started)],
-                check=True, capture_output=True, text=True).stdout
-            rows.append({"rep": rep, **json.loads(out.strip().splitlines()[-1])})
-        if args.llama_server:
-            rows.append({"rep": rep, **llama_server(args)})
+    root = Path(tempfile.mkdtemp(prefix="bench-load-cache-"))
+    try:
+        for rep in range(args.reps):
+            for method in args.methods:
+                for cache in args.cache:
+                    if cache == "write":
+                        shutil.rmtree(root / "model", ignore_errors=True)
+                        shutil.rmtree(root / "tokenizer", ignore_errors=True)
+                    env = dict(os.environ)  # the child's cache: this run's folder
+                    env.update(CBATCH_CACHE_ROOT=str(root),
+                               CBATCH_FILE_CACHE="0" if cache == "off" else "1")
+                    started = time.time()
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--model", args.model, "--dtype",
+                         args.dtype, "--kv-tokens", str(args.kv_tokens), "--threads",
+                         str(args.threads), "--child", method, str(started)],
+                        check=True, capture_output=True, text=True, env=env).stdout
+                    rows.append({"rep": rep, "cache": cache,
+                                 **json.loads(out.strip().splitlines()[-1])})
+            if args.llama_server:
+                rows.append({"rep": rep, "cache": "-", **llama_server(args)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
@@ -134,16 +157,17 @@ def report(rows: list[dict], model: str) -> None:
     """The best (least cold time) of each row's reps; MB."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["engine"], r["method"])
+        key = (r["engine"], r["method"], r.get("cache", "-"))
         if key not in best or r["cold_s"] < best[key]["cold_s"]:
             best[key] = r
-    print(f"{model}: cold process to first token (best of {1 + max(r['rep'] for r in rows)});"
-          " memory after it, MB")
-    print(f"{'engine':13s} {'method':7s} {'cold s':>7s} {'load s':>7s} {'1st tok':>7s} "
-          f"{'weights':>8s} {'RSS':>7s} {'anon':>7s} {'file':>7s} {'peak':>7s}")
+    reps = 1 + max(r["rep"] for r in rows)
+    print(f"{model}: cold process to first token (best of {reps}); memory after it, MB")
+    print(f"{'engine':13s} {'method':7s} {'cache':5s} {'cold s':>7s} {'load s':>7s} "
+          f"{'1st tok':>7s} {'weights':>8s} {'RSS':>7s} {'anon':>7s} {'file':>7s} {'peak':>7s}")
     for r in best.values():
         weights = "-" if r["weights"] is None else f"{r['weights'] / 1e6:.0f}"
-        print(f"{r['engine']:13s} {r['method']:7s} {r['cold_s']:7.2f} {r['load_s']:7.2f} "
+        print(f"{r['engine']:13s} {r['method']:7s} {r.get('cache', '-'):5s} "
+              f"{r['cold_s']:7.2f} {r['load_s']:7.2f} "
               f"{r['first_token_s']:7.2f} {weights:>8s} {r['rss'] / 1e6:7.0f} "
               f"{r['anon'] / 1e6:7.0f} {r['file'] / 1e6:7.0f} {r['peak'] / 1e6:7.0f}")
 
@@ -158,6 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kv-tokens", type=int, default=1024,
                         help="the KV cache's tokens, the same for every engine")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", nargs="+", choices=["off", "write", "read"],
+                        help="cbatch's file cache in each rep's runs, in this order (read "
+                             "needs a write before it; default: off write read for a .gguf, "
+                             "else off)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--llama-server", help="llama-server's binary: a row on the same .gguf")
     parser.add_argument("--out", help="append the rows as JSON lines")
@@ -168,6 +196,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if args.llama_server and not args.model.endswith(".gguf"):
         parser.error("--llama-server needs --model to be a .gguf file")
+    args.cache = args.cache or (["off", "write", "read"] if args.model.endswith(".gguf")
+                                else ["off"])
+    if "read" in args.cache and "write" not in args.cache[:args.cache.index("read")]:
+        parser.error("--cache read needs a write before it")
     rows = run(args)
     report(rows, args.model)
     if args.out:

@@ -85,6 +85,12 @@ VARIABLES = (
     Variable("CBATCH_HUGE_PAGES", "1",
              "0: a CPU engine's packed weights and KV pool stay on malloc, not 2 MB huge pages",
              flag=True),
+    Variable("CBATCH_FILE_CACHE", "1",
+             "0: a GGUF file's packed model and tokenizer are made anew at every start, not "
+             "read back from the cache (cbatch.file_cache)", flag=True),
+    Variable("CBATCH_CACHE_ROOT", "",
+             "the folder of cbatch's file cache (default: $XDG_CACHE_HOME/cbatch, else "
+             "~/.cache/cbatch)"),
     Variable("CBATCH_CPU_ISA", "",
              "avx2: the C++ CPU kernels take the paths of a CPU without AVX-512", ("avx2",),
              when="load"),

@@ -8,12 +8,14 @@ id b < 256 is byte b, and every other id decodes as ``<|id|>``.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 import warnings
 from pathlib import Path
 from typing import Protocol
 
+from cbatch import file_cache
 from cbatch.hub import TOKENIZER_FILES, find_gguf_file, resolve_checkpoint_dir
 
 
@@ -108,7 +110,27 @@ class HFTokenizer:
         ``PreTrainedTokenizerFast`` rather than ``AutoTokenizer``: the same tokenizer (the
         same ``tokenizer.json``, tested), without AutoTokenizer's model config, which
         transformers 5 reads for a llama file with gguf's reader, parsing every metadata
-        array (10 s of a Llama 3 file's load on this machine, against 0.8 s)."""
+        array (10 s of a Llama 3 file's load on this machine, against 0.8 s).  Built once: the
+        next start reads its ``tokenizer.json`` and the file's chat template back from the
+        file cache (:mod:`cbatch.file_cache`; a Llama 3 vocabulary's build is seconds of
+        Python), without transformers."""
+        from importlib.metadata import version
+
+        from tokenizers import Tokenizer as _Tokenizer
+
+        cached = file_cache.entry("tokenizer", path, args={}, depends=dict(
+            transformers=version("transformers"), tokenizers=version("tokenizers")))
+        if cached is not None and cached.exists:
+            try:
+                tok = _Tokenizer.from_file(str(cached.file("tokenizer.json")))
+                said = json.loads(cached.file("gguf.json").read_text())
+                return cls._of_gguf(path, tok, eos_token_id, said["chat_template"],
+                                    said["special_tokens"])
+            except Exception as e:  # noqa: BLE001 (a damaged entry is made anew)
+                warnings.warn(f"{path.name}: the cached tokenizer {cached.path} did not load "
+                              f"({type(e).__name__}: {e}); building it from the file",
+                              stacklevel=2)
+                cached.remove()
         try:
             from transformers import PreTrainedTokenizerFast
         except ImportError as e:
@@ -117,15 +139,25 @@ class HFTokenizer:
                 "'cbatch[hf]', or pass tokenizer=<a Hugging Face tokenizer directory or hub "
                 "id> (cbatch --tokenizer)", name="transformers") from e
         hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        template = hf.chat_template if isinstance(hf.chat_template, str) else None
+        special = {"bos_token": hf.bos_token or "", "eos_token": hf.eos_token or ""}
+        if cached is not None:
+            text = hf.backend_tokenizer.to_str()
+            said = json.dumps({"chat_template": template, "special_tokens": special})
+            cached.write(lambda folder: ((folder / "tokenizer.json").write_text(text),
+                                         (folder / "gguf.json").write_text(said)), len(text))
+        return cls._of_gguf(path, hf.backend_tokenizer, eos_token_id, template, special)
+
+    @classmethod
+    def _of_gguf(cls, path: Path, tok, eos_token_id: int, chat_template: str | None,
+                 special_tokens: dict[str, str]) -> HFTokenizer:
         tokenizer = cls.__new__(cls)
-        tokenizer._setup(hf.backend_tokenizer, eos_token_id)
+        tokenizer._setup(tok, eos_token_id)
         # what the server needs of the file besides: read here once (opening a GGUF file
         # again parses its whole vocabulary)
         tokenizer.gguf_file = path
-        template = hf.chat_template
-        tokenizer.chat_template = template if isinstance(template, str) else None
-        tokenizer.special_tokens = {"bos_token": hf.bos_token or "",
-                                    "eos_token": hf.eos_token or ""}
+        tokenizer.chat_template = chat_template
+        tokenizer.special_tokens = special_tokens
         return tokenizer
 
     def _setup(self, tok, eos_token_id: int) -> None:

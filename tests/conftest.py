@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every load reads its file (a test of the loader tests the loader, not a cached model), and
+# nothing is written to the user's cache; tests of the cache turn it on in a folder of theirs.
+os.environ["CBATCH_FILE_CACHE"] = "0"
 
 
 def _has_cuda() -> bool:

@@ -448,3 +448,17 @@ def test_bench_peak_measures_the_instructions_and_each_linear_against_its_own(tm
             assert r["path"].startswith("prefill_attention.") and r["peak"] == fma
         assert (r["of_peak"] is None) == (r["peak"] is None)
     assert len(out.read_text().splitlines()) == 1 + len(rows)
+
+
+def test_bench_load_runs_a_gguf_file_without_and_with_the_file_cache(tmp_path):
+    """A .gguf's rows: the cache off, written, then read back (the entry the write left is
+    there before the read's load, none before the others'), llama-server's row not asked."""
+    from benchmarks import bench_load
+    from tests.models.test_gguf_models import make_files
+
+    file, _, _ = make_files("llama", tmp_path, type_of=lambda name: "Q4_0")
+    rows = bench_load.main(["--model", str(file), "--threads", "1", "--kv-tokens", "64"])
+    assert [(r["cache"], r["entries_before"]) for r in rows] == \
+        [("off", 0), ("write", 0), ("read", 1)]
+    for r in rows:
+        assert 0 < r["load_s"] and r["rss"] >= r["anon"] > 0

@@ -12,6 +12,8 @@ every Hugging Face checkpoint (the model class's ``convert_hf_state_dict``, then
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 
 from cbatch.layers.embedding import tied_embeddings, weight_holders
-from cbatch.layers.quantization import Place
+from cbatch import file_cache
+from cbatch.layers.quantization import Place, QuantizedLinear
 from cbatch.quantization import QuantizationMethod
 from cbatch.logger import init_logger
 from cbatch.models.assign import assign
@@ -30,6 +33,7 @@ from cbatch.models.gguf.quantized import is_quantized_linear, read_layer
 from cbatch.models.quantized_checkpoint import install
 from cbatch.models.quantized_checkpoint.layer import Layer, finite
 from cbatch.models.gguf.reader import ARCHITECTURES, GGUFFile
+from cbatch.models.module_file import load_module, save_module
 from cbatch.models.registry import model_class
 from cbatch.ops.quantized import GROUPED_A8
 
@@ -37,6 +41,56 @@ logger = init_logger(__name__)
 
 
 def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
+                    quantization: QuantizationMethod | None = None,
+                    place: Place | None = None) -> nn.Module:
+    """The model in GGUF file ``path`` (:func:`read_gguf_model`), on the CPU read back from
+    the file cache where an earlier start made it (:mod:`cbatch.file_cache`), else made and
+    written there: its packed tensors are then the cache file's pages, mapped as llama.cpp
+    maps its file, not copied to ``place`` (benchmarks/NOTES.md, "Loading a model: cold start
+    and memory after load")."""
+    path = Path(path)
+    cached = None
+    if torch.device(device).type == "cpu":
+        from cbatch.ops.cpu import cpu_isa
+
+        cached = file_cache.entry(
+            "model", path, args=dict(dtype=str(dtype), backend=attention_backend,
+                                     quantization=quantization and quantization.name),
+            depends=dict(torch=torch.__version__, isa=cpu_isa()))
+    if cached is not None and cached.exists:
+        start = time.perf_counter()
+        try:
+            model = load_module(cached.path)
+        except Exception as e:  # noqa: BLE001 (a damaged entry is made anew)
+            logger.warning("%s: the cached model %s did not load (%s: %s); reading the file",
+                           path.name, cached.path, type(e).__name__, e)
+            cached.remove()
+        else:
+            for layer in model.modules():
+                if isinstance(layer, QuantizedLinear):
+                    layer.placed = True  # (the runner leaves them in the mapped file)
+            logger.info("%s: read the packed model from %s in %.2f s", path.name, cached.path,
+                        time.perf_counter() - start)
+            return model
+    model = read_gguf_model(path, device, dtype, attention_backend, quantization, place)
+    if cached is not None:
+        start = time.perf_counter()
+        if cached.write(functools.partial(save_module, model), _nbytes(model)):
+            logger.info("%s: wrote the packed model to %s in %.2f s (read back at the next "
+                        "start; CBATCH_FILE_CACHE=0: never)", path.name, cached.path,
+                        time.perf_counter() - start)
+    return model
+
+
+def _nbytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s tensors' storages, each counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
+
+
+def read_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, attention_backend: str | None = None,
                     quantization: QuantizationMethod | None = None,
                     place: Place | None = None) -> nn.Module:
