@@ -64,6 +64,16 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+def version(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed), for an entry's key."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def _hash(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 

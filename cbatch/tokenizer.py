@@ -110,19 +110,16 @@ class HFTokenizer:
         ``PreTrainedTokenizerFast`` rather than ``AutoTokenizer``: the same tokenizer (the
         same ``tokenizer.json``, tested), without AutoTokenizer's model config, which
         transformers 5 reads for a llama file with gguf's reader, parsing every metadata
-        array (10 s of a Llama 3 file's load on this machine, against 0.8 s).  Built once: the
-        next start reads its ``tokenizer.json`` and the file's chat template back from the
-        file cache (:mod:`cbatch.file_cache`; a Llama 3 vocabulary's build is seconds of
-        Python), without transformers."""
-        from importlib.metadata import version
-
-        from tokenizers import Tokenizer as _Tokenizer
+        array (10 s of a Llama 3 file's load on this machine, against 0.8 s).  Built once:
+        later starts read its ``tokenizer.json`` and chat template from the file cache
+        (:mod:`cbatch.file_cache`), without transformers (a Llama 3 vocabulary: seconds)."""
+        import tokenizers
 
         cached = file_cache.entry("tokenizer", path, args={}, depends=dict(
-            transformers=version("transformers"), tokenizers=version("tokenizers")))
+            transformers=file_cache.version("transformers"), tokenizers=tokenizers.__version__))
         if cached is not None and cached.exists:
             try:
-                tok = _Tokenizer.from_file(str(cached.file("tokenizer.json")))
+                tok = tokenizers.Tokenizer.from_file(str(cached.file("tokenizer.json")))
                 said = json.loads(cached.file("gguf.json").read_text())
                 return cls._of_gguf(path, tok, eos_token_id, said["chat_template"],
                                     said["special_tokens"])
@@ -153,18 +150,15 @@ class HFTokenizer:
                  special_tokens: dict[str, str]) -> HFTokenizer:
         tokenizer = cls.__new__(cls)
         tokenizer._setup(tok, eos_token_id)
-        # what the server needs of the file besides: read here once (opening a GGUF file
-        # again parses its whole vocabulary)
-        tokenizer.gguf_file = path
-        tokenizer.chat_template = chat_template
+        # what the server needs of the file besides (opening it again parses its vocabulary)
+        tokenizer.gguf_file, tokenizer.chat_template = path, chat_template
         tokenizer.special_tokens = special_tokens
         return tokenizer
 
     def _setup(self, tok, eos_token_id: int) -> None:
         self._tok = tok
         self.eos_token_id = eos_token_id
-        # a GGUF file's tokenizer (from_gguf): the file, its chat template and the spellings
-        # of its BOS and EOS
+        # a GGUF file's tokenizer (from_gguf): the file, its chat template, BOS's and EOS's text
         self.gguf_file: Path | None = None
         self.chat_template: str | None = None
         self.special_tokens: dict[str, str] | None = None
@@ -178,8 +172,7 @@ class HFTokenizer:
         """The longest token's spelling in the vocabulary, times 4: a normalizer may shrink
         a text (NFKC composes a letter and its accent into one character) before it is
         split, never by that much."""
-        base = getattr(self._tok, "_tokenizer", self._tok)
-        return 4 * max(len(token) for token in base.get_vocab(with_added_tokens=True))
+        return 4 * max(map(len, self.backend_tokenizer.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens``: what the tokenizer's post-processor adds around a text (a
@@ -193,8 +186,8 @@ class HFTokenizer:
         (``<|im_end|>``) is ordinary text, as ``transformers``' ``split_special_tokens`` reads
         it.  A text whose spans spell none is encoded exactly as :meth:`encode` does."""
         encoding = _encoding(self._tok, text, False)
-        base = getattr(self._tok, "_tokenizer", self._tok)  # implementations wrap one
-        special = {i for i, t in base.get_added_tokens_decoder().items() if t.special}
+        added = self.backend_tokenizer.get_added_tokens_decoder()
+        special = {i for i, t in added.items() if t.special}
         if not any(i in special and any(a < end and start < b for start, end in spans)
                    for i, (a, b) in zip(encoding.ids, encoding.offsets)):
             return encoding.ids
@@ -212,10 +205,9 @@ class HFTokenizer:
     def _literal_tokenizer(self):
         with self._literal_lock:  # encodes run in worker threads
             if self._literal is None:
-                from tokenizers import Tokenizer as _Tokenizer
+                import tokenizers
 
-                base = getattr(self._tok, "_tokenizer", self._tok)
-                self._literal = _Tokenizer.from_str(base.to_str())
+                self._literal = tokenizers.Tokenizer.from_str(self.backend_tokenizer.to_str())
                 self._literal.encode_special_tokens = True
             return self._literal
 
