@@ -100,7 +100,8 @@ class Entry:
     def write(self, save: Callable[[Path], None], nbytes: int) -> bool:
         """Make the entry: ``save(folder)`` writes its files into ``folder``; ``nbytes``, about
         what they take, is checked against the disk's free space first.  Whether it was
-        written; an error is logged, never raised, and leaves nothing behind."""
+        written; an error (the disk's, or a tensor ``save`` cannot write) is logged, never
+        raised, and leaves nothing behind."""
         try:
             self.slot.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.slot).free
@@ -115,10 +116,10 @@ class Entry:
                 os.replace(staging, self.path)  # (fails if another process made it first)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-        except OSError as e:
-            if self.exists:  # another process wrote the same entry meanwhile
+        except Exception as e:  # noqa: BLE001 (a cache that cannot be written is no error)
+            if isinstance(e, OSError) and self.exists:  # another process wrote it meanwhile
                 return True
-            logger.info("not caching %s: %s", self.path, e)
+            logger.info("not caching %s: %s: %s", self.path, type(e).__name__, e)
             return False
         for old in self.slot.iterdir():  # the slot's entries of older keys
             if old.name != self.key and not old.name.startswith(".writing-"):

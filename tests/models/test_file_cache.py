@@ -120,6 +120,23 @@ def test_an_entry_that_would_fill_the_disk_is_not_written(tmp_path, cache, monke
     assert not made.exists and not list(made.slot.iterdir())  # nothing left behind
 
 
+def test_a_model_that_cannot_be_saved_still_loads(tmp_path, cache, reads, monkeypatch, caplog):
+    """What the pickler cannot write (here: every module) is logged; the load goes on."""
+    file, _, _ = make_files("llama", tmp_path, type_of=lambda name: "Q4_0")
+
+    def refuse(module, folder):
+        (folder / "module.pickle").write_text("half")
+        raise TypeError("cannot pickle this")
+
+    monkeypatch.setattr(gguf_loader, "save_module", refuse)
+    with caplog.at_level(logging.INFO, logger="cbatch"):
+        model = load_model(str(file))
+    assert "not caching" in caplog.text and "TypeError" in caplog.text
+    assert entries(cache) == [] and not list((cache / "model").glob("*/.*"))
+    assert torch.equal(logits(model), logits(load_model(str(file))))
+    assert len(reads) == 2
+
+
 @pytest.mark.parametrize("name", ["spm", "llama-bpe"])
 def test_a_cached_tokenizer_is_the_files(name, tmp_path, cache, monkeypatch):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
