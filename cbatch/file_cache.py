@@ -11,8 +11,8 @@ versions of the libraries that made them, this CPU's ISA, and a digest of cbatch
 file, the arguments, the libraries or the code reads a new entry instead of a stale one.
 Writing an entry removes the slot's older ones: a file and its arguments hold one entry.
 
-An entry's files are written under temporary names and renamed into place, the folder last,
-so that a reader (or a second process starting beside the first) never sees half of one; an
+An entry's files are written into a temporary folder, renamed into place once whole, so
+that a reader (or a second process starting beside the first) never sees half of one; an
 entry that cannot be written (a read-only home, a full disk: :data:`MIN_FREE_BYTES` beyond
 the entry must stay free) is logged and skipped, never an error.  ``CBATCH_FILE_CACHE=0``
 turns the cache off.  A model entry is a pickled module (:mod:`cbatch.models.module_file`):
@@ -79,7 +79,7 @@ def _hash(value) -> str:
 
 
 class Entry:
-    """One entry's folder (:func:`entry`): :meth:`file` is where a file of it lies once it
+    """One entry's folder (:func:`entry`), :attr:`path`, its files there once it
     :attr:`exists`; :meth:`write` makes it."""
 
     def __init__(self, slot: Path, key: str) -> None:
@@ -89,9 +89,6 @@ class Entry:
     @property
     def exists(self) -> bool:
         return self.path.is_dir()
-
-    def file(self, name: str) -> Path:
-        return self.path / name
 
     def remove(self) -> None:
         """Remove the entry (one that did not read back: it is made anew)."""

@@ -119,8 +119,8 @@ class HFTokenizer:
             transformers=file_cache.version("transformers"), tokenizers=tokenizers.__version__))
         if cached is not None and cached.exists:
             try:
-                tok = tokenizers.Tokenizer.from_file(str(cached.file("tokenizer.json")))
-                said = json.loads(cached.file("gguf.json").read_text())
+                tok = tokenizers.Tokenizer.from_file(str(cached.path / "tokenizer.json"))
+                said = json.loads((cached.path / "gguf.json").read_text())
                 return cls._of_gguf(path, tok, eos_token_id, said["chat_template"],
                                     said["special_tokens"])
             except Exception as e:  # noqa: BLE001 (a damaged entry is made anew)

@@ -7,7 +7,6 @@ The engine builds one for the target; the ``draft_model`` proposer
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +87,7 @@ def build_worker(model: nn.Module, config: EngineConfig, max_tokens: int,
     (:func:`make_runner`, ``max_tokens`` tokens a step)."""
     num_params = model.num_parameters()  # quantized weights counted too
     model.set_batch_invariant(config.batch_invariant)
-    weight_bytes = sum(t.numel() * t.element_size()
-                       for t in itertools.chain(model.parameters(), model.buffers()))
-    num_blocks = num_kv_blocks(config, model.config, weight_bytes)
+    num_blocks = num_kv_blocks(config, model.config, model.weight_bytes())
     kv_cache = KVCache(model.config, num_blocks, config.block_size, config.torch_dtype,
                        config.device, zeros=model_runner_class(config.device).kv_cache_zeros)
     block_manager = BlockManager(num_blocks, config.block_size, prefix_caching,

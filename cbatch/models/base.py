@@ -3,6 +3,8 @@ batch-invariant switch, the logits, and the device and dtype the engine reads.""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -56,6 +58,11 @@ class PagedCausalLM(nn.Module):
         quantized = sum(m.in_features * m.out_features for m in self.modules()
                         if isinstance(m, QuantizedLinear))
         return sum(p.numel() for p in self.parameters()) + quantized
+
+    def weight_bytes(self) -> int:
+        """The bytes of the model's parameters and buffers (packed, quantized: as held)."""
+        return sum(t.numel() * t.element_size()
+                   for t in itertools.chain(self.parameters(), self.buffers()))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` hidden states → ``[N, vocab_size]`` logits."""

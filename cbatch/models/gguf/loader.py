@@ -76,18 +76,11 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     model = read_gguf_model(path, device, dtype, attention_backend, quantization, place)
     if cached is not None:
         start = time.perf_counter()
-        if cached.write(functools.partial(save_module, model), _nbytes(model)):
+        if cached.write(functools.partial(save_module, model), model.weight_bytes()):
             logger.info("%s: wrote the packed model to %s in %.2f s (read back at the next "
                         "start; CBATCH_FILE_CACHE=0: never)", path.name, cached.path,
                         time.perf_counter() - start)
     return model
-
-
-def _nbytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s tensors' storages, each counted once."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*model.parameters(), *model.buffers())}
-    return sum(storages.values())
 
 
 def read_gguf_model(path: str | Path, device: torch.device | str = "cpu",
