@@ -243,28 +243,48 @@ def unpack_w8a8g(qweight: torch.Tensor, out_features: int, in_features: int) -> 
     return q[:out_features, :in_features]
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` on fp32 tensors (broadcast) rounded once to fp32, as ``vfmadd`` rounds
+    it (to nearest even).  The product of two fp32 is exact in float64 (48 bits); the sum is
+    rounded to float64 and then to fp32, which is the fma's rounding except where the float64
+    sum lands exactly on a midpoint of two fp32 that the exact sum is not on: there the exact
+    sum's error (TwoSum, exact in float64) says which side it lies."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)  # s + err == p + c exactly
+    r = s.float()
+    toward = torch.where(s > r.double(), math.inf, -math.inf).float()
+    other = torch.nextafter(r, toward)  # r's neighbour on s's side
+    mid = (r.double() + other.double()) * 0.5  # exact
+    tie = (s != r.double()) & (s == mid) & (err != 0)
+    past = (err > 0) == (other > r)  # the exact sum lies beyond the midpoint, toward other
+    return torch.where(tie & past, other, r)
+
+
 def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           group_size: int, out_features: int, bias: torch.Tensor | None,
                           zeros: torch.Tensor | None = None, mins: torch.Tensor | None = None
                           ) -> torch.Tensor:
     """W4A8: x ``[M, K]`` quantized per token and group (:func:`quantize_per_group`: ``xq``,
     ``s_x [M, G]``), each group's exact integer sums ``S[m, n, g]`` (in float64, exact below
-    2^53), then in fp32, the groups in order, ``y = sum_g (S * s_w[g, n]) * s_x[m, g]`` (each
-    product and each add rounded; the sum starts at 0) and ``+ bias[n]`` last, returned in x's
-    dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit for bit.  qweight:
+    2^53), then in fp32, the groups in order from 0, ``y = fma(S, fl(s_w[g, n] * s_x[m, g]),
+    y)`` (:func:`fma32`: one rounding; S rounded to fp32 first where it passes 2^24) and ``+
+    bias[n]`` last, returned in x's dtype: what ``cbatch::quantized_linear_w4a8`` computes, bit
+    for bit (llama.cpp's order: its block's two scales multiplied, then one fma).  qweight:
     :func:`unpack_w4a8`'s layout; scales: fp32 ``[G, N16]``; zeros: None (the weight's
     integers are the nibbles less 8) or int8 ``[G, N16]`` (the nibbles less ``zeros[g, n]``).
     An int8 qweight holds 8-bit weights (:func:`unpack_w8a8g`'s layout; W8A8 per group): the
     integers as they are (zero point 0), or less ``zeros[g, n]``; the rest alike.
 
     mins: None, or fp32 ``[G, N16]`` (``zeros`` None; ``W = s_w u - m``, u the nibble in
-    0..15 as it is): ``S`` is then ``sum xq u`` and each group's term is
+    0..15 as it is): ``S`` is then ``sum xq u``, and after each group's fma
 
-        t = fl(fl(fl(S * s_w[g, n]) * s_x[m, g]) - fl(mins[g, n] * c[m, g])),
-        c[m, g] = fl(Sx[m, g] * s_x[m, g]),   Sx = sum over the group of xq (exact),
+        y = fma(-mins[g, n], c[m, g], y),   c[m, g] = fl(Sx[m, g] * s_x[m, g]),
 
-    ``y = fl(y + t)`` over the groups in order: ``c`` is the row's quantized x summed over
-    the group (llama.cpp's Q8_1 ``s``, its Q8_K ``bsums``), one number per row and group."""
+    ``Sx`` the group's sum of xq (exact): ``c`` is the row's quantized x summed over the group
+    (llama.cpp's Q8_1 ``s``, its Q8_K ``bsums``), one number per row and group."""
     M, K = x.shape
     N, G = out_features, scales.shape[0]
     pad = G * group_size - K
@@ -281,10 +301,9 @@ def quantized_linear_w4a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     c = xq.sum(dim=-1, dtype=torch.int32).float() * sx if mins is not None else None  # [M, G]
     y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     for g in range(G):
-        t = (S[:, :, g].float() * scales[g, :N]) * sx[:, g, None]
+        y = fma32(S[:, :, g].float(), scales[g, :N] * sx[:, g, None], y)
         if c is not None:
-            t = t - mins[g, :N] * c[:, g, None]
-        y = y + t
+            y = fma32(-mins[g, :N], c[:, g, None], y)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -2,14 +2,16 @@
 // int4 weights, one scale per group of group_size k and output column, symmetric (zero point
 // 8) or with a zero point per group and column (AWQ's, asymmetric GPTQ's; Q4_1's route); x quantized
 // to int8 on every call per token and per group of the same k; each group's integer dot
-// product summed exactly in int32, then scaled and summed over groups in fp32:
-//   y[m, n] = fl(...fl(fl(0 + t[m, n, 0]) + t[m, n, 1]) ... + t[m, n, G - 1]) (+ bias[n]),
-//   t[m, n, g] = fl(fl(fl(S[m, n, g]) * s_w[g, n]) * s_x[m, g]),
-// S the exact sum over group g of q_w * q_x, the groups in order, every fl one fp32 rounding
-// (the bias a last, separate add).  cbatch/ops/reference.py (quantized_linear_w4a8) computes
-// the same, so the output is the reference's bit for bit.  GCC contracts a multiply and an add
-// into an fma where it may (C++ defaults to -ffp-contract=fast): `rounded` keeps t a rounded
-// fp32 so that the sum's add stays an add.  A row's result depends on nothing but that row.
+// product summed exactly in int32, then scaled and summed over groups in fp32, llama.cpp's
+// order (its block's two scales multiplied, then one fma):
+//   y[m, n] = fma(fl(S[m, n, G - 1]), d[m, n, G - 1], ... fma(fl(S[m, n, 0]), d[m, n, 0], 0))
+//             (+ bias[n]),   d[m, n, g] = fl(s_w[g, n] * s_x[m, g]),
+// S the exact sum over group g of q_w * q_x, the groups in order, fl one fp32 rounding and each
+// fma one rounding (the bias a last, separate add).  cbatch/ops/reference.py
+// (quantized_linear_w4a8, its fma32) computes the same, so the output is the reference's bit
+// for bit.  A row's result depends on nothing but that row.  (Until 2026-12-07 the order was
+// y = fl(y + fl(fl(S s_w) s_x)): two more instructions a row and half, which in groups of 32
+// cost a fifth of the VNNI tile's time.)
 //
 // The activation quantization, per row of x in fp32 and per group g of k (cbatch/ops/
 // reference.py, quantize_per_group, computes the same): a = max |x| over the group,
@@ -25,13 +27,14 @@
 // column's 4 k in one 4-byte lane, so one broadcast of the row's 4 int8 k serves both halves.
 // The weight is the unsigned operand of vpmaddubsw and x the signed one:
 // sum (q + 8) x = sum q x + 8 sum x, and the kernel subtracts 8 times the row's sum of its q
-// over the group, one number per row and group (no per-column correction).  With zero points
-// the stored nibble u is the weight's own unsigned integer (w = s_w (u - z)), and the kernel
-// subtracts z[g, n] times the row's sum instead: S = sum u x - z sum x, exact as before.
-// With mins (zeros none; llama.cpp's Q4_1 / Q4_K route, w = s_w u - m) nothing is subtracted,
-// S = sum u x, and each group's term is t = fl(fl(fl(fl(S) s_w) s_x) - fl(m[g, n] c[m, g])),
-// c = fl(Sx s_x), Sx the row's sum of its q over the group: c is computed once per row and
-// group (quantize_rows), m c once per column.  The same in reference.py, bit for bit.
+// over the group, one number per row and group (no per-column correction): the group's int32
+// sums start from it (start_sums: quantize_rows computes -8 sum x), so nothing is subtracted
+// after the products.  With zero points the stored nibble u is the weight's own unsigned
+// integer (w = s_w (u - z)), and the sums start from -z[g, n] times the row's sum instead:
+// S = sum u x - z sum x, exact as before.  With mins (zeros none; llama.cpp's Q4_1 / Q4_K
+// route, w = s_w u - m) they start from 0, S = sum u x, and after each group's fma
+// y = fma(-m[g, n], c[m, g], y), c = fl(Sx s_x), Sx the row's sum of its q over the group: c is
+// computed once per row and group (quantize_rows).  The same in reference.py, bit for bit.
 //
 // No overflow: vpmaddubsw adds two products u x with u <= 15 and |x| <= 127, so each int16
 // lane is at most 2 * 15 * 127 = 3810 in magnitude (it never saturates); the kernel adds 8
@@ -61,8 +64,8 @@
 // exact S as above.  group_size a multiple of 16 (Q6_K's sub-blocks), x quantized per group
 // alike.  With AVX512-VNNI the VNNI tile runs these weights too: vpdpbusd wants the weight
 // unsigned, so each quad's bytes are flipped to u = q + 128 (an xor of the top bit, once for
-// the tile's rows) and 128 times the row's sum over the group is subtracted with the zero
-// point's shift (add_group's `offset`): S = sum (q + 128) x - 128 sum x, the same exact
+// the tile's rows) and 128 times the row's sum over the group is counted into where the sums
+// start (W4A8Args::shift): S = sum (q + 128) x - 128 sum x, the same exact
 // integer, so the output is the AVX2 tile's bit for bit (sums at most 255 * 127 *
 // group_size < 2^31).  No AMX tile for 8-bit weights yet.
 #include <ATen/Parallel.h>
@@ -98,7 +101,10 @@ struct W4A8Args {
   const float* wmin;    // [G, N16] mins (wzero null), or null
   const float* xsum_scaled;  // [M, G] fl(xsum * s_x) (with mins; else null)
   int64_t N16;
-  int32_t zero;         // the zero point without wzero or wmin: 8 (4-bit), 0 (8-bit)
+  int32_t shift;        // a group's sums less shift xsum (start_sums): the zero point without
+                        // wzero or wmin (8 for 4-bit weights, else 0), plus the tile's offset
+                        // on every stored weight (the VNNI tile's 8-bit flip: 128, else 0)
+  const int32_t* xshift;  // [M, G] -shift xsum: where a group's sums start
   const float* bias;    // [N] fp32 or null
   float* out;           // [M, N] fp32 (an fp32 x), or null
   c10::BFloat16* out_bf16;  // [M, N] (a bf16 x: each fp32 result rounded as torch rounds it)
@@ -110,7 +116,7 @@ struct W4A8Args {
 template <typename T>
 void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size, int64_t m0,
                    int64_t m1, const W4A8Args& a, int8_t* xq, int32_t* xsum, float* xscale,
-                   float* xsum_scaled) {
+                   float* xsum_scaled, int32_t* xshift) {
   for (int64_t m = m0; m < m1; ++m) {
     const T* x = xs + m * x_stride;
     int8_t* q = xq + m * a.Q * 4;
@@ -120,6 +126,7 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
       const float top = quantized_operands::quantize_run(x + k0, k1 - k0, q + k0,
                                                          &xsum[m * a.G + g]);
       xscale[m * a.G + g] = top / 127.f;
+      xshift[m * a.G + g] = -a.shift * xsum[m * a.G + g];  // |.| <= 255 * 127 group_size < 2^31
       if (xsum_scaled) {  // |xsum| <= 127 group_size < 2^24: exact in fp32
         xsum_scaled[m * a.G + g] = float(xsum[m * a.G + g]) * xscale[m * a.G + g];
       }
@@ -131,52 +138,51 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
 constexpr int kRows = 4;  // 4 rows x 2 halves = 8 int16 sums, 2 weight vectors, 1 x
 constexpr int kVnniRows = 8;  // VNNI: 8 rows x 2 halves = 16 int32 sums in AVX-512's 32 registers
 
-// t as it is: an fp32 the compiler cannot fuse into the add that takes it.
-CBATCH_AVX2 CBATCH_INLINE __m256 rounded(__m256 t) {
-  asm("" : "+x"(t));
-  return t;
-}
-
-// Group g's int32 sums s [row][half] (columns 8 half ..) scaled and added to y, in the
-// order the header gives: y += rounded(fl(fl(fl(S - z xsum) * s_w) * s_x)), z a.zero or each
-// column's zero point; with mins z 0 and the term less rounded(fl(m * xsum_scaled)).  offset:
-// what the tile added to every stored weight (the VNNI tile's 8-bit flip: 128, else 0), whose
-// offset xsum is subtracted with z's.
+// Where group g's int32 sums of rows m .. m + R - 1 (columns 8 half ..) start: the header's
+// shift, counted in before the products instead of subtracted after them (the same exact
+// integer S): xshift, less each column's zero point times xsum where there are zero points.
 template <int R>
-CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
-                                         const __m256i (*s)[2], __m256 (*y)[2],
-                                         int32_t offset = 0) {
-  const float* sw = a.wscale + g * a.N16 + block * kBlock;
-  const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+CBATCH_AVX2 CBATCH_INLINE void start_sums(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
+                                          __m256i (*s)[2]) {
   const int8_t* z = a.wzero ? a.wzero + g * a.N16 + block * kBlock : nullptr;
   const __m256i z0 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                              reinterpret_cast<const __m128i*>(z))) : __m256i{},
                 z1 = z ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                              reinterpret_cast<const __m128i*>(z + 8))) : __m256i{};
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256i start = _mm256_set1_epi32(a.xshift[(m + r) * a.G + g]);
+    if (z) {  // |z xsum| <= 15 * 127 group_size < 2^31
+      const __m256i xsum = _mm256_set1_epi32(a.xsum[(m + r) * a.G + g]);
+      s[r][0] = _mm256_sub_epi32(start, _mm256_mullo_epi32(z0, xsum));
+      s[r][1] = _mm256_sub_epi32(start, _mm256_mullo_epi32(z1, xsum));
+    } else {
+      s[r][0] = s[r][1] = start;
+    }
+  }
+}
+
+// Group g's exact int32 sums S [row][half] (started by start_sums) scaled and added to y, in
+// the order the header gives: y = fma(S, fl(s_w * s_x), y); with mins then
+// y = fma(-m, xsum_scaled, y).
+template <int R>
+CBATCH_AVX2 CBATCH_INLINE void add_group(const W4A8Args& a, int64_t m, int64_t block, int64_t g,
+                                         const __m256i (*s)[2], __m256 (*y)[2]) {
+  const float* sw = a.wscale + g * a.N16 + block * kBlock;
+  const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
   const float* mn = a.wmin ? a.wmin + g * a.N16 + block * kBlock : nullptr;
   const __m256 mn0 = mn ? _mm256_loadu_ps(mn) : __m256{},
                mn1 = mn ? _mm256_loadu_ps(mn + 8) : __m256{};
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const int32_t xsum = a.xsum[(m + r) * a.G + g];
     const __m256 sx = _mm256_set1_ps(a.xscale[(m + r) * a.G + g]);
-    const __m256i flip = _mm256_set1_epi32(offset * xsum);
-    const __m256i shift0 =
-        z ? _mm256_add_epi32(_mm256_mullo_epi32(z0, _mm256_set1_epi32(xsum)), flip)
-          : _mm256_set1_epi32((mn ? 0 : a.zero * xsum) + offset * xsum);
-    const __m256i shift1 =
-        z ? _mm256_add_epi32(_mm256_mullo_epi32(z1, _mm256_set1_epi32(xsum)), flip) : shift0;
-    __m256 t0 = _mm256_mul_ps(
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0], shift0)), sw0), sx);
-    __m256 t1 = _mm256_mul_ps(
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1], shift1)), sw1), sx);
+    y[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(sw0, sx), y[r][0]);
+    y[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(sw1, sx), y[r][1]);
     if (mn) {  // w = s_w u - m: less m times the row's quantized x summed over the group
       const __m256 c = _mm256_set1_ps(a.xsum_scaled[(m + r) * a.G + g]);
-      t0 = _mm256_sub_ps(rounded(t0), rounded(_mm256_mul_ps(mn0, c)));
-      t1 = _mm256_sub_ps(rounded(t1), rounded(_mm256_mul_ps(mn1, c)));
+      y[r][0] = _mm256_fnmadd_ps(mn0, c, y[r][0]);
+      y[r][1] = _mm256_fnmadd_ps(mn1, c, y[r][1]);
     }
-    y[r][0] = _mm256_add_ps(y[r][0], rounded(t0));
-    y[r][1] = _mm256_add_ps(y[r][1], rounded(t1));
   }
 }
 
@@ -235,8 +241,7 @@ CBATCH_AVX2 void tile_avx2(const W4A8Args& a, int64_t m, int64_t block) {
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     __m256i s[kRows][2];  // [row][half]: this group's int32 sums
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    start_sums<R>(a, m, block, g, s);
     for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRunQuads) {
       __m256i h[kRows][2];  // [row][half]: int16 sums of this run of 8 quads
 #pragma GCC unroll 4
@@ -283,8 +288,7 @@ CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     __m256i s[kRows][2];  // [row][half]: this group's int32 sums
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    start_sums<R>(a, m, block, g, s);
     const int64_t end = std::min((g + 1) * a.GQ, Q);
     for (int64_t i = g * a.GQ; i < end; ++i) {
       const int8_t* quad = w + i * 64;
@@ -306,39 +310,48 @@ CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
   store_tile<R>(a, m, block, y);
 }
 
-// ---- AVX512-VNNI (on 256-bit vectors): vpdpbusd multiplies a quad's 4 unsigned weights by
-// the row's 4 int8 k and adds them into a column's int32 sum in one instruction, in place of
-// vpmaddubsw, the int16 add and the widening vpmaddwd.  The integer sums are exact either way,
-// so the output is the AVX2 tile's (and the reference's) bit for bit.  A tile takes up to 8
-// rows (AVX-512's 32 registers hold their 16 sums): each quad's weights are unpacked once for
-// all of them, and at 8 rows the weights stream while the multiplies run (two tiles of 4 rows
-// took 10% longer: the first streamed the block, the second ran from L1 with nothing in
-// flight).  Up to 4 rows, even and odd quads sum into separate registers (so a one-row tile
-// has 4 chains, not 2, waiting on vpdpbusd's latency), added at the group's end.  8-bit
-// weights (kBits 8) take the same tile: a quad's two 32-byte halves with their top bits
-// flipped (the header's last paragraph) in place of the nibbles, in runs of 4 quads (a group
-// may be 16 k); a run is 256 bytes either way.
+// ---- AVX512-VNNI: vpdpbusd multiplies a quad's 4 unsigned weights by the row's 4 int8 k and
+// adds them into a column's int32 sum in one instruction, in place of vpmaddubsw, the int16 add
+// and the widening vpmaddwd.  On 512-bit vectors: one register holds a quad's 16 columns (0..7
+// in the low half, 8..15 in the high one), and a row's 4 k are broadcast to all 16 lanes, so a
+// quad costs a row one instruction (on 256-bit vectors GCC's loop issued 177 instructions for 64
+// vpdpbusd, 42 of them register moves; the 512-bit loop issues about half as many, for 0-3%:
+// the group's epilogue, not the loop, was what cost; benchmarks/NOTES.md, "Prompt GEMMs against
+// the measured peak").  The integer sums are
+// exact either way, and a group's epilogue is add_group on the two halves, so the output is the
+// AVX2 tile's (and the reference's) bit for bit.  A tile takes up to 8 rows: each quad's weights
+// are unpacked once for all of them, and at 8 rows the weights stream while the multiplies run
+// (two tiles of 4 rows took 10% longer: the first streamed the block, the second ran from L1
+// with nothing in flight).  Up to 4 rows, even and odd quads sum into separate registers (so a
+// one-row tile has 2 chains, not 1, waiting on vpdpbusd's latency), added at the group's end.
+// 8-bit weights (kBits 8) take the same tile: a quad's 64 bytes with their top bits flipped
+// (the header's last paragraph) in place of the nibbles, in runs of 4 quads (a group may be
+// 16 k); a run is 256 bytes either way.
 // (AVX2's target too: the tiles' shared helpers inline into it.)
 #define CBATCH_VNNI \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-// Quad i's weights as vpdpbusd's unsigned operand: columns 0..7 (lo) and 8..15 (hi), 4 k each;
-// 8-bit ones as q + 128.
+// Quad i's weights as vpdpbusd's unsigned operand, columns 0..15 (4 k each) in the 16 lanes:
+// 4-bit ones the low nibbles (0..7) and the high ones (8..15), 8-bit ones as q + 128.
 template <int kBits>
-CBATCH_VNNI CBATCH_INLINE void vnni_quad(const uint8_t* w, int64_t i, __m256i& lo, __m256i& hi) {
+CBATCH_VNNI CBATCH_INLINE __m512i vnni_quad(const uint8_t* w, int64_t i) {
   if constexpr (kBits == 8) {
-    const __m256i flip = _mm256_set1_epi8(-128);
-    lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 64)), flip);
-    hi = _mm256_xor_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 64 + 32)), flip);
+    return _mm512_xor_si512(_mm512_loadu_si512(w + i * 64), _mm512_set1_epi8(-128));
   } else {
-    unpack(w + i * 32, lo, hi);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 32));
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_zextsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
   }
 }
 
+// GCC 12's own headers warn that their 512-to-256-bit casts and inserts read an undefined
+// vector (their _mm512_undefined_* placeholders): a false alarm, silenced for the tile alone.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int kBits, int R>
 CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
-  constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 10-16 chains without
+  constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 5-8 chains without
   constexpr int64_t kQuadBytes = kBits == 8 ? 64 : 32, kRun = 256 / kQuadBytes;
   const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * kQuadBytes;
@@ -347,37 +360,43 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
-    __m256i s[P][kVnniRows][2];  // [quad parity][row][half]: this group's int32 sums
+    __m512i s[P][kVnniRows];  // [quad parity][row]: this group's int32 sums
+    __m256i halves[kVnniRows][2];  // [row][half]: add_group's operands
+    if (a.wzero) start_sums<R>(a, m, block, g, halves);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) s[p][r][0] = s[p][r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {  // (start_sums, without zero points broadcast from memory)
+      if (a.wzero) {
+        s[0][r] = _mm512_inserti64x4(_mm512_zextsi256_si512(halves[r][0]), halves[r][1], 1);
+      } else {
+        s[0][r] = _mm512_set1_epi32(a.xshift[(m + r) * a.G + g]);
+      }
+      if constexpr (P == 2) s[1][r] = _mm512_setzero_si512();
     }
     for (int64_t i0 = g * a.GQ; i0 < std::min((g + 1) * a.GQ, Q); i0 += kRun) {
       prefetch_run(w + i0 * kQuadBytes);
 #pragma GCC unroll 8
       for (int j = 0; j < kRun; ++j) {
-        __m256i lo, hi;
-        vnni_quad<kBits>(w, i0 + j, lo, hi);
         const int64_t i = i0 + j;
+        const __m512i q = vnni_quad<kBits>(w, i);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
-          s[j % P][r][0] = _mm256_dpbusd_epi32(s[j % P][r][0], lo, xv);
-          s[j % P][r][1] = _mm256_dpbusd_epi32(s[j % P][r][1], hi, xv);
+          int32_t quad;  // the row's 4 int8 k, broadcast by vpdpbusd's memory operand
+          std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
+          s[j % P][r] = _mm512_dpbusd_epi32(s[j % P][r], q, _mm512_set1_epi32(quad));
         }
       }
     }
-    if constexpr (P == 2) {
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        s[0][r][0] = _mm256_add_epi32(s[0][r][0], s[1][r][0]);
-        s[0][r][1] = _mm256_add_epi32(s[0][r][1], s[1][r][1]);
-      }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = P == 2 ? _mm512_add_epi32(s[0][r], s[P - 1][r]) : s[0][r];
+      halves[r][0] = _mm512_castsi512_si256(sum);
+      halves[r][1] = _mm512_extracti64x4_epi64(sum, 1);
     }
-    add_group<R>(a, m, block, g, s[0], y, kBits == 8 ? 128 : 0);
+    add_group<R>(a, m, block, g, halves, y);
   }
   store_tile<R>(a, m, block, y);
 }
+#pragma GCC diagnostic pop
 
 // ---- AMX-INT8 (Sapphire Rapids and later): tdpbsud multiplies 16 rows x 64 k of x (signed)
 // by 64 k x 16 columns of unsigned weights into 16 x 16 int32 sums.  A block's nibbles are
@@ -415,6 +434,13 @@ CBATCH_AMX_INT8 void add_group_rows(const W4A8Args& a, const int32_t* sums, floa
       s[r][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + at));
       y[r][h] = _mm256_load_ps(ys + at);
     }
+  }
+  __m256i start[kRows][2];  // the tiles' sums start at 0: the shift is added after them
+  start_sums<R>(a, m + r0, block, g, start);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    s[r][0] = _mm256_add_epi32(s[r][0], start[r][0]);
+    s[r][1] = _mm256_add_epi32(s[r][1], start[r][1]);
   }
   add_group<R>(a, m + r0, block, g, s, y);
 #pragma GCC unroll 4
@@ -604,7 +630,8 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const std::optional<at::Tensor> bf = quantized_operands::fp32_bias(bias);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto opts = x.options();
-  const bool tiles = bits == 4 && cpu_has_avx512vnni() && M >= kInt8FromRows && GQ % kInt8StepQuads == 0 &&
+  const bool vnni = cpu_has_avx512vnni();
+  const bool tiles = bits == 4 && vnni && M >= kInt8FromRows && GQ % kInt8StepQuads == 0 &&
                      Q % kInt8StepQuads == 0 && amx::int8_tiles();
   // 0 past K (quantize_rows), and for the tiles 0 in whole tiles of rows past M
   const int64_t rows = tiles ? (M + kInt8StepRows - 1) / kInt8StepRows * kInt8StepRows : M;
@@ -613,6 +640,7 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   at::Tensor xsum = at::empty({M, G}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M, G}, opts.dtype(at::kFloat));
   at::Tensor xsum_scaled = mins ? at::empty({M, G}, opts.dtype(at::kFloat)) : at::Tensor();
+  at::Tensor xshift = at::empty({M, G}, opts.dtype(at::kInt));
   const W4A8Args a{.xq = xq.data_ptr<int8_t>(), .xsum = xsum.data_ptr<int32_t>(),
                    .xscale = xscale.data_ptr<float>(), .M = M, .G = G, .GQ = GQ, .Q = Q,
                    .N = N,
@@ -620,18 +648,20 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                    .wzero = zeros ? zeros->data_ptr<int8_t>() : nullptr,
                    .wmin = mins ? mins->data_ptr<float>() : nullptr,
                    .xsum_scaled = mins ? xsum_scaled.data_ptr<float>() : nullptr,
-                   .N16 = N16, .zero = bits == 8 ? 0 : 8, .bias = bf ? bf->data_ptr<float>() : nullptr,
+                   .N16 = N16,
+                   .shift = (zeros || mins || bits == 8 ? 0 : 8) + (bits == 8 && vnni ? 128 : 0),
+                   .xshift = xshift.data_ptr<int32_t>(), .bias = bf ? bf->data_ptr<float>() : nullptr,
                    .out = bf16 ? nullptr : out.data_ptr<float>(),
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     auto quantize = [&](const auto* xs) {
       quantize_rows(xs, x.stride(0), K, group_size, m0, m1, a, xq.data_ptr<int8_t>(),
                     xsum.data_ptr<int32_t>(), xscale.data_ptr<float>(),
-                    mins ? xsum_scaled.data_ptr<float>() : nullptr);
+                    mins ? xsum_scaled.data_ptr<float>() : nullptr, xshift.data_ptr<int32_t>());
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());
   });
-  if (bits == 8 && cpu_has_avx512vnni()) {
+  if (bits == 8 && vnni) {
     count_path(CpuPath::kQuantizedLinearW8A8GroupedVnni);
     run<true, 8>(a);
   } else if (bits == 8) {
@@ -640,7 +670,7 @@ at::Tensor quantized_linear_w4a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   } else if (tiles) {
     count_path(CpuPath::kQuantizedLinearW4A8Amx);
     amx::on_tiles([&](auto tiles) { run_amx<decltype(tiles)>(a); });
-  } else if (cpu_has_avx512vnni()) {
+  } else if (vnni) {
     count_path(CpuPath::kQuantizedLinearW4A8Vnni);
     run<true>(a);
   } else {

@@ -4,10 +4,11 @@ Each group's integer sum is exact in the kernel (int32, no saturation) and in th
 here, from the unpacked integers that tests/quant_utils.py drew, not from cbatch's packing),
 and the per-token, per-group quantization of x is defined to the bit
 (reference.quantize_per_group, itself checked by hand), so the kernel's fp32 output is the
-reference's bit for bit: y = (...(0 + t_0) + t_1 ... + t_{G-1}) + b, t_g = fl(fl(S_g s_w) s_x).
+reference's bit for bit: y = fma(S_{G-1}, d_{G-1}, ... fma(S_0, d_0, 0)) + b, d_g = fl(s_w s_x),
+each fma one rounding (reference.fma32, checked here against exact rationals).
 Against the exact value sum_g S_g s_w s_x + b (float64) every output is within
-gamma_{G+3} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S_g < 2^24 is
-exact in fp32; two multiplies per term, G adds, the bias's); bf16 outputs add 2^-8 |y|.
+gamma_{G+2} (sum_g |S_g s_w s_x| + |b|), gamma_n = n u / (1 - n u), u = 2^-24 (S_g < 2^24 is
+exact in fp32; one multiply per term, G fmas, the bias's add); bf16 outputs add 2^-8 |y|.
 The kernel has three paths, AVX512-VNNI (where present), AVX2, and from 8 rows, with groups of
 a multiple of 64 k, AMX-INT8 tiles: every test runs on each (the AVX2 one also under
 set_cpu_options' avx2 cap; the tiles on the CPU's where it has them, else on amx_tile_ops.h's
@@ -15,9 +16,9 @@ software model of the tile instructions, which checks the kernel's addressing, t
 and epilogue, not the silicon), and each call asserts its path ran.
 
 With float mins (W = s_w u - m, u the nibble as it is; reference.quantized_linear_w4a8 gives
-the order) each group's term is t_g = fl(fl(fl(S_g s_w) s_x) - fl(m fl(Sx_g s_x))), Sx_g the
+the order) each group adds y = fma(-m, fl(Sx_g s_x), y) after its own fma, Sx_g the
 row's sum of its q over the group: the kernel's output is the reference's bit for bit, and
-within gamma_{G+4} (sum_g |S_g s_w s_x| + |m Sx_g s_x| + |b|) of the exact value
+within gamma_{2G+2} (sum_g |S_g s_w s_x| + |m Sx_g s_x| + |b|) of the exact value
 sum_g (S_g s_w - m Sx_g) s_x + b.  The tests assert the path through the existing counters
 (the same paths run mins) and the mins through these results.
 """
@@ -98,7 +99,7 @@ def _check(x, q, s_w, group_size, bias, ours, ref):
         term = S.double() * s_w[j].double() * s_x[:, j, None].double()
         exact, size = exact + term, size + term.abs()
     b = 0 if bias is None else bias.double()
-    n = G + 3
+    n = G + 2
     bound = n * U / (1 - n * U) * (size + abs(b))
     if x.dtype == torch.bfloat16:
         bound = bound + (exact + b).abs() * 2.0 ** -8
@@ -240,7 +241,7 @@ def _check_mins(x, u, s_w, m, group_size, bias, ours, ref):
         part, less = S.double() * s_w[j].double() * sx, m[j].double() * Sx.double() * sx
         exact, size = exact + part - less, size + part.abs() + less.abs()
     b = 0 if bias is None else bias.double()
-    n = G + 4
+    n = 2 * G + 2
     bound = n * U / (1 - n * U) * (size + abs(b))
     if x.dtype == torch.bfloat16:
         bound = bound + (exact + b).abs() * 2.0 ** -8
@@ -431,3 +432,30 @@ def test_bf16_output_rounds_as_torch(strided):
     assert torch.equal(ours.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     ref = reference.quantized_linear_w4a8(x, pack_w4a8(qw), qw.scales, gs, N, bias)
     assert torch.equal(ours.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+def test_fma32_rounds_once():
+    """reference.fma32 is a * b + c rounded once to fp32 (to nearest even): against exact
+    rationals on random operands, and where the float64 sum lands on an fp32 midpoint that the
+    exact sum is not on (1 + 2^-23 + 2^-24 - 2^-70: a float64 rounding then an fp32 one would
+    give 1 + 2^-22) and where it is exactly on one (ties to even)."""
+    from fractions import Fraction
+
+    def exact(a, b, c):
+        v = Fraction(a) * Fraction(b) + Fraction(c)
+        near = torch.tensor(float(v), dtype=torch.float32)
+        cands = [torch.nextafter(near, torch.tensor(-float("inf"))), near,
+                 torch.nextafter(near, torch.tensor(float("inf")))]
+        return min(cands, key=lambda t: (abs(Fraction(t.item()) - v),
+                                         t.view(torch.int32).item() & 1)).item()
+
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(3000, generator=gen) * s for s in (1.0, 1e-3, 1e-2))
+    got = reference.fma32(a, b, c)
+    assert [got[i].item() for i in range(3000)] == \
+        [exact(a[i].item(), b[i].item(), c[i].item()) for i in range(3000)]
+    e = 2.0 ** -23
+    a = torch.tensor([2.0 ** -24 * (1 + e), -2.0 ** -24 * (1 + e), 2.0 ** -24, 2.0 ** -24])
+    b = torch.tensor([1 - e, 1 - e, 1.0, 1.0])
+    c = torch.tensor([1 + e, -(1 + e), 1.0, 1 + e])
+    assert reference.fma32(a, b, c).tolist() == [1 + e, -(1 + e), 1.0, 1 + 2 * e]
