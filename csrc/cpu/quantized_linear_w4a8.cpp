@@ -380,7 +380,7 @@ CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
         const __m512i q = vnni_quad<kBits>(w, i);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          int32_t quad;  // the row's 4 int8 k, broadcast by vpdpbusd's memory operand
+          int32_t quad;  // the row's 4 int8 k, in all 16 lanes
           std::memcpy(&quad, x + r * Q * 4 + 4 * i, sizeof quad);
           s[j % P][r] = _mm512_dpbusd_epi32(s[j % P][r], q, _mm512_set1_epi32(quad));
         }
