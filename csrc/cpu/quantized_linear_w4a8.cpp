@@ -136,7 +136,7 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t group_size,
 
 #ifdef CBATCH_X86
 constexpr int kRows = 4;  // 4 rows x 2 halves = 8 int16 sums, 2 weight vectors, 1 x
-constexpr int kVnniRows = 8;  // VNNI: 8 rows x 2 halves = 16 int32 sums in AVX-512's 32 registers
+constexpr int kVnniRows = 8;  // VNNI: 8 rows, one 512-bit register of 16 int32 sums each
 
 // Where group g's int32 sums of rows m .. m + R - 1 (columns 8 half ..) start: the header's
 // shift, counted in before the products instead of subtracted after them (the same exact
@@ -351,7 +351,7 @@ CBATCH_VNNI CBATCH_INLINE __m512i vnni_quad(const uint8_t* w, int64_t i) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int kBits, int R>
 CBATCH_VNNI void tile_vnni(const W4A8Args& a, int64_t m, int64_t block) {
-  constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 5-8 chains without
+  constexpr int P = R > kRows ? 1 : 2;  // quad parities: 5-8 rows have 5-8 chains without them
   constexpr int64_t kQuadBytes = kBits == 8 ? 64 : 32, kRun = 256 / kQuadBytes;
   const int64_t Q = a.Q;
   const uint8_t* w = a.w + block * Q * kQuadBytes;
