@@ -282,7 +282,6 @@ CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
   const int64_t Q = a.Q;
   const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + block * Q * 64;
   const int8_t* x = a.xq + m * Q * 4;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 y[kRows][2];  // [row][half]: the sum over groups so far
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
@@ -298,11 +297,8 @@ CBATCH_AVX2 void tile_int8(const W4A8Args& a, int64_t m, int64_t block) {
       const __m256i u0 = _mm256_abs_epi8(q0), u1 = _mm256_abs_epi8(q1);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = broadcast_quad(x + r * Q * 4 + 4 * i);
-        const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, q0));
-        const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, q1));
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
+        quantized_operands::add_quad_s8(q0, q1, u0, u1, broadcast_quad(x + r * Q * 4 + 4 * i),
+                                        s[r][0], s[r][1]);
       }
     }
     add_group<R>(a, m, block, g, s, y);

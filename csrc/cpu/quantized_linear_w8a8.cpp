@@ -11,21 +11,21 @@
 // The weight's layout (cbatch/layers/quantization/weight.py, pack_w8a8): uint8
 // [N16 / 16, ceil(K / 4), 64], byte [b, i, 4 j + t] = q[16 b + j, 4 i + t] + 128 (128 past K):
 // each 4-byte lane is one column's four k, the operand of vpdpbusd (u8 x s8 quads) as it is,
-// and of AVX2's vpmaddwd after a zero extension to 16 bits.  The weight is the unsigned operand
-// and x the signed one, so sum (q + 128) x = sum q x + 128 sum x: one correction per row,
-// 128 times the row's sum of its q, none per column.  Every product and sum is an integer
-// below 255 * 127 * 4 * ceil(K / 4) < 2^31 (K <= 65536), so the sums are exact whatever the
-// order, and the output is the reference's bit for bit but for the fused bias add (within one
-// fp32 rounding of it: tests/ops/test_quantized_linear_w8a8.py).  A row's result depends on
-// nothing but that row.
+// and of AVX2's vpmaddubsw with the top bit flipped back (the AVX2 tile below).  For vpdpbusd
+// the weight is the unsigned operand and x the signed one, so sum (q + 128) x = sum q x + 128
+// sum x: one correction per row, 128 times the row's sum of its q, none per column.  Every
+// product and sum is an integer below 255 * 127 * 4 * ceil(K / 4) < 2^31 (K <= 65536), so the
+// sums are exact whatever the order or path, and the output is the reference's bit for bit
+// but for the fused bias add (within one fp32 rounding of it:
+// tests/ops/test_quantized_linear_w8a8.py).  A row's result depends on nothing but that row.
 //
 // x (fp32 or bf16) is read in place, rows x.stride(0) apart; a bf16 x gets a bf16 output,
 // each fp32 result rounded in the tile's epilogue as Tensor.to(torch.bfloat16) rounds: no fp32
 // copy of x or of the output.
 //
 // Paths: AMX-INT8 tiles (tdpbsud) from 8 rows where the CPU has them; AVX512-VNNI (vpdpbusd,
-// 4 rows x 4 blocks of 16 columns per tile) where it has that, else AVX2 (vpmaddwd on 16-bit
-// lanes, 2 rows x 16 columns per tile).
+// 4 rows x 4 blocks of 16 columns per tile) where it has that, else AVX2 (vpmaddubsw on signed
+// weights, 4 rows x 16 columns per tile).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -49,8 +49,7 @@ constexpr int64_t kMaxK = 65536;    // sums of 255 * 127 * K stay below 2^31
 
 struct W8A8Args {
   const int8_t* xq;      // [M, K4 * 4] the quantized rows, 0 past K
-  const int16_t* xq16;   // the same as int16 (AVX2's vpmaddwd operand), or null
-  const int32_t* xsum;   // [M] each row's sum of q
+  const int32_t* xsum;   // [M] each row's sum of q (VNNI's and AMX's unsigned weights' shift)
   const float* xscale;   // [M] s_x
   int64_t M, K4, N;      // K4: quads of k
   const uint8_t* w;      // [N16 / 16, K4, 64]
@@ -64,15 +63,12 @@ struct W8A8Args {
 // widens to fp32 exactly) into a's buffers, 0 past K.
 template <typename T>
 void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t m1,
-                   int8_t* xq, int16_t* xq16, int32_t* xsum, float* xscale, int64_t K4) {
+                   int8_t* xq, int32_t* xsum, float* xscale, int64_t K4) {
   for (int64_t m = m0; m < m1; ++m) {
     const T* x = xs + m * x_stride;
     int8_t* q = xq + m * K4 * 4;
     std::memset(q + K, 0, K4 * 4 - K);
     xscale[m] = quantized_operands::quantize_run(x, K, q, &xsum[m]) / 127.f;
-    if (xq16) {
-      for (int64_t k = 0; k < K4 * 4; ++k) xq16[m * K4 * 4 + k] = q[k];
-    }
   }
 }
 
@@ -86,61 +82,59 @@ void quantize_rows(const T* xs, int64_t x_stride, int64_t K, int64_t m0, int64_t
 // wait between passes in its caller's array; the integers are exact, so the bits do not move.
 constexpr int64_t kPassQuads = 16;
 
-// ---- AVX2: a block of 16 columns is 4 vectors of 4 columns x (k 0+1, k 2+3) int32 pairs. ----
-constexpr int kAvx2Rows = 2;  // 2 rows x 4 vectors = 8 sums, 4 weight vectors, 1 x
+// ---- AVX2: llama.cpp's int8 x int8 product (quantized_operands::add_quad_s8).  A quad's 64
+// bytes are columns 0..7 then 8..15 (the layout's byte 4 j + t), flipped back to the signed q
+// (an xor of the top bit) and their magnitudes taken, once for the tile's rows; each row then
+// multiplies them on vpmaddubsw into two vectors of 8 columns' int32 sums, which are sum q x
+// itself: no 128 sum x to subtract.  (Until 2026-12-08 the AVX2 tile widened both operands to
+// 16 bits for vpmaddwd, 16 multiply-adds an instruction where a vpmaddubsw and vpmaddwd pair
+// does 32, in tiles of 2 rows: 43-60% of the pair's peak on Zen 3 (benchmarks/NOTES.md,
+// "Prompt GEMMs against the measured peak").)
+constexpr int kAvx2Rows = 4;  // 4 rows x 2 halves = 8 sums, 4 weight vectors, 1 x
 
 // Rows m .. m + R - 1 of `block` over quads [i0, i1) of k, added to their sums so far
 // (`sums`; none before quad 0); the pass that ends at the last quad finishes them.
 template <int R>
 CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block, int64_t i0, int64_t i1,
-                           __m256i (&sums)[kAvx2Rows][4]) {
-  __m256i acc[kAvx2Rows][4];
-#pragma GCC unroll 2
+                           __m256i (&sums)[kAvx2Rows][2]) {
+  __m256i acc[kAvx2Rows][2];  // [row][half]
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) acc[r][c] = i0 == 0 ? _mm256_setzero_si256() : sums[r][c];
+    for (int h = 0; h < 2; ++h) acc[r][h] = i0 == 0 ? _mm256_setzero_si256() : sums[r][h];
   }
   const uint8_t* w = a.w + block * a.K4 * 64;
-  const int16_t* x = a.xq16 + m * a.K4 * 4;
+  const int8_t* x = a.xq + m * a.K4 * 4;
+  const __m256i flip = _mm256_set1_epi8(-128);
   for (int64_t i = i0; i < i1; ++i) {
-    __m256i wv[4];  // 4 columns x 4 k as int16, 0..255
+    const uint8_t* quad = w + i * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(quad) + 1024, _MM_HINT_T0);
+    const __m256i q0 = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), flip);
+    const __m256i q1 = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32)), flip);
+    const __m256i u0 = _mm256_abs_epi8(q0), u1 = _mm256_abs_epi8(q1);
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      wv[c] = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 64 + 16 * c)));
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(w + i * 64) + 1024, _MM_HINT_T0);
-#pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
-      int64_t quad;  // the row's four k as int16
-      std::memcpy(&quad, x + r * a.K4 * 4 + 4 * i, sizeof quad);
-      const __m256i xv = _mm256_set1_epi64x(quad);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(wv[c], xv));
-      }
+      int32_t xq;  // the row's four k as int8, in every lane
+      std::memcpy(&xq, x + r * a.K4 * 4 + 4 * i, sizeof xq);
+      quantized_operands::add_quad_s8(q0, q1, u0, u1, _mm256_set1_epi32(xq), acc[r][0],
+                                      acc[r][1]);
     }
   }
   if (i1 < a.K4) {
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) sums[r][c] = acc[r][c];
-    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
     return;
   }
   const int64_t col = block * kBlock;
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m256i shift = _mm256_set1_epi32(128 * a.xsum[m + r]);
     const __m256 sx = _mm256_set1_ps(a.xscale[m + r]);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // columns 8 h .. 8 h + 7
-      // hadd: [c0, c1, c4, c5 | c2, c3, c6, c7] of the half; 0xD8 puts them in order
-      const __m256i sum = _mm256_permute4x64_epi64(
-          _mm256_hadd_epi32(acc[r][2 * h], acc[r][2 * h + 1]), 0xD8);
       const int64_t n = col + 8 * h, left = a.N - n;
       if (left <= 0) break;
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, shift)),
-                                     _mm256_loadu_ps(a.wscale + n));
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_loadu_ps(a.wscale + n));
       const __m256i lanes = avx2::first_lanes(left);
       const __m256 y = a.bias ? _mm256_fmadd_ps(t, sx, _mm256_maskload_ps(a.bias + n, lanes))
                               : _mm256_mul_ps(t, sx);
@@ -150,20 +144,25 @@ CBATCH_AVX2 void tile_avx2(const W8A8Args& a, int64_t m, int64_t block, int64_t 
 }
 
 // One block (end = block + 1) of rows [m0, m1) (at most kChunkRows), in passes of kPassQuads
-// where 2-4 tiles of rows share it (the AVX2 cap on Zen 4, 8 rows: the body 27.4-28.3 ms in one
+// where 2-4 tiles of rows share it (2-row tiles on Zen 4, 8 rows: the body 27.4-28.3 ms in one
 // pass, 22.5-23.6 in passes); more tiles keep one pass, as the small tile's sums, stored and
 // reloaded every pass, then cost more than the passes gain (64 rows: +14%).
 void item_avx2(const W8A8Args& a, int64_t block, int64_t /*end*/, int64_t m0, int64_t m1) {
   const int64_t rows = m1 - m0;
   const int64_t pass = rows > kAvx2Rows && rows <= 4 * kAvx2Rows ? kPassQuads : a.K4;
-  __m256i sums[kChunkRows / kAvx2Rows + 1][kAvx2Rows][4];
+  __m256i sums[kChunkRows / kAvx2Rows + 1][kAvx2Rows][2];
   for (int64_t i0 = 0; i0 < a.K4; i0 += pass) {
     const int64_t i1 = std::min(a.K4, i0 + pass);
     int64_t m = m0, t = 0;
     for (; m + kAvx2Rows <= m1; m += kAvx2Rows) {
       tile_avx2<kAvx2Rows>(a, m, block, i0, i1, sums[t++]);
     }
-    if (m < m1) tile_avx2<1>(a, m, block, i0, i1, sums[t]);
+    switch (m1 - m) {
+      case 3: tile_avx2<3>(a, m, block, i0, i1, sums[t]); break;
+      case 2: tile_avx2<2>(a, m, block, i0, i1, sums[t]); break;
+      case 1: tile_avx2<1>(a, m, block, i0, i1, sums[t]); break;
+      default: break;
+    }
   }
 }
 
@@ -359,11 +358,9 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
   const int64_t rows = tiles ? (M + kInt8StepRows - 1) / kInt8StepRows * kInt8StepRows : M;
   at::Tensor xq = at::empty({rows, K4 * 4}, opts.dtype(at::kChar));
   std::memset(xq.data_ptr<int8_t>() + M * K4 * 4, 0, (rows - M) * K4 * 4);
-  at::Tensor xq16 = vnni ? at::Tensor() : at::empty({M, K4 * 4}, opts.dtype(at::kShort));
   at::Tensor xsum = at::empty({M}, opts.dtype(at::kInt));
   at::Tensor xscale = at::empty({M}, opts.dtype(at::kFloat));
   const W8A8Args a{.xq = xq.data_ptr<int8_t>(),
-                   .xq16 = vnni ? nullptr : xq16.data_ptr<int16_t>(),
                    .xsum = xsum.data_ptr<int32_t>(), .xscale = xscale.data_ptr<float>(),
                    .M = M, .K4 = K4, .N = N, .w = qweight.data_ptr<uint8_t>(),
                    .wscale = scales.data_ptr<float>(),
@@ -372,8 +369,7 @@ at::Tensor quantized_linear_w8a8_cpu(const at::Tensor& x_in, const at::Tensor& q
                    .out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     auto quantize = [&](const auto* xs) {
-      quantize_rows(xs, x.stride(0), K, m0, m1, xq.data_ptr<int8_t>(),
-                    vnni ? nullptr : xq16.data_ptr<int16_t>(), xsum.data_ptr<int32_t>(),
+      quantize_rows(xs, x.stride(0), K, m0, m1, xq.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(),
                     xscale.data_ptr<float>(), K4);
     };
     bf16 ? quantize(x.data_ptr<c10::BFloat16>()) : quantize(x.data_ptr<float>());

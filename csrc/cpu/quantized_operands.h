@@ -104,6 +104,23 @@ CBATCH_AVX2 CBATCH_INLINE void store_row8(__m256 y, __m256i lanes, int64_t left,
   _mm256_store_ps(t, y);
   store_bf16(t, std::min<int64_t>(left, 8), out_bf16 + at);
 }
+
+// AVX2's int8 x int8 product (llama.cpp's for Q8_0 x Q8_0), for the 8-bit weights of both
+// ops: one row's products with a quad of signed weights, 16 columns x 4 k (q0 columns 0..7,
+// q1 columns 8..15, each column's 4 k in a 4-byte lane; u0, u1 their magnitudes, taken once
+// for a tile's rows), xv the row's 4 int8 k in every lane, added into the two halves' int32
+// sums.  vpmaddubsw wants one unsigned operand, so each product q x is |q| sign(x, q)
+// (vpsignb: x negated where q < 0, 0 where q is 0); |q| <= 128 read unsigned and |x| <= 127,
+// so a pair of products is at most 2 * 128 * 127 = 32512 and never saturates, and it is
+// widened into int32 at once (vpmaddwd with ones): every sum exact.
+CBATCH_AVX2 CBATCH_INLINE void add_quad_s8(__m256i q0, __m256i q1, __m256i u0, __m256i u1,
+                                           __m256i xv, __m256i& s0, __m256i& s1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, q0)),
+                                              ones));
+  s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, q1)),
+                                              ones));
+}
 #endif
 
 }  // namespace cbatch::quantized_operands
