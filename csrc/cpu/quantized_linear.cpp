@@ -89,6 +89,7 @@ using Vec = __m512;
 using IVec = __m512i;
 constexpr int64_t kLanes = 16;
 constexpr int kRows = 4;  // rows per tile: 4 rows x 2 vectors x 2 partial sums = 16 zmm
+constexpr int kAccRows = 4;  // tile_rows' rows at a time (accumulate): the same
 constexpr int64_t kBlocksPerItem = 2;
 constexpr int kPrefetchVectors = 2;  // each vector is its own block's stream
 
@@ -141,6 +142,7 @@ using Vec = __m256;
 using IVec = __m256i;
 constexpr int64_t kLanes = 8;
 constexpr int kRows = 2;  // rows per tile: 2 rows x 2 halves x 2 partial sums = 8 ymm
+constexpr int kAccRows = 3;  // tile_rows' rows at a time: 12 sums, 2 weight vectors, 1 x
 constexpr int64_t kBlocksPerItem = 1;
 constexpr int kPrefetchVectors = 1;  // the two halves share each 16-byte row
 

@@ -1,7 +1,8 @@
 // The tile loop of cbatch::quantized_linear (quantized_linear.cpp), written once for both
 // ISAs: quantized_linear.cpp includes this file twice, inside namespace avx512q and inside
 // namespace avx2q, each time after defining CBATCH_Q_TARGET (the ISA's target attribute) and
-// the ISA's wrappers this body calls: Vec / IVec, kLanes, kRows, the one-instruction helpers
+// the ISA's wrappers this body calls: Vec / IVec, kLanes, kRows (a tile's rows), kAccRows
+// (tile_rows' rows at a time over the dequantized buffer), the one-instruction helpers
 // (zero, set1, set1i, load_i8, load_u8, low_nibbles, high_nibbles, to_float, fmadd, fnmadd,
 // add, load_first, store_first) and the tile's geometry (vectors, vec_weights, vec_column).  So
 // the AVX2 path, which every x86 test machine runs, runs this same code as the AVX-512 one.
@@ -112,34 +113,43 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
   store_rows<V>(a, m, R, col, out);
 }
 
+// Rows [0, R) of x at k times one k's dequantized weights w (V vectors), into partial sums P.
+template <int R, int V, int P>
+CBATCH_Q_TARGET CBATCH_INLINE void add_k(const float* x, int64_t ldx, int64_t k, const Vec* w,
+                                         Vec (*s)[2][2]) {
+  Vec b[2];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) b[v] = w[v];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const Vec xk = set1(x[r * ldx + k]);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) s[r][v][P] = fmadd(xk, b[v], s[r][v][P]);
+  }
+}
+
 // k [c0, c1) of rows [0, R) of x times the dequantized weights buf (k - c0, vector): the fmas
 // of tile()'s pair loop (and, at a group's odd end, its last k), on partial sums kept in acc.
+// Each pair's even k is done for every row before its odd k, so that only one k's weights (V
+// vectors) and one x wait in registers beside the sums: 3 rows at a time on AVX2's 16
+// registers (12 sums), where a pair's 4 weight vectors left room for 2 (8 sums, as many fma
+// chains as the FMA's latency times its pipes, and a load per fma).  Each sum's fmas keep
+// their order, so the bits do not move.  Zen 3, W4A16 / W8A16 at 512-4096 rows: 50-59% ->
+// 71-85% of the FMA's peak (benchmarks/NOTES.md, "Prompt GEMMs against the measured peak").
 template <int R, int V>
 CBATCH_Q_TARGET void accumulate(const float* x, int64_t ldx, const Vec (*buf)[2], int64_t c0,
                                 int64_t c1, Vec (*acc)[2][2]) {
-  Vec s[kRows][2][2];
+  Vec s[kAccRows][2][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) s[r][v][0] = acc[r][v][0], s[r][v][1] = acc[r][v][1];
   }
   int64_t k = c0;
   for (; k + 1 < c1; k += 2) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const Vec x0 = set1(x[r * ldx + k]), x1 = set1(x[r * ldx + k + 1]);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) {
-        s[r][v][0] = fmadd(x0, buf[k - c0][v], s[r][v][0]);
-        s[r][v][1] = fmadd(x1, buf[k - c0 + 1][v], s[r][v][1]);
-      }
-    }
+    add_k<R, V, 0>(x, ldx, k, buf[k - c0], s);
+    add_k<R, V, 1>(x, ldx, k + 1, buf[k - c0 + 1], s);
   }
-  if (k < c1) {
-    for (int r = 0; r < R; ++r) {
-      const Vec x0 = set1(x[r * ldx + k]);
-      for (int v = 0; v < V; ++v) s[r][v][0] = fmadd(x0, buf[k - c0][v], s[r][v][0]);
-    }
-  }
+  if (k < c1) add_k<R, V, 0>(x, ldx, k, buf[k - c0], s);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v][0] = s[r][v][0], acc[r][v][1] = s[r][v][1];
@@ -189,13 +199,13 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
         }
       }
       int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) {
-        accumulate<kRows, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+      for (; m + kAccRows <= M; m += kAccRows) {
+        accumulate<kAccRows, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
       }
-      switch (M - m) {  // < kRows left
-        case 3: accumulate<3 < kRows ? 3 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+      switch (M - m) {  // < kAccRows left
+        case 3: accumulate<3 < kAccRows ? 3 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
                 break;
-        case 2: accumulate<2 < kRows ? 2 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
+        case 2: accumulate<2 < kAccRows ? 2 : 1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m);
                 break;
         case 1: accumulate<1, V>(x + m * a.ldx, a.ldx, buf, c0, c1, acc + m); break;
         default: break;
