@@ -148,7 +148,7 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
             _init_random(model, seed)
         else:
             raise ValueError(f"unknown model size {name!r}; known: {random_model_names()}")
-        return _quantized(model.to(device=device, dtype=dtype).eval(), method)
+        return _quantized(model.to(device=device, dtype=dtype).eval(), method, device)
 
     if (gguf_file := find_gguf_file(name_or_path)) is not None:  # llama.cpp's format
         from cbatch.models.gguf.loader import load_gguf_model
@@ -207,17 +207,23 @@ def load_model(name_or_path: str, device: torch.device | str = "cpu",
                                              kernel, place)  # (consumes layers)
         logger.info("loaded %d quantized linear layers (%s%s)", count, found,
                     f", run as {kernel.name}" if kernel else "")
-        if hint:
-            logger.info("quantization=%r would run these weights with int8 activations, "
-                        "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", hint)
+        _say_faster(hint)
     assign(model, state, path, tied, device, dtype)
     del raw_state, state, layers
     if found is not None:
         if kernel and quantize_head(model, kernel.head):
             logger.info("quantized the lm_head to int8 (%s)", kernel.name)
     else:
-        model = _quantized(model, method)
+        model = _quantized(model, method, device)
     return _own_memory(model.eval(), mapped)
+
+
+def _say_faster(method: str | None) -> None:
+    """Log that ``method``'s int8-activation kernel would run the weights just loaded faster
+    on this CPU (a quantized checkpoint's, or online ``int4``'s)."""
+    if method:
+        logger.info("quantization=%r would run these weights with int8 activations, "
+                    "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)", method)
 
 
 def _check_run(method: quant.QuantizationMethod | None, device, dtype: torch.dtype) -> None:
@@ -225,10 +231,13 @@ def _check_run(method: quant.QuantizationMethod | None, device, dtype: torch.dty
         method.check_run(torch.device(device).type, str(dtype).removeprefix("torch."))
 
 
-def _quantized(model: nn.Module, method: quant.QuantizationMethod | None) -> nn.Module:
+def _quantized(model: nn.Module, method: quant.QuantizationMethod | None,
+               device: torch.device | str) -> nn.Module:
     if method is not None:
         count = quantize_model(model, method)
         logger.info("quantized %d linear layers to %s", count, method.name)
+        if method.name == "int4" and torch.device(device).type == "cpu":
+            _say_faster("w4a8")  # the same int4 weights; OpenVINO's int4 runs so on a CPU
     return model
 
 

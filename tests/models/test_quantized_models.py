@@ -309,3 +309,15 @@ def test_quantization_flag():
     assert engine_kwargs(args)["quantization"] == "int4"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "fp8"])
+
+
+@pytest.mark.parametrize("method,hint", [("int4", "w4a8"), ("int8", None), ("w4a8", None)])
+def test_online_int4_on_a_cpu_names_the_faster_kernel(caplog, method, hint):
+    """``quantization="int4"`` keeps float activations; on a CPU the load says that ``w4a8``
+    runs the same int4 weights with int8 activations, faster (as OpenVINO's int4 runs on a
+    CPU); the other methods say nothing of the kind."""
+    with caplog.at_level("INFO", logger="cbatch"):
+        load_model("random:llama-tiny", quantization=method)
+    said = [r.getMessage() for r in caplog.records if "would run these weights" in r.message]
+    assert said == ([f"quantization={hint!r} would run these weights with int8 activations, "
+                     "faster on a CPU (benchmarks/NOTES.md, GPTQ as W4A8)"] if hint else [])
