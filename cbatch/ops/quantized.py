@@ -56,7 +56,7 @@ def isa(kind: str, dtype: torch.dtype = torch.float32) -> str:
     """The path ``kind``'s CPU kernel takes here now for an x of ``dtype`` (after
     ``$CBATCH_CPU_ISA``'s cap), or "" where it does not run: W8A16 / W4A16 ``"avx512"`` or
     ``"avx2"`` (``"avx512bf16"``: W4A16 on a bf16 x, ``vdpbf16ps``); W8A8 / W4A8
-    ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpmaddwd``, ``vpmaddubsw``), and calls
+    ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpmaddubsw``), and calls
     of 8 rows and more may take AMX-INT8 tiles instead (:func:`amx_int8_tiles`); W8A8 per
     group ``"avx512vnni"`` (``vpdpbusd``) or ``"avx2"`` (``vpsignb``, ``vpmaddubsw``), never
     AMX tiles."""

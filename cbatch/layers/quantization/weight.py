@@ -39,11 +39,12 @@ its inverse on x or refuse.
 
 W8A8 (``QuantizedLinear(..., act_bits=8)``: x quantized to int8 per token, int8 dot products
 in int32) takes symmetric int8 with one group per column, repacked (:func:`pack_w8a8`) for
-the kernel's 4-byte dot products (``vpdpbusd``'s u8 x s8 quads; AVX2's ``vpmaddwd`` pairs):
-uint8 ``[N16 / 16, ceil(K / 4), 64]``, byte ``[b, i, 4 j + t]`` holding ``q[16 b + j, 4 i + t]
-+ 128`` (128 past K), so that each 4-byte lane is one column's four k.  The weight is unsigned
-and x signed: ``sum (q + 128) x = sum q x + 128 sum x``, and the kernel subtracts 128 times
-each row's sum of x, one number per row (no per-column correction).  :func:`unpack_w8a8`
+the kernel's 4-byte dot products (``vpdpbusd``'s u8 x s8 quads; AVX2's ``vpmaddubsw`` on the
+signed q, the top bit flipped back): uint8 ``[N16 / 16, ceil(K / 4), 64]``, byte ``[b, i, 4 j +
+t]`` holding ``q[16 b + j, 4 i + t] + 128`` (128 past K), so that each 4-byte lane is one
+column's four k.  For ``vpdpbusd`` the weight is unsigned and x signed: ``sum (q + 128) x = sum
+q x + 128 sum x``, and the kernel subtracts 128 times each row's sum of x, one number per row
+(no per-column correction).  :func:`unpack_w8a8`
 gives the :class:`QuantizedWeight` back (bitwise).
 
 W4A8 (``QuantizedLinear(..., act_bits=8)`` on int4: x quantized to int8 per token and per
