@@ -186,6 +186,10 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
       for (int64_t k = c0; k < c1; k += 2) {
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) {
+          if (v < kPrefetchVectors) {
+            _mm_prefetch(reinterpret_cast<const char*>(w[v] + (kBits == 8 ? k : k / 2) * kQBlock) +
+                             1024, _MM_HINT_T0);
+          }
           if constexpr (kBits == 8) {
             buf[k - c0][v] = to_float<kSub>(load_i8(w[v] + k * kQBlock), z[v]);
             if (k + 1 < c1) {
