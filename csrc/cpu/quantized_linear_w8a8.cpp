@@ -88,8 +88,9 @@ constexpr int64_t kPassQuads = 16;
 // multiplies them on vpmaddubsw into two vectors of 8 columns' int32 sums, which are sum q x
 // itself: no 128 sum x to subtract.  (Until 2026-12-08 the AVX2 tile widened both operands to
 // 16 bits for vpmaddwd, 16 multiply-adds an instruction where a vpmaddubsw and vpmaddwd pair
-// does 32, in tiles of 2 rows: 43-60% of the pair's peak on Zen 3 (benchmarks/NOTES.md,
-// "Prompt GEMMs against the measured peak").)
+// does 32, in tiles of 2 rows, from an int16 copy of x: on Zen 3 its prompt rows ran at 63-69%
+// of the pair's peak against this tile's 66-71%, its batch-8 decode step 41-42 ms against
+// 34-37 (benchmarks/NOTES.md, "W8A8: int8 weights against int8 activations").)
 constexpr int kAvx2Rows = 4;  // 4 rows x 2 halves = 8 sums, 4 weight vectors, 1 x
 
 // Rows m .. m + R - 1 of `block` over quads [i0, i1) of k, added to their sums so far
