@@ -117,14 +117,11 @@ CBATCH_Q_TARGET void tile(const QArgs& a, int64_t m, int64_t block) {
 template <int R, int V, int P>
 CBATCH_Q_TARGET CBATCH_INLINE void add_k(const float* x, int64_t ldx, int64_t k, const Vec* w,
                                          Vec (*s)[2][2]) {
-  Vec b[2];
-#pragma GCC unroll 2
-  for (int v = 0; v < V; ++v) b[v] = w[v];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const Vec xk = set1(x[r * ldx + k]);
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) s[r][v][P] = fmadd(xk, b[v], s[r][v][P]);
+    for (int v = 0; v < V; ++v) s[r][v][P] = fmadd(xk, w[v], s[r][v][P]);
   }
 }
 
@@ -186,17 +183,15 @@ CBATCH_Q_TARGET void tile_rows(const QArgs& a, int64_t m0, int64_t m1, int64_t b
       for (int64_t k = c0; k < c1; k += 2) {
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) {
+          const uint8_t* p = w[v] + (kBits == 8 ? k : k / 2) * kQBlock;
           if (v < kPrefetchVectors) {
-            _mm_prefetch(reinterpret_cast<const char*>(w[v] + (kBits == 8 ? k : k / 2) * kQBlock) +
-                             1024, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
           }
           if constexpr (kBits == 8) {
-            buf[k - c0][v] = to_float<kSub>(load_i8(w[v] + k * kQBlock), z[v]);
-            if (k + 1 < c1) {
-              buf[k - c0 + 1][v] = to_float<kSub>(load_i8(w[v] + (k + 1) * kQBlock), z[v]);
-            }
+            buf[k - c0][v] = to_float<kSub>(load_i8(p), z[v]);
+            if (k + 1 < c1) buf[k - c0 + 1][v] = to_float<kSub>(load_i8(p + kQBlock), z[v]);
           } else {  // c0 and k are even: k's byte holds k and k + 1
-            const IVec b = load_u8(w[v] + (k / 2) * kQBlock);
+            const IVec b = load_u8(p);
             buf[k - c0][v] = to_float<kSub>(low_nibbles(b), z[v]);
             if (k + 1 < c1) buf[k - c0 + 1][v] = to_float<kSub>(high_nibbles(b), z[v]);
           }
